@@ -1,0 +1,189 @@
+"""Agent definitions, model scripts and the resolved configuration an agent runs with.
+
+An ``AgentDefinition`` is what a user writes (TOML, or the same as JSON); ``parse_definition`` turns
+a decoded mapping into one with typed errors that name the offending field. ``AgentConfig`` is the
+fully resolved, pinned configuration of one agent in a session (skills embedded, script inline):
+it travels in ``SessionStarted`` and in each agent's birth event, so a resume never needs a catalog.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from apomesh.core.errors import DefinitionError
+
+
+class ToolCallSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One tool call a scripted turn asks for."""
+
+    tool: str
+    args: dict[str, Any] = {}
+
+
+class ScriptTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One answer of the ``scripted`` model: tool calls, a plan, or a final answer."""
+
+    delay: float = 0.0
+    text: str = ""
+    tool_calls: list[ToolCallSpec] = []
+    plan: list[str] | None = None
+    final: str | None = None
+    tokens: int = 0
+
+
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Which model provider answers and how. Provider-specific keys stay in ``options``."""
+
+    provider: str = "scripted"
+    model: str = ""
+    script: str | None = None  # a path, resolved to ``turns`` before a session pins it
+    turns: list[ScriptTurn] | None = None
+    options: dict[str, Any] = {}
+
+
+class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Ceilings for one agent; ``None`` means unlimited."""
+
+    max_steps: int | None = 50
+    max_tool_calls: int | None = None
+    max_tokens: int | None = None
+    max_seconds: float | None = None
+
+
+class RoleSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Per-role configuration for the sub-agents a coordinator spawns; unset fields inherit."""
+
+    instructions: str | None = None
+    tools: list[str] | None = None
+    skills: list[str] | None = None
+    model: ModelSpec | None = None
+    budget: Budget | None = None
+    affinity: str | None = None
+
+
+class AgentDefinition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An agent as a user writes it (see docs/formats.md)."""
+
+    name: str
+    version: str = ""
+    instructions: str = ""
+    coordination: str = "solo"
+    coordination_params: dict[str, Any] = {}
+    tools: list[str] = []
+    skills: list[str] = []
+    model: ModelSpec = ModelSpec()
+    budget: Budget = Budget()
+    roles: dict[str, RoleSpec] = {}
+    affinity: str | None = None
+    description: str = ""
+
+
+class PinnedSkill(msgspec.Struct, frozen=True):
+    """A skill body frozen into a session: exact bytes, their digest, and where they came from."""
+
+    name: str
+    body: str
+    digest: str
+    resolver: str
+    tools: list[str] = []
+
+
+class AgentConfig(msgspec.Struct, frozen=True):
+    """The whole resolved configuration one agent runs with."""
+
+    name: str
+    version: str
+    role: str
+    instructions: str
+    model: ModelSpec
+    tools: list[str]
+    skills: list[PinnedSkill]
+    budget: Budget
+    affinity: str | None = None
+
+
+_decoder_cache: dict[type, Any] = {}
+
+
+def _convert(data: Any, kind: type, where: str) -> Any:
+    try:
+        return msgspec.convert(data, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise DefinitionError(str(exc), where=where) from None
+
+
+def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefinition:
+    """Validate a decoded TOML/JSON mapping as an ``AgentDefinition``.
+
+    Raises ``DefinitionError`` naming the field (``$.budget.max_steps``) on any problem.
+    """
+    if not isinstance(data, dict):
+        raise DefinitionError("expected a table of keys", where=where)
+    definition: AgentDefinition = _convert(data, AgentDefinition, where)
+    if not definition.name.strip():
+        raise DefinitionError("`name` must not be empty", where=where)
+    _check_script_shape(definition.model, f"{where} $.model")
+    for role, spec in definition.roles.items():
+        if spec.model is not None:
+            _check_script_shape(spec.model, f"{where} $.roles.{role}.model")
+    return definition
+
+
+def parse_script(data: Any, *, where: str = "model script") -> list[ScriptTurn]:
+    """Validate a decoded script file (``[[turns]]``) and return its turns."""
+    if not isinstance(data, dict) or "turns" not in data:
+        raise DefinitionError("a script needs a `turns` list ([[turns]] tables)", where=where)
+    turns: list[ScriptTurn] = _convert(data["turns"], list[ScriptTurn], where)
+    for i, turn in enumerate(turns):
+        _check_turn(turn, f"{where} turn {i}")
+    return turns
+
+
+def _check_script_shape(model: ModelSpec, where: str) -> None:
+    for i, turn in enumerate(model.turns or []):
+        _check_turn(turn, f"{where} turn {i}")
+
+
+def _check_turn(turn: ScriptTurn, where: str) -> None:
+    kinds = sum([bool(turn.tool_calls), turn.plan is not None, turn.final is not None])
+    if kinds != 1:
+        raise DefinitionError(
+            "a turn needs exactly one of `tool_calls`, `plan` or `final`", where=where
+        )
+    if turn.delay < 0:
+        raise DefinitionError("`delay` must not be negative", where=where)
+
+
+def role_config(
+    definition: AgentDefinition, role: str, skills: list[PinnedSkill]
+) -> AgentConfig:
+    """The resolved config for ``role`` ("root" or a key of ``roles``), inheriting unset fields."""
+    spec = definition.roles.get(role) if role != "root" else None
+    if role != "root" and spec is None:
+        spec = RoleSpec()
+    if spec is None:
+        return AgentConfig(
+            name=definition.name,
+            version=definition.version,
+            role="root",
+            instructions=definition.instructions,
+            model=definition.model,
+            tools=list(definition.tools),
+            skills=skills,
+            budget=definition.budget,
+            affinity=definition.affinity,
+        )
+    wanted = set(spec.skills) if spec.skills is not None else {s.name for s in skills}
+    return AgentConfig(
+        name=f"{definition.name}.{role}",
+        version=definition.version,
+        role=role,
+        instructions=spec.instructions if spec.instructions is not None else definition.instructions,
+        model=spec.model if spec.model is not None else definition.model,
+        tools=list(spec.tools) if spec.tools is not None else list(definition.tools),
+        skills=[s for s in skills if s.name in wanted],
+        budget=spec.budget if spec.budget is not None else definition.budget,
+        affinity=spec.affinity if spec.affinity is not None else definition.affinity,
+    )

@@ -1,0 +1,183 @@
+"""Every error apomesh raises on purpose, in one tree.
+
+    ApomeshError                       base; ``retryable`` says whether trying again can help
+    ├── CodecError                     bytes that are not a valid envelope (session_id, index)
+    │   ├── MalformedEnvelope          not msgpack, or the wrong shape
+    │   └── UnknownEventKind           an event tag this build does not know
+    ├── FoldError                      a log that cannot be folded whole (session_id, index)
+    │   ├── IndexGap                   an index is missing
+    │   ├── DuplicateIndex             an index appears twice or goes backwards
+    │   └── InvalidLog                 an event that contradicts the log before it
+    ├── DefinitionError                an agent definition, script or config that is wrong (where)
+    ├── PinError                       a pinned shape that cannot be satisfied (pin)
+    │   ├── CorruptPin                 the pin itself cannot be decoded
+    │   ├── PluginPinMismatch          a pinned plugin is missing or at another version
+    │   └── MissingSkill               a skill named by a bundle is not in it
+    ├── LogError                       the event log adapter failed
+    │   ├── LogUnavailable             NATS cannot be reached (retryable)
+    │   └── AppendConflict             another writer appended to the session
+    ├── StoreError                     the LMDB store failed
+    │   └── StoreFull                  the LMDB map is full
+    ├── CatalogError                   the skill catalog or agent registry refused (name)
+    │   └── PublishConflict            a published (name, version) exists with other content
+    ├── NotFound                       an unknown session, agent, skill or worker (what)
+    ├── Fenced                         a message carried a stale fencing epoch
+    ├── PayloadTooLarge                an input over its configured limit (what, size, limit)
+    ├── ToolError                      a tool call failed in a way the model should see
+    │   └── OutcomeUnknown             a side effect whose result was never recorded
+    ├── BudgetExhausted                an agent ran out of steps, tool calls, tokens or time
+    └── PluginError                    a plugin failed to load, collided or broke its contract
+"""
+
+from __future__ import annotations
+
+
+class ApomeshError(Exception):
+    """Base of every deliberate apomesh error."""
+
+    retryable = False
+    code = "apomesh_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class CodecError(ApomeshError):
+    code = "codec_error"
+
+    def __init__(self, message: str, *, session_id: str | None = None, index: int | None = None) -> None:
+        where = f"session {session_id or '?'} index {index if index is not None else '?'}"
+        super().__init__(f"{where}: {message}")
+        self.session_id = session_id
+        self.index = index
+
+
+class MalformedEnvelope(CodecError):
+    code = "malformed_envelope"
+
+
+class UnknownEventKind(CodecError):
+    code = "unknown_event_kind"
+
+
+class FoldError(ApomeshError):
+    code = "fold_error"
+
+    def __init__(self, message: str, *, session_id: str | None = None, index: int | None = None) -> None:
+        super().__init__(f"session {session_id or '?'} index {index}: {message}")
+        self.session_id = session_id
+        self.index = index
+
+
+class IndexGap(FoldError):
+    code = "index_gap"
+
+
+class DuplicateIndex(FoldError):
+    code = "duplicate_index"
+
+
+class InvalidLog(FoldError):
+    code = "invalid_log"
+
+
+class DefinitionError(ApomeshError):
+    code = "invalid_definition"
+
+    def __init__(self, message: str, *, where: str = "") -> None:
+        super().__init__(f"{where}: {message}" if where else message)
+        self.where = where
+
+
+class PinError(ApomeshError):
+    code = "pin_error"
+
+    def __init__(self, message: str, *, pin: str) -> None:
+        super().__init__(f"pin {pin!r}: {message}")
+        self.pin = pin
+
+
+class CorruptPin(PinError):
+    code = "corrupt_pin"
+
+
+class PluginPinMismatch(PinError):
+    code = "plugin_pin_mismatch"
+
+
+class MissingSkill(PinError):
+    code = "missing_skill"
+
+
+class LogError(ApomeshError):
+    code = "log_error"
+
+
+class LogUnavailable(LogError):
+    code = "log_unavailable"
+    retryable = True
+
+
+class AppendConflict(LogError):
+    code = "append_conflict"
+
+
+class StoreError(ApomeshError):
+    code = "store_error"
+
+
+class StoreFull(StoreError):
+    code = "store_full"
+
+
+class CatalogError(ApomeshError):
+    code = "catalog_error"
+
+
+class PublishConflict(CatalogError):
+    code = "publish_conflict"
+
+
+class NotFound(ApomeshError):
+    code = "not_found"
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"not found: {what}")
+        self.what = what
+
+
+class Fenced(ApomeshError):
+    code = "fenced"
+
+    def __init__(self, message: str, *, agent: str = "", epoch: int = -1, current: int = -1) -> None:
+        super().__init__(message)
+        self.agent = agent
+        self.epoch = epoch
+        self.current = current
+
+
+class PayloadTooLarge(ApomeshError):
+    code = "payload_too_large"
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        super().__init__(f"{what} is {size} bytes, over the limit of {limit}")
+        self.what = what
+        self.size = size
+        self.limit = limit
+
+
+class ToolError(ApomeshError):
+    code = "tool_error"
+
+
+class OutcomeUnknown(ToolError):
+    code = "outcome_unknown"
+
+
+class BudgetExhausted(ApomeshError):
+    code = "budget_exhausted"
+
+
+class PluginError(ApomeshError):
+    code = "plugin_error"

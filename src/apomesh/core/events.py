@@ -1,0 +1,223 @@
+"""The event catalogue: every fact a session's log can hold, as frozen msgspec Structs.
+
+All events form one tagged union, ``Event`` (the tag field is ``kind`` and its value is the class
+name). Event names are contract: operators, the SDK and the console see them. Adding a field with a
+default is compatible; anything else goes through an upcaster (``apomesh.core.envelope``).
+Derived facts (spawn-tree edges, terminal-ness, the in-flight sets) are never events: the fold
+computes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from apomesh.core.definition import AgentConfig, PinnedSkill
+
+AgentRef = str
+"""An agent's identity inside its session: ``root`` or ``<parent>/<n>``. Kept across resumes."""
+
+Phase = Literal[
+    "born", "dispatched", "running", "planned", "paused", "waiting", "completed", "failed", "cancelled"
+]
+TERMINAL_PHASES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+
+SessionStatus = Literal["completed", "failed", "cancelled"]
+
+
+class PluginPin(msgspec.Struct, frozen=True):
+    """A plugin that shaped a session, by distribution name and version."""
+
+    name: str
+    version: str
+
+
+class SessionShape(msgspec.Struct, frozen=True):
+    """Everything a session was built from, resolved and pinned at start."""
+
+    coordination: str
+    coordination_params: dict[str, Any]
+    root: AgentConfig
+    roles: dict[str, AgentConfig]
+    skills: list[PinnedSkill]
+    plugins: list[PluginPin]
+    source: Literal["published", "catalog", "inline"] = "inline"
+    agent: str | None = None  # "name@version" of a published agent
+    definition_digest: str = ""
+
+
+class _Event(msgspec.Struct, frozen=True, tag_field="kind", tag=lambda name: name):
+    pass
+
+
+class SessionStarted(_Event, frozen=True):
+    """The durable bootstrap: goal, root agent and the whole pinned shape."""
+
+    goal: str
+    root: AgentRef
+    shape: SessionShape
+
+
+class AgentLifecycle(_Event, frozen=True):
+    """An agent's phase changed. Its birth (``born``) carries its full config and its parent."""
+
+    agent: AgentRef
+    phase: Phase
+    parent: AgentRef | None = None
+    config: AgentConfig | None = None
+    task: str | None = None
+    task_index: int | None = None
+    worker: str | None = None
+    epoch: int | None = None
+    output: str | None = None
+    plan: list[str] | None = None
+    reason: str | None = None
+
+
+class CoordinatorCheckpoint(_Event, frozen=True):
+    """Opaque coordinator loop state (position only; sub-task outputs come from the children)."""
+
+    position: str
+    state: bytes
+
+
+class AgentSnapshotted(_Event, frozen=True):
+    """A pointer to snapshot bytes in the daemon's LMDB store (never the bytes themselves)."""
+
+    agent: AgentRef
+    snapshot_id: int
+    source: str
+    step: int
+    size: int = 0
+
+
+class ToolCallIntent(_Event, frozen=True):
+    """A side-effecting tool call is about to run (journal key = content hash of tool + args)."""
+
+    agent: AgentRef
+    key: str
+    tool: str
+    args: dict[str, Any]
+    idempotent: bool = False
+
+
+class ToolCallRecorded(_Event, frozen=True):
+    """The result of a journaled call; ``outcome`` is ``ok``, ``error`` or ``unknown``."""
+
+    agent: AgentRef
+    key: str
+    tool: str
+    outcome: Literal["ok", "error", "unknown"]
+    result: str
+
+
+class AsyncJobStarted(_Event, frozen=True):
+    agent: AgentRef
+    job_id: str
+    tool: str
+    args: dict[str, Any]
+
+
+class AsyncJobFinished(_Event, frozen=True):
+    agent: AgentRef
+    job_id: str
+    ok: bool
+    result: str
+
+
+class HitlPaused(_Event, frozen=True):
+    """An agent asked a human; ``pause_id`` is derived from the call so a re-run never re-asks."""
+
+    agent: AgentRef
+    pause_id: str
+    question: str
+
+
+class HitlAnswered(_Event, frozen=True):
+    pause_id: str
+    answer: str
+    by: str = "operator"
+
+
+class AgentResuming(_Event, frozen=True):
+    """An agent is being re-dispatched (lost worker, restart, operator) from a snapshot."""
+
+    agent: AgentRef
+    reason: str
+    worker: str | None = None
+    snapshot_id: int | None = None
+    epoch: int = 0
+
+
+class AgentResumed(_Event, frozen=True):
+    """The re-dispatched agent's dispatch completed."""
+
+    agent: AgentRef
+    epoch: int = 0
+
+
+class SessionRecovered(_Event, frozen=True):
+    """A daemon took a session up again after a restart (``path``: ``auto`` or ``operator``)."""
+
+    path: Literal["auto", "operator"]
+    checkpoint_index: int | None = None
+    incarnation: str = ""
+
+
+class OperatorAction(_Event, frozen=True):
+    """A deliberate operator act: ``resume``, ``cancel`` or ``migrate_pin``."""
+
+    action: Literal["resume", "cancel", "migrate_pin"]
+    by: str = "operator"
+    detail: dict[str, Any] = {}
+
+
+class SessionEnded(_Event, frozen=True):
+    """The terminal event of a session."""
+
+    status: SessionStatus
+    output: str | None = None
+    reason: str | None = None
+
+
+Event = (
+    SessionStarted
+    | AgentLifecycle
+    | CoordinatorCheckpoint
+    | AgentSnapshotted
+    | ToolCallIntent
+    | ToolCallRecorded
+    | AsyncJobStarted
+    | AsyncJobFinished
+    | HitlPaused
+    | HitlAnswered
+    | AgentResuming
+    | AgentResumed
+    | SessionRecovered
+    | OperatorAction
+    | SessionEnded
+)
+
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    SessionStarted,
+    AgentLifecycle,
+    CoordinatorCheckpoint,
+    AgentSnapshotted,
+    ToolCallIntent,
+    ToolCallRecorded,
+    AsyncJobStarted,
+    AsyncJobFinished,
+    HitlPaused,
+    HitlAnswered,
+    AgentResuming,
+    AgentResumed,
+    SessionRecovered,
+    OperatorAction,
+    SessionEnded,
+)
+EVENT_NAMES: frozenset[str] = frozenset(t.__name__ for t in EVENT_TYPES)
+
+
+def event_name(event: Event) -> str:
+    return type(event).__name__

@@ -1,0 +1,71 @@
+"""The ports the runtime depends on, as Protocols: the event log, the state store, the catalogs.
+
+Adapters (``apomesh.adapters``) implement them on NATS JetStream and LMDB; in-memory twins
+implement them for fast unit tests. One contract test suite runs against both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from apomesh.core.envelope import Envelope
+
+
+class EventLog(Protocol):
+    """The append-only, per-session event log."""
+
+    async def ensure(self) -> None:
+        """Create or verify the streams."""
+
+    async def append(self, session_id: str, envelopes: Sequence[Envelope]) -> None:
+        """Append a step's events in order. Indexes must continue the session's log exactly;
+        a retry never duplicates and never loses an event. Raises ``AppendConflict`` when another
+        writer got there first and ``LogUnavailable`` when NATS cannot be reached."""
+
+    async def read(self, session_id: str, after: int = -1) -> list[Envelope]:
+        """Every envelope of the session with index > ``after``, in order (decoded whole)."""
+
+    async def read_raw(self, session_id: str, after: int = -1) -> list[tuple[int, bytes]]:
+        """The same as (index, bytes) pairs, undecoded."""
+
+    async def last_index(self, session_id: str) -> int:
+        """The index of the session's last event, or -1 when it has none."""
+
+    def tail(self, session_id: str, after: int = -1) -> AsyncIterator[Envelope]:
+        """Envelopes with index > ``after`` as they are appended, forever (the caller stops)."""
+
+    async def list_sessions(self) -> list[str]:
+        """Every session id with at least one log entry."""
+
+
+class StateStore(Protocol):
+    """The daemon's local durable state (LMDB): snapshots, journal, completed-session index.
+
+    Methods are synchronous; the runtime calls them off the event loop. Values are opaque bytes
+    except where noted. Keys are strings; ``agent_key`` is ``"<session_id>/<agent_ref>"``.
+    """
+
+    def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None: ...
+
+    def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None: ...
+
+    def write_batch(self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()) -> None:
+        """Write several (database, key, value) records in one synced transaction."""
+
+    def get(self, db: str, key: str) -> bytes | None: ...
+
+    def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        """Every (key, value) in ``db`` whose key starts with ``prefix``, in key order."""
+
+    def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None: ...
+
+    def get_journal(self, agent_key: str, call_key: str) -> bytes | None: ...
+
+    def put_completed(self, session_id: str, record: bytes) -> None: ...
+
+    def get_completed(self, session_id: str) -> bytes | None: ...
+
+    def list_completed(self) -> list[tuple[str, bytes]]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,367 @@
+"""Session state: the fold of a session's log, and the narrower bootstrap view.
+
+``apply(state, envelope)`` folds one envelope into ``state`` in place and returns it; ``fold``
+folds a whole log. Folding is O(events): each event touches only the entries it names. The index of
+every envelope must be exactly the next one (``IndexGap``/``DuplicateIndex`` otherwise), and facts
+that contradict the log so far raise ``InvalidLog``, so a log is never folded from a partial or
+inconsistent picture. Everything here is derived: spawn-tree edges from lifecycle parents,
+terminal-ness from the terminal event, in-flight jobs and pauses from unmatched start/finish pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from apomesh.core.definition import AgentConfig
+from apomesh.core.envelope import Envelope
+from apomesh.core.errors import DuplicateIndex, IndexGap, InvalidLog
+from apomesh.core.events import (
+    TERMINAL_PHASES,
+    AgentLifecycle,
+    AgentResumed,
+    AgentResuming,
+    AgentSnapshotted,
+    AsyncJobFinished,
+    AsyncJobStarted,
+    CoordinatorCheckpoint,
+    HitlAnswered,
+    HitlPaused,
+    OperatorAction,
+    SessionEnded,
+    SessionRecovered,
+    SessionShape,
+    SessionStarted,
+    ToolCallIntent,
+    ToolCallRecorded,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapView:
+    """What a session was started with: enough to rebuild it with no catalog read."""
+
+    session_id: str
+    goal: str
+    root: str
+    shape: SessionShape
+
+
+@dataclass(slots=True)
+class AgentView:
+    """One agent as the log describes it."""
+
+    ref: str
+    parent: str | None
+    config: AgentConfig | None
+    phase: str = "born"
+    task: str | None = None
+    task_index: int | None = None
+    worker: str | None = None
+    epoch: int = 0
+    output: str | None = None
+    plan: list[str] | None = None
+    reason: str | None = None
+    snapshot_id: int | None = None
+    snapshot_source: str | None = None
+    step: int = 0
+    resumes: int = 0
+    resuming: bool = False
+    born_index: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+
+@dataclass(slots=True)
+class JournalEntry:
+    """A side-effecting call as the log records it; ``outcome`` is None while unmatched."""
+
+    agent: str
+    key: str
+    tool: str
+    args: dict[str, Any]
+    idempotent: bool
+    intent_index: int
+    outcome: str | None = None
+    result: str | None = None
+
+
+@dataclass(slots=True)
+class SessionState:
+    """The folded state of one session. Mutated in place by ``apply``; read it, don't write it."""
+
+    session_id: str
+    last_index: int = -1
+    last_ts: float = 0.0
+    started_ts: float = 0.0
+    bootstrap: BootstrapView | None = None
+    agents: dict[str, AgentView] = field(default_factory=dict)
+    children: dict[str, list[str]] = field(default_factory=dict)
+    checkpoint: CoordinatorCheckpoint | None = None
+    checkpoint_index: int | None = None
+    jobs_in_flight: dict[str, AsyncJobStarted] = field(default_factory=dict)
+    hitl_pending: dict[str, HitlPaused] = field(default_factory=dict)
+    hitl_answers: dict[str, str] = field(default_factory=dict)
+    journal: dict[tuple[str, str], JournalEntry] = field(default_factory=dict)
+    side_effects: int = 0
+    terminal: bool = False
+    ended: SessionEnded | None = None
+    operator_actions: list[OperatorAction] = field(default_factory=list)
+    recoveries: int = 0
+    resumes: int = 0
+
+    @property
+    def goal(self) -> str:
+        return self.bootstrap.goal if self.bootstrap else ""
+
+    @property
+    def root(self) -> str | None:
+        return self.bootstrap.root if self.bootstrap else None
+
+    @property
+    def output(self) -> str | None:
+        """The root's terminal output (or the terminal event's)."""
+        if self.ended is not None and self.ended.output is not None:
+            return self.ended.output
+        root = self.agents.get(self.root) if self.root else None
+        return root.output if root and root.phase == "completed" else None
+
+    @property
+    def has_side_effects(self) -> bool:
+        return self.side_effects > 0
+
+    @property
+    def status(self) -> str:
+        """``completed``/``failed``/``cancelled`` once terminal, ``paused`` on an open pause."""
+        if self.ended is not None:
+            return self.ended.status
+        if self.hitl_pending:
+            return "paused"
+        return "running"
+
+    @property
+    def unknown_outcomes(self) -> list[JournalEntry]:
+        """Side effects with an intent and no recorded result, or recorded as ``unknown``."""
+        return [e for e in self.journal.values() if e.outcome in (None, "unknown")]
+
+    def children_of(self, ref: str) -> list[str]:
+        return self.children.get(ref, [])
+
+
+def new_state(session_id: str) -> SessionState:
+    return SessionState(session_id=session_id)
+
+
+def fold(envelopes: Iterable[Envelope], session_id: str | None = None) -> SessionState:
+    """Fold a whole log (in index order, starting at 0) into a fresh state."""
+    state: SessionState | None = None if session_id is None else new_state(session_id)
+    for env in envelopes:
+        if state is None:
+            state = new_state(env.session_id)
+        apply(state, env)
+    if state is None:
+        raise InvalidLog("an empty log has no session", session_id=session_id, index=None)
+    return state
+
+
+def bootstrap_view(state: SessionState) -> BootstrapView | None:
+    return state.bootstrap
+
+
+def apply(state: SessionState, env: Envelope) -> SessionState:
+    """Fold one envelope into ``state`` (in place) and return it."""
+    expected = state.last_index + 1
+    if env.index != expected:
+        error = DuplicateIndex if env.index < expected else IndexGap
+        raise error(f"expected index {expected}, got {env.index}", session_id=state.session_id, index=env.index)
+    if env.session_id != state.session_id:
+        raise InvalidLog(
+            f"envelope belongs to session {env.session_id!r}", session_id=state.session_id, index=env.index
+        )
+    if state.terminal:
+        raise InvalidLog("an event after the terminal event", session_id=state.session_id, index=env.index)
+    handler = _HANDLERS[type(env.event)]
+    handler(state, env)
+    state.last_index = env.index
+    state.last_ts = env.ts
+    return state
+
+
+def _invalid(state: SessionState, env: Envelope, message: str) -> InvalidLog:
+    return InvalidLog(message, session_id=state.session_id, index=env.index)
+
+
+def _agent(state: SessionState, env: Envelope, ref: str) -> AgentView:
+    agent = state.agents.get(ref)
+    if agent is None:
+        raise _invalid(state, env, f"event names unknown agent {ref!r}")
+    return agent
+
+
+def _on_started(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, SessionStarted)
+    if state.bootstrap is not None:
+        raise _invalid(state, env, "a second SessionStarted")
+    state.bootstrap = BootstrapView(state.session_id, ev.goal, ev.root, ev.shape)
+    state.started_ts = env.ts
+
+
+def _on_lifecycle(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, AgentLifecycle)
+    agent = state.agents.get(ev.agent)
+    if ev.phase == "born":
+        if agent is not None:
+            raise _invalid(state, env, f"agent {ev.agent!r} is born twice")
+        if ev.parent is not None and ev.parent not in state.agents:
+            raise _invalid(state, env, f"agent {ev.agent!r} has unknown parent {ev.parent!r}")
+        if ev.parent is None and state.root is not None and ev.agent != state.root:
+            raise _invalid(state, env, f"agent {ev.agent!r} has no parent and is not the root")
+        state.agents[ev.agent] = AgentView(
+            ref=ev.agent,
+            parent=ev.parent,
+            config=ev.config,
+            task=ev.task,
+            task_index=ev.task_index,
+            born_index=env.index,
+        )
+        if ev.parent is not None:
+            state.children.setdefault(ev.parent, []).append(ev.agent)
+        return
+    if agent is None:
+        raise _invalid(state, env, f"event names unknown agent {ev.agent!r}")
+    agent.phase = ev.phase
+    if ev.worker is not None:
+        agent.worker = ev.worker
+    if ev.epoch is not None:
+        agent.epoch = ev.epoch
+    if ev.output is not None:
+        agent.output = ev.output
+    if ev.plan is not None:
+        agent.plan = list(ev.plan)
+    if ev.reason is not None:
+        agent.reason = ev.reason
+
+
+def _on_checkpoint(state: SessionState, env: Envelope) -> None:
+    assert isinstance(env.event, CoordinatorCheckpoint)
+    state.checkpoint = env.event
+    state.checkpoint_index = env.index
+
+
+def _on_snapshot(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, AgentSnapshotted)
+    agent = _agent(state, env, ev.agent)
+    agent.snapshot_id = ev.snapshot_id
+    agent.snapshot_source = ev.source
+    agent.step = ev.step
+
+
+def _on_intent(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, ToolCallIntent)
+    _agent(state, env, ev.agent)
+    key = (ev.agent, ev.key)
+    entry = state.journal.get(key)
+    if entry is not None and entry.outcome not in (None, "unknown"):
+        raise _invalid(state, env, f"intent for {ev.tool} {ev.key[:12]} after its result")
+    if entry is None:
+        state.side_effects += 1
+    state.journal[key] = JournalEntry(ev.agent, ev.key, ev.tool, ev.args, ev.idempotent, env.index)
+
+
+def _on_recorded(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, ToolCallRecorded)
+    entry = state.journal.get((ev.agent, ev.key))
+    if entry is None:
+        raise _invalid(state, env, f"result for {ev.tool} {ev.key[:12]} with no intent")
+    entry.outcome = ev.outcome
+    entry.result = ev.result
+
+
+def _on_job_started(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, AsyncJobStarted)
+    _agent(state, env, ev.agent)
+    state.jobs_in_flight[ev.job_id] = ev
+
+
+def _on_job_finished(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, AsyncJobFinished)
+    if state.jobs_in_flight.pop(ev.job_id, None) is None:
+        raise _invalid(state, env, f"job {ev.job_id!r} finished but never started")
+
+
+def _on_paused(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, HitlPaused)
+    _agent(state, env, ev.agent)
+    if ev.pause_id in state.hitl_answers or ev.pause_id in state.hitl_pending:
+        raise _invalid(state, env, f"pause {ev.pause_id!r} paused twice")
+    state.hitl_pending[ev.pause_id] = ev
+
+
+def _on_answered(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, HitlAnswered)
+    if state.hitl_pending.pop(ev.pause_id, None) is None:
+        raise _invalid(state, env, f"answer to pause {ev.pause_id!r} that is not open")
+    state.hitl_answers[ev.pause_id] = ev.answer
+
+
+def _on_resuming(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, AgentResuming)
+    agent = _agent(state, env, ev.agent)
+    agent.resuming = True
+    agent.resumes += 1
+    agent.epoch = ev.epoch
+    state.resumes += 1
+
+
+def _on_resumed(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, AgentResumed)
+    _agent(state, env, ev.agent).resuming = False
+
+
+def _on_recovered(state: SessionState, env: Envelope) -> None:
+    assert isinstance(env.event, SessionRecovered)
+    state.recoveries += 1
+
+
+def _on_operator(state: SessionState, env: Envelope) -> None:
+    assert isinstance(env.event, OperatorAction)
+    state.operator_actions.append(env.event)
+
+
+def _on_ended(state: SessionState, env: Envelope) -> None:
+    assert isinstance(env.event, SessionEnded)
+    state.ended = env.event
+    state.terminal = True
+
+
+_HANDLERS: dict[type, Any] = {
+    SessionStarted: _on_started,
+    AgentLifecycle: _on_lifecycle,
+    CoordinatorCheckpoint: _on_checkpoint,
+    AgentSnapshotted: _on_snapshot,
+    ToolCallIntent: _on_intent,
+    ToolCallRecorded: _on_recorded,
+    AsyncJobStarted: _on_job_started,
+    AsyncJobFinished: _on_job_finished,
+    HitlPaused: _on_paused,
+    HitlAnswered: _on_answered,
+    AgentResuming: _on_resuming,
+    AgentResumed: _on_resumed,
+    SessionRecovered: _on_recovered,
+    OperatorAction: _on_operator,
+    SessionEnded: _on_ended,
+}
