@@ -73,6 +73,7 @@ class AgentLifecycle(_Event, frozen=True):
     output: str | None = None
     plan: list[str] | None = None
     reason: str | None = None
+    batch: str | None = None
 
 
 class CoordinatorCheckpoint(_Event, frozen=True):

@@ -69,6 +69,7 @@ class AgentView:
     resumes: int = 0
     resuming: bool = False
     born_index: int = 0
+    batch: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -228,6 +229,7 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
             task=ev.task,
             task_index=ev.task_index,
             born_index=env.index,
+            batch=ev.batch,
         )
         if ev.parent is not None:
             state.children.setdefault(ev.parent, []).append(ev.agent)
