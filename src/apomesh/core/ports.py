@@ -50,6 +50,12 @@ class StateStore(Protocol):
 
     def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None: ...
 
+    def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
+        """The agent's snapshot with the highest id as (id, bytes), or None when it has none."""
+
+    def delete_snapshots_before(self, agent_key: str, snapshot_id: int) -> int:
+        """Delete the agent's snapshots with id < ``snapshot_id`` (compaction); returns how many."""
+
     def write_batch(self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()) -> None:
         """Write several (database, key, value) records in one synced transaction."""
 

@@ -1,0 +1,397 @@
+"""The daemon's durable local state on LMDB, the key layout every ``StateStore`` shares, and an
+async facade.
+
+``LmdbStore`` keeps agent snapshots, conversation segments, stored definitions, the tool-call
+journal, the completed-session index and daemon metadata in named sub-databases of one LMDB
+environment under the data dir. Every write is one transaction, synced to disk before it returns
+(``sync=True``): a process killed mid-write leaves either the whole transaction or none of it, never
+a half-written record. A full map surfaces as ``StoreFull`` naming the data dir and the
+``[store] map_size`` setting; every other LMDB failure as ``StoreError``. The key helpers
+(``snapshot_key``, ``journal_key``) are the layout the in-memory twin uses too, so callers can build
+``write_batch`` records that either store understands. ``AsyncStore`` runs any ``StateStore`` off
+the event loop, queueing writes on one thread at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Final, TypeVar
+
+import anyio
+import anyio.to_thread
+import lmdb
+import msgspec
+
+from apomesh.core.errors import StoreError, StoreFull
+from apomesh.core.ports import StateStore
+
+DATABASES: Final = ("snapshots", "segments", "defs", "journal", "completed", "meta")
+"""The named sub-databases; ``write_batch``, ``get`` and ``scan`` accept exactly these."""
+
+DEFAULT_MAP_SIZE: Final = 1 << 30
+MAX_KEY_BYTES: Final = 511  # LMDB's compiled-in key limit; the in-memory twin enforces it too
+MAX_SNAPSHOT_ID: Final = (1 << 64) - 1
+_MAX_DBS: Final = 16  # room for later sub-databases without reopening old data dirs differently
+_SEPARATOR: Final = "\x00"  # sorts before every printable byte, so "a" keys precede "a2" keys
+
+_T = TypeVar("_T")
+
+
+def _check_agent_key(agent_key: str) -> None:
+    if not agent_key or _SEPARATOR in agent_key:
+        raise StoreError(f"agent key {agent_key!r} must be non-empty and hold no NUL character")
+
+
+def snapshot_key(agent_key: str, snapshot_id: int) -> str:
+    """The ``snapshots`` key of one snapshot; fixed-width hex so key order is id order."""
+    _check_agent_key(agent_key)
+    if not 0 <= snapshot_id <= MAX_SNAPSHOT_ID:
+        raise StoreError(f"snapshot id {snapshot_id} is outside 0..2**64-1")
+    return f"{agent_key}{_SEPARATOR}{snapshot_id:016x}"
+
+
+def snapshot_prefix(agent_key: str) -> str:
+    """The prefix every ``snapshots`` key of one agent starts with (and no other agent's does)."""
+    _check_agent_key(agent_key)
+    return agent_key + _SEPARATOR
+
+
+def parse_snapshot_key(key: str) -> tuple[str, int]:
+    """The (agent_key, snapshot_id) a ``snapshot_key`` was built from."""
+    agent_key, separator, hex_id = key.rpartition(_SEPARATOR)
+    if not separator or len(hex_id) != 16:
+        raise StoreError(f"{key!r} is not a snapshot key")
+    return agent_key, int(hex_id, 16)
+
+
+def journal_key(agent_key: str, call_key: str) -> str:
+    """The ``journal`` key of one tool call, scoped by the agent that made it."""
+    _check_agent_key(agent_key)
+    if not call_key:
+        raise StoreError("a journal call key must not be empty")
+    return f"{agent_key}{_SEPARATOR}{call_key}"
+
+
+def journal_prefix(agent_key: str) -> str:
+    """The prefix of every ``journal`` key of one agent."""
+    _check_agent_key(agent_key)
+    return agent_key + _SEPARATOR
+
+
+def encode_key(key: str) -> bytes:
+    """A store key as the UTF-8 bytes LMDB orders (the same order as ``str`` comparison)."""
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise StoreError(f"key {key!r} is not valid UTF-8 text: {exc}") from None
+    if not raw:
+        raise StoreError("a store key must not be empty")
+    if len(raw) > MAX_KEY_BYTES:
+        raise StoreError(f"key {key[:40]!r}... is {len(raw)} bytes, over LMDB's {MAX_KEY_BYTES}")
+    return raw
+
+
+def check_database(db: str) -> str:
+    if db not in DATABASES:
+        raise StoreError(f"unknown store database {db!r}; expected one of {', '.join(DATABASES)}")
+    return db
+
+
+class StoreUsage(msgspec.Struct, frozen=True):
+    """How full the LMDB map is, for metrics and an early warning before ``StoreFull``."""
+
+    used_bytes: int
+    map_size: int
+
+
+class LmdbStore:
+    """``StateStore`` on one LMDB environment in the directory ``path`` (created if missing).
+
+    ``map_size`` caps the data on disk (LMDB maps it up front; the file grows only as written).
+    ``sync=False`` trades durability against power loss for commit speed; a killed process still
+    loses nothing committed. Safe to call from many threads: each call opens its own transaction,
+    and LMDB's write lock serialises writers.
+    """
+
+    def __init__(self, path: Path, map_size: int = DEFAULT_MAP_SIZE, sync: bool = True) -> None:
+        self.path = Path(path)
+        self.map_size = map_size
+        self.sync = sync
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._env: lmdb.Environment | None = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                max_dbs=_MAX_DBS,
+                sync=sync,
+                metasync=sync,
+                lock=True,
+                subdir=True,
+            )
+            with self._env.begin(write=True) as txn:
+                self._dbs = {
+                    name: self._env.open_db(name.encode(), txn=txn, create=True)
+                    for name in DATABASES
+                }
+        except lmdb.Error as exc:
+            raise StoreError(f"cannot open the LMDB store at {self.path}: {exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot create the LMDB store dir {self.path}: {exc}") from exc
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _environment(self) -> lmdb.Environment:
+        if self._env is None:
+            raise StoreError(f"the LMDB store at {self.path} is closed")
+        return self._env
+
+    @contextlib.contextmanager
+    def _translated(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except lmdb.MapFullError as exc:
+            raise StoreFull(
+                f"the LMDB store at {self.path} is full while trying to {action}: its map_size is "
+                f"{self.map_size} bytes. Nothing committed was lost; raise `map_size` in the [store] "
+                f"section of the config (or APOMESH_STORE_MAP_SIZE) and restart the daemon"
+            ) from exc
+        except lmdb.Error as exc:
+            raise StoreError(f"the LMDB store at {self.path} failed to {action}: {exc}") from exc
+
+    def _read(self, action: str, body: Callable[[lmdb.Transaction], _T]) -> _T:
+        env = self._environment()
+        with self._translated(action), env.begin(buffers=False) as txn:
+            return body(txn)
+
+    def _write(self, action: str, body: Callable[[lmdb.Transaction], _T]) -> _T:
+        env = self._environment()
+        # The context manager aborts on any exception, so a failed batch leaves nothing behind.
+        with self._translated(action), env.begin(write=True) as txn:
+            return body(txn)
+
+    # -- generic records --------------------------------------------------------------------------
+
+    def write_batch(
+        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        """Write the (database, key, value) ``puts`` and then remove the (database, key)
+        ``deletes``, all in one synced transaction: after a crash either all of it is there or
+        none of it."""
+        encoded_puts = [
+            (self._dbs[check_database(db)], encode_key(key), bytes(value))
+            for db, key, value in puts
+        ]
+        encoded_deletes = [(self._dbs[check_database(db)], encode_key(key)) for db, key in deletes]
+        if not encoded_puts and not encoded_deletes:
+            return
+
+        def body(txn: lmdb.Transaction) -> None:
+            for handle, key, value in encoded_puts:
+                txn.put(key, value, db=handle)
+            for handle, key in encoded_deletes:
+                txn.delete(key, db=handle)
+
+        self._write(f"write {len(encoded_puts)} records", body)
+
+    def get(self, db: str, key: str) -> bytes | None:
+        handle = self._dbs[check_database(db)]
+        raw_key = encode_key(key)
+
+        def body(txn: lmdb.Transaction) -> bytes | None:
+            value = txn.get(raw_key, db=handle)
+            return None if value is None else bytes(value)
+
+        return self._read(f"read {db}", body)
+
+    def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        """Every (key, value) in ``db`` whose key starts with ``prefix``, in key order."""
+        handle = self._dbs[check_database(db)]
+        raw_prefix = encode_key(prefix) if prefix else b""
+
+        def body(txn: lmdb.Transaction) -> list[tuple[str, bytes]]:
+            found: list[tuple[str, bytes]] = []
+            cursor = txn.cursor(db=handle)
+            positioned = cursor.set_range(raw_prefix) if raw_prefix else cursor.first()
+            if not positioned:
+                return found
+            for raw_key, value in cursor.iternext():
+                key = bytes(raw_key)
+                if not key.startswith(raw_prefix):
+                    break
+                found.append((key.decode("utf-8"), bytes(value)))
+            return found
+
+        return self._read(f"scan {db}", body)
+
+    # -- snapshots --------------------------------------------------------------------------------
+
+    def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
+        self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
+
+    def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
+        return self.get("snapshots", snapshot_key(agent_key, snapshot_id))
+
+    def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
+        """The agent's snapshot with the highest id as (id, bytes), or None when it has none."""
+        prefix = snapshot_prefix(agent_key).encode("utf-8")
+        # The first key past every one of this agent's keys; the entry before it is the latest.
+        after_prefix = prefix[:-1] + b"\x01"
+        handle = self._dbs["snapshots"]
+
+        def body(txn: lmdb.Transaction) -> tuple[int, bytes] | None:
+            cursor = txn.cursor(db=handle)
+            found = cursor.prev() if cursor.set_range(after_prefix) else cursor.last()
+            key = bytes(cursor.key())
+            if not found or not key.startswith(prefix):
+                return None
+            _, snapshot_id = parse_snapshot_key(key.decode("utf-8"))
+            return snapshot_id, bytes(cursor.value())
+
+        return self._read("read the latest snapshot", body)
+
+    def delete_snapshots_before(self, agent_key: str, snapshot_id: int) -> int:
+        """Delete the agent's snapshots with id < ``snapshot_id``; returns how many went."""
+        start = snapshot_prefix(agent_key).encode("utf-8")
+        end = snapshot_key(agent_key, snapshot_id).encode("utf-8")
+        handle = self._dbs["snapshots"]
+
+        def body(txn: lmdb.Transaction) -> int:
+            cursor = txn.cursor(db=handle)
+            deleted = 0
+            positioned = cursor.set_range(start)
+            while positioned and bytes(cursor.key()) < end:
+                cursor.delete()  # moves the cursor to the next entry
+                deleted += 1
+                positioned = bytes(cursor.key()) != b""
+            return deleted
+
+        return self._write("delete old snapshots", body)
+
+    # -- journal and completed index --------------------------------------------------------------
+
+    def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
+        self.write_batch([("journal", journal_key(agent_key, call_key), record)])
+
+    def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
+        return self.get("journal", journal_key(agent_key, call_key))
+
+    def put_completed(self, session_id: str, record: bytes) -> None:
+        self.write_batch([("completed", session_id, record)])
+
+    def get_completed(self, session_id: str) -> bytes | None:
+        return self.get("completed", session_id)
+
+    def list_completed(self) -> list[tuple[str, bytes]]:
+        return self.scan("completed", "")
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def usage(self) -> StoreUsage:
+        """Bytes in use (pages up to the last one written) against the map size."""
+        env = self._environment()
+        with self._translated("read its usage"):
+            info = env.info()
+            page_size = env.stat()["psize"]
+        return StoreUsage(used_bytes=(info["last_pgno"] + 1) * page_size, map_size=info["map_size"])
+
+    def close(self) -> None:
+        """Close the environment; later calls raise ``StoreError``. Closing twice is harmless."""
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
+
+    def __enter__(self) -> LmdbStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncStore:
+    """Any ``StateStore`` called from async code: each call runs in a worker thread.
+
+    Reads run concurrently on anyio's default thread limiter; writes queue on one limiter of a
+    single token, so a burst of writes waits its turn instead of parking a thread per write on
+    LMDB's write lock. A cancelled caller still lets a started write finish (never half-applied).
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self._write_limiter: anyio.CapacityLimiter | None = None
+
+    def _writes(self) -> anyio.CapacityLimiter:
+        # Created on first use so the facade can be built outside a running event loop.
+        if self._write_limiter is None:
+            self._write_limiter = anyio.CapacityLimiter(1)
+        return self._write_limiter
+
+    async def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
+        await anyio.to_thread.run_sync(
+            self.store.put_snapshot, agent_key, snapshot_id, data, limiter=self._writes()
+        )
+
+    async def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
+        return await anyio.to_thread.run_sync(self.store.get_snapshot, agent_key, snapshot_id)
+
+    async def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
+        return await anyio.to_thread.run_sync(self.store.latest_snapshot, agent_key)
+
+    async def delete_snapshots_before(self, agent_key: str, snapshot_id: int) -> int:
+        return await anyio.to_thread.run_sync(
+            self.store.delete_snapshots_before, agent_key, snapshot_id, limiter=self._writes()
+        )
+
+    async def write_batch(
+        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        await anyio.to_thread.run_sync(
+            self.store.write_batch, puts, deletes, limiter=self._writes()
+        )
+
+    async def get(self, db: str, key: str) -> bytes | None:
+        return await anyio.to_thread.run_sync(self.store.get, db, key)
+
+    async def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        return await anyio.to_thread.run_sync(self.store.scan, db, prefix)
+
+    async def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
+        await anyio.to_thread.run_sync(
+            self.store.put_journal, agent_key, call_key, record, limiter=self._writes()
+        )
+
+    async def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
+        return await anyio.to_thread.run_sync(self.store.get_journal, agent_key, call_key)
+
+    async def put_completed(self, session_id: str, record: bytes) -> None:
+        await anyio.to_thread.run_sync(
+            self.store.put_completed, session_id, record, limiter=self._writes()
+        )
+
+    async def get_completed(self, session_id: str) -> bytes | None:
+        return await anyio.to_thread.run_sync(self.store.get_completed, session_id)
+
+    async def list_completed(self) -> list[tuple[str, bytes]]:
+        return await anyio.to_thread.run_sync(self.store.list_completed)
+
+    async def aclose(self) -> None:
+        """Close the wrapped store after every queued write has run."""
+        await anyio.to_thread.run_sync(self.store.close, limiter=self._writes())
+
+    async def __aenter__(self) -> AsyncStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
