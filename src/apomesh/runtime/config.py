@@ -1,0 +1,382 @@
+"""The daemon's configuration: typed sections with a default for every key, and how it is loaded.
+
+``Config`` is a tree of frozen ``msgspec`` structs, one per section of the TOML file
+(``[nats]``, ``[daemon]``, ``[http]``, ``[liveness]``, ``[snapshots]``, ``[limits]``, ``[plugins]``,
+``[workers]``, ``[store]``); ``Config()`` is the whole default configuration, and the sample file
+``apomesh config sample`` prints (``sample_config()``) shows every key at exactly that default.
+``load_config`` layers, later winning: the TOML file, then environment variables
+``APOMESH_<SECTION>_<KEY>`` (lists comma-separated, numbers and booleans parsed by the key's type),
+then explicit overrides such as CLI flags. An unknown key, a wrong type or an impossible value is a
+``DefinitionError`` whose ``where`` names the source and the key (``apomesh.toml $.nats.replicas``).
+Relative paths in the config are relative to the directory the daemon starts in.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from apomesh.core.errors import DefinitionError
+
+KIB: Final = 1024
+MIB: Final = 1024 * KIB
+GIB: Final = 1024 * MIB
+
+ENV_PREFIX: Final = "APOMESH_"
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the event log lives: an embedded nats-server (no ``urls``) or an existing cluster."""
+
+    urls: list[str] = []
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    embedded_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    embedded_store_dir: str = ""
+    server_binary: str = ""
+    sync_interval: Literal["default", "always"] = "default"
+    jetstream_domain: str = ""
+    creds_file: str = ""
+    nkey_seed_file: str = ""
+    user: str = ""
+    password: str = ""
+    token: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    connect_timeout: PositiveSeconds = 5.0
+    reconnect_wait: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    max_reconnect_attempts: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+    @property
+    def embedded(self) -> bool:
+        """True when the daemon starts its own nats-server."""
+        return not self.urls
+
+
+class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the daemon keeps its state and how many local workers it runs."""
+
+    data_dir: str = ".apomesh"
+    workspace: str = ""
+    workers: Annotated[int, msgspec.Meta(ge=0)] = 2
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_timeout: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+
+    def data_path(self) -> Path:
+        """``data_dir`` with ``~`` expanded, made absolute against the current directory."""
+        return Path(self.data_dir).expanduser().absolute()
+
+    def workspace_path(self) -> Path:
+        """The local workers' workspace: ``workspace``, or ``<data_dir>/workspace`` when empty."""
+        if self.workspace:
+            return Path(self.workspace).expanduser().absolute()
+        return self.data_path() / "workspace"
+
+
+class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The REST API, SSE streams and operator console."""
+
+    listen: str = "127.0.0.1:8750"
+    tls_cert: str = ""
+    tls_key: str = ""
+    auth: Literal["auto", "on", "off"] = "auto"
+    token: str = ""
+
+    def host_port(self) -> tuple[str, int]:
+        """``listen`` split into (host, port); an IPv6 host is written in brackets: ``[::1]:8750``."""
+        return _split_listen(self.listen)
+
+    def auth_required(self) -> bool:
+        """Whether requests need the bearer token: ``auto`` means unless bound to loopback only."""
+        if self.auth != "auto":
+            return self.auth == "on"
+        host = self.host_port()[0]
+        if host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return True  # a host name could resolve anywhere
+
+
+class LivenessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How workers prove they are alive, and how much silence means one is lost."""
+
+    heartbeat_interval: PositiveSeconds = 1.0
+    missed_beats: Positive = 3
+
+    @property
+    def lost_after(self) -> float:
+        """Seconds of silence after which a worker is declared lost."""
+        return self.heartbeat_interval * self.missed_beats
+
+
+class SnapshotsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How agent snapshots are stored."""
+
+    compact_every: Positive = 32
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Size ceilings on untrusted input; anything larger is refused with ``PayloadTooLarge``."""
+
+    max_goal_bytes: Positive = 64 * KIB
+    max_definition_bytes: Positive = 256 * KIB
+    max_skill_bytes: Positive = 256 * KIB
+    max_tool_args_bytes: Positive = 64 * KIB
+    max_snapshot_bytes: Positive = 8 * MIB
+    max_event_bytes: Positive = 1 * MIB
+
+
+class PluginsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which installed plugins (entry-point names) load: ``allow`` empty means all."""
+
+    allow: list[str] = []
+    block: list[str] = []
+
+    def permits(self, name: str) -> bool:
+        return (not self.allow or name in self.allow) and name not in self.block
+
+
+class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What this daemon's local workers may run: empty lists mean everything installed."""
+
+    allowed_tools: list[str] = []
+    allowed_providers: list[str] = []
+
+
+class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The LMDB store under the data dir (snapshots, tool-call journal, completed index)."""
+
+    map_size: Annotated[int, msgspec.Meta(ge=1 * MIB)] = 1 * GIB
+    sync: bool = True
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The whole daemon configuration; ``Config()`` is every default."""
+
+    nats: NatsConfig = NatsConfig()
+    daemon: DaemonConfig = DaemonConfig()
+    http: HttpConfig = HttpConfig()
+    liveness: LivenessConfig = LivenessConfig()
+    snapshots: SnapshotsConfig = SnapshotsConfig()
+    limits: LimitsConfig = LimitsConfig()
+    plugins: PluginsConfig = PluginsConfig()
+    workers: WorkersConfig = WorkersConfig()
+    store: StoreConfig = StoreConfig()
+
+    def nats_store_path(self) -> Path:
+        """Where the embedded nats-server keeps JetStream: ``embedded_store_dir`` or
+        ``<data_dir>/nats``."""
+        if self.nats.embedded_store_dir:
+            return Path(self.nats.embedded_store_dir).expanduser().absolute()
+        return self.daemon.data_path() / "nats"
+
+
+SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
+    "nats": NatsConfig,
+    "daemon": DaemonConfig,
+    "http": HttpConfig,
+    "liveness": LivenessConfig,
+    "snapshots": SnapshotsConfig,
+    "limits": LimitsConfig,
+    "plugins": PluginsConfig,
+    "workers": WorkersConfig,
+    "store": StoreConfig,
+}
+
+
+def sample_config() -> str:
+    """The text of the fully commented sample configuration (every key at its default)."""
+    return (resources.files("apomesh") / "conf" / "apomesh.toml").read_text(encoding="utf-8")
+
+
+def load_config(
+    path: Path | None = None,
+    env: Mapping[str, str] = os.environ,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """The configuration from ``path`` (TOML; ``None`` for none), then ``env``, then ``overrides``.
+
+    ``overrides`` is nested like the file (``{"nats": {"urls": [...]}}``); a ``None`` value means
+    "not given" and is skipped, so CLI flags can be passed straight through. Environment variables
+    whose section is not a config section (``APOMESH_URL``) are not config and are ignored; an
+    unknown key in a known section is an error like any other.
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[tuple[str, ...], str] = {}
+    file_label = str(path) if path is not None else "config"
+
+    if path is not None:
+        _merge_file(path, merged, sources)
+    _merge_env(env, merged, sources)
+    if overrides:
+        _merge_overrides(overrides, merged, sources)
+
+    try:
+        config = msgspec.convert(merged, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _located_error(str(exc), sources, file_label) from None
+    _check_consistency(config, sources, file_label)
+    return config
+
+
+# -- layering -----------------------------------------------------------------------------------
+
+
+def _merge_file(
+    path: Path, merged: dict[str, dict[str, Any]], sources: dict[tuple[str, ...], str]
+) -> None:
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise DefinitionError(
+            f"cannot read the config file: {exc.strerror}", where=str(path)
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DefinitionError(f"not valid TOML: {exc}", where=str(path)) from None
+    for section, table in data.items():
+        sources[(section,)] = str(path)
+        if not isinstance(table, dict):
+            # Left for msgspec to reject with the section's expected type in the message.
+            merged[section] = table
+            continue
+        merged.setdefault(section, {}).update(table)
+        for key in table:
+            sources[(section, key)] = str(path)
+
+
+def _merge_env(
+    env: Mapping[str, str], merged: dict[str, dict[str, Any]], sources: dict[tuple[str, ...], str]
+) -> None:
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
+        if section not in SECTIONS:
+            continue
+        fields = {field.name: field for field in _section_fields(section)}
+        if key not in fields:
+            raise DefinitionError(
+                f"unknown setting; [{section}] has {', '.join(sorted(fields))}",
+                where=f"env {name}",
+            )
+        value = _parse_env_value(env[name], fields[key].type, where=f"env {name} $.{section}.{key}")
+        table = merged.setdefault(section, {})
+        if not isinstance(table, dict):
+            continue  # the file's broken section is reported by msgspec
+        table[key] = value
+        sources[(section, key)] = f"env {name}"
+
+
+def _merge_overrides(
+    overrides: Mapping[str, Mapping[str, Any]],
+    merged: dict[str, dict[str, Any]],
+    sources: dict[tuple[str, ...], str],
+) -> None:
+    for section, table in overrides.items():
+        if not isinstance(table, Mapping):
+            raise DefinitionError("expected a table of keys", where=f"overrides $.{section}")
+        given = {key: value for key, value in table.items() if value is not None}
+        if not given:
+            continue
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            continue
+        target.update(given)
+        for key in given:
+            sources[(section, key)] = "overrides"
+
+
+def _section_fields(section: str) -> tuple[msgspec.inspect.Field, ...]:
+    info = msgspec.inspect.type_info(SECTIONS[section])
+    assert isinstance(info, msgspec.inspect.StructType)
+    return info.fields
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_env_value(raw: str, kind: msgspec.inspect.Type, *, where: str) -> Any:
+    """An environment string as the value the field's type wants (msgspec then validates it)."""
+    text = raw.strip()
+    try:
+        if isinstance(kind, msgspec.inspect.ListType):
+            return [item.strip() for item in text.split(",") if item.strip()]
+        if isinstance(kind, msgspec.inspect.BoolType):
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError("expected true/false, yes/no, on/off or 1/0")
+        if isinstance(kind, msgspec.inspect.IntType):
+            return int(text)
+        if isinstance(kind, msgspec.inspect.FloatType):
+            return float(text)
+    except ValueError as exc:
+        raise DefinitionError(f"cannot read {raw!r}: {exc}", where=where) from None
+    return raw
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+_MSGSPEC_ERROR = re.compile(r"^(?P<message>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.DOTALL)
+_UNKNOWN_FIELD = re.compile(r"unknown field `(?P<field>[^`]+)`")
+
+
+def _located_error(text: str, sources: dict[tuple[str, ...], str], default: str) -> DefinitionError:
+    """A msgspec validation message turned into a ``DefinitionError`` naming source and key."""
+    match = _MSGSPEC_ERROR.match(text)
+    message, path = (match["message"], match["path"] or "$") if match else (text, "$")
+    unknown = _UNKNOWN_FIELD.search(message)
+    if unknown:
+        path = f"{path}.{unknown['field']}"
+        message = "unknown key"
+    parts = tuple(re.sub(r"\[\d+\]", "", part) for part in path.split(".")[1:3])
+    source = sources.get(parts) or sources.get(parts[:1]) or default
+    return DefinitionError(message, where=f"{source} {path}")
+
+
+def _fail(
+    message: str, section: str, key: str, sources: dict[tuple[str, ...], str], default: str
+) -> DefinitionError:
+    source = sources.get((section, key), default)
+    return DefinitionError(message, where=f"{source} $.{section}.{key}")
+
+
+_LISTEN = re.compile(r"^(?:\[(?P<ipv6>[^\]]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$")
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    match = _LISTEN.match(listen)
+    if not match or int(match["port"]) > 65535:
+        raise ValueError(f"{listen!r} is not HOST:PORT (an IPv6 host in brackets: [::1]:8750)")
+    return match["ipv6"] or match["host"], int(match["port"])
+
+
+def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], default: str) -> None:
+    """Rules that span a value's meaning, beyond what each field's type can say."""
+    try:
+        _split_listen(config.http.listen)
+    except ValueError as exc:
+        raise _fail(str(exc), "http", "listen", sources, default) from None
+    for section, cert, key in (
+        ("http", config.http.tls_cert, config.http.tls_key),
+        ("nats", config.nats.tls_cert, config.nats.tls_key),
+    ):
+        if bool(cert) != bool(key):
+            missing = "tls_key" if cert else "tls_cert"
+            raise _fail("tls_cert and tls_key go together", section, missing, sources, default)
