@@ -16,6 +16,7 @@ import msgspec
 
 from apomesh.core.decisions import Classification
 from apomesh.core.definition import ModelSpec, ToolCallSpec
+from apomesh.core.errors import ApomeshError
 from apomesh.core.state import SessionState
 
 # --- conversation -----------------------------------------------------------------------------
@@ -77,7 +78,37 @@ class Tool(msgspec.Struct, frozen=True):
     async_job: bool = False
 
 
+def describe_tool(tool: Tool) -> dict[str, Any]:
+    """The entry for ``tool`` in ``ModelRequest.tools``: its name, description and JSON schema."""
+    parameters = tool.parameters or {"type": "object", "properties": {}}
+    return {"name": tool.name, "description": tool.description, "parameters": parameters}
+
+
 # --- models -----------------------------------------------------------------------------------
+
+
+class ModelError(ApomeshError):
+    """A model provider could not produce an answer (an HTTP error, an unreachable endpoint, an
+    answer it cannot parse). ``status`` is the HTTP status when there was one; rate limits, server
+    errors and unreachable endpoints are ``retryable``."""
+
+    code = "model_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        provider: str,
+        status: int | None = None,
+        retryable: bool | None = None,
+    ) -> None:
+        where = f"model provider {provider!r}" + (f" (HTTP {status})" if status is not None else "")
+        super().__init__(f"{where}: {message}")
+        self.provider = provider
+        self.status = status
+        if retryable is None:
+            retryable = status is not None and (status == 429 or status >= 500)
+        self.retryable = retryable
 
 
 class ModelRequest(msgspec.Struct, frozen=True):
@@ -208,7 +239,9 @@ class SupervisorPolicy(Protocol):
 
     name: str
 
-    def review(self, agent: str, step: int, recent: list[Message]) -> Literal["continue", "reset"]: ...
+    def review(
+        self, agent: str, step: int, recent: list[Message]
+    ) -> Literal["continue", "reset"]: ...
 
 
 class CheckpointSource(msgspec.Struct, frozen=True):

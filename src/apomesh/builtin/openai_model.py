@@ -1,0 +1,291 @@
+"""The ``openai`` model provider: any OpenAI-compatible chat-completions endpoint, with tool calling.
+
+``[model]`` keys: ``model`` (required), and in ``options``: ``base_url`` (default
+``https://api.openai.com/v1``), ``api_key_env`` (the environment variable holding the key, default
+``OPENAI_API_KEY``; no ``Authorization`` header is sent when it is unset, for local servers),
+``timeout`` in seconds (default 60). Every other option (``temperature``, ``top_p``,
+``max_tokens``, ``seed`` ...) is passed through in the request body unchanged.
+
+Mapping: the agent's instructions become the system message; tool names are mapped to the API's
+allowed characters reversibly (``fs.read`` <-> ``fs__read``); tool-result messages answer the
+preceding assistant message's calls in order (ids are assigned here, positionally, because the
+conversation stores calls without ids). For ``purpose="plan"`` the system message asks for a JSON
+array of sub-tasks, and an answer that parses as one becomes ``plan``; any other answer without
+tool calls is ``final``. ``usage.total_tokens`` is reported as ``tokens``. HTTP errors and an
+unreachable endpoint raise ``ModelError`` with the status and the server's message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from apomesh.core.definition import ModelSpec, ToolCallSpec
+from apomesh.core.errors import DefinitionError
+from apomesh.plugins.api import Message, Model, ModelError, ModelRequest, ModelResponse
+
+PROVIDER_NAME = "openai"
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+DEFAULT_TIMEOUT = 60.0
+OWN_OPTIONS = frozenset({"base_url", "api_key_env", "timeout", "model"})
+
+PLAN_INSTRUCTIONS = (
+    "Plan the work before doing it. Answer with only a JSON array of strings, one "
+    'self-contained sub-task per item (for example ["first sub-task", "second sub-task"]), '
+    "and nothing else. If the goal needs no sub-tasks, answer it directly instead."
+)
+
+NO_RESULT = "(no result was recorded for this call)"
+
+_DISALLOWED = re.compile(r"[^A-Za-z0-9_-]")
+_FENCE = re.compile(r"^```[A-Za-z]*\s*|\s*```$")
+
+
+def api_tool_name(name: str) -> str:
+    """``name`` in the API's function-name charset: dots become ``__``, other characters ``_``."""
+    return _DISALLOWED.sub("_", name.replace(".", "__"))[:64]
+
+
+def tool_name_table(tools: list[dict[str, Any]]) -> dict[str, str]:
+    """API name -> tool name for the tools of one request; refuses two tools sharing an API name."""
+    table: dict[str, str] = {}
+    for tool in tools:
+        name = str(tool["name"])
+        mapped = api_tool_name(name)
+        if mapped in table and table[mapped] != name:
+            raise DefinitionError(
+                f"tools {table[mapped]!r} and {name!r} map to the same API name {mapped!r}",
+                where="openai model",
+            )
+        table[mapped] = name
+    return table
+
+
+def parse_plan(content: str) -> list[str] | None:
+    """The sub-tasks of a planning answer (a JSON array of strings), or None if it is not one."""
+    text = _FENCE.sub("", content.strip())
+    start, end = text.find("["), text.rfind("]")
+    if start < 0 or end <= start:
+        return None
+    try:
+        items = json.loads(text[start : end + 1])
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    if not all(isinstance(item, str) and item.strip() for item in items):
+        return None
+    return [item.strip() for item in items]
+
+
+def to_api_messages(request: ModelRequest) -> list[dict[str, Any]]:
+    """The request's conversation as chat-completions messages."""
+    system = request.instructions
+    if request.purpose == "plan":
+        system = f"{system}\n\n{PLAN_INSTRUCTIONS}" if system else PLAN_INSTRUCTIONS
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    pending: list[str] = []
+    counter = 0
+
+    def answer_unanswered() -> None:
+        # The API refuses an assistant tool call that no tool message answers.
+        messages.extend(
+            {"role": "tool", "tool_call_id": id_, "content": NO_RESULT} for id_ in pending
+        )
+        pending.clear()
+
+    for message in request.messages:
+        if message.role != "tool":
+            answer_unanswered()
+        if message.role in ("system", "user"):
+            messages.append({"role": message.role, "content": message.content})
+        elif message.role == "assistant":
+            messages.append(_assistant_message(message, counter))
+            for _ in message.tool_calls:
+                counter += 1
+                pending.append(f"call_{counter}")
+        elif pending:
+            messages.append(
+                {"role": "tool", "tool_call_id": pending.pop(0), "content": message.content}
+            )
+        else:
+            label = message.name or "a tool"
+            messages.append({"role": "user", "content": f"[result of {label}]\n{message.content}"})
+    answer_unanswered()
+    return messages
+
+
+def _assistant_message(message: Message, counter: int) -> dict[str, Any]:
+    if not message.tool_calls:
+        return {"role": "assistant", "content": message.content}
+    calls = [
+        {
+            "id": f"call_{counter + i + 1}",
+            "type": "function",
+            "function": {
+                "name": api_tool_name(call.tool),
+                "arguments": json.dumps(call.args, sort_keys=True),
+            },
+        }
+        for i, call in enumerate(message.tool_calls)
+    ]
+    return {"role": "assistant", "content": message.content or None, "tool_calls": calls}
+
+
+def to_api_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``ModelRequest.tools`` entries (see ``describe_tool``) as chat-completions functions."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": api_tool_name(str(tool["name"])),
+                "description": str(tool.get("description", "")),
+                "parameters": tool.get("parameters") or {"type": "object", "properties": {}},
+            },
+        }
+        for tool in tools
+    ]
+
+
+class OpenAIModel:
+    """One configured chat-completions model."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        base_url: str,
+        api_key: str | None,
+        timeout: float,
+        passthrough: dict[str, Any],
+    ) -> None:
+        self.model = model
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.api_key = api_key
+        self.timeout = timeout
+        self.passthrough = passthrough
+
+    def request_body(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {**self.passthrough, "model": self.model}
+        body["messages"] = to_api_messages(request)
+        if request.tools:
+            body["tools"] = to_api_tools(request.tools)
+        return body
+
+    async def respond(self, request: ModelRequest) -> ModelResponse:
+        names = tool_name_table(request.tools)
+        body = self.request_body(request)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout) as client:
+                reply = await client.post(self.url, json=body, headers=headers)
+        except httpx.TimeoutException:
+            raise ModelError(
+                f"no answer from {self.url} within {self.timeout:g} s",
+                provider=PROVIDER_NAME,
+                retryable=True,
+            ) from None
+        except httpx.HTTPError as exc:
+            raise ModelError(
+                f"cannot reach {self.url}: {type(exc).__name__}: {exc}",
+                provider=PROVIDER_NAME,
+                retryable=True,
+            ) from None
+        if reply.status_code >= 400:
+            raise ModelError(
+                _error_message(reply), provider=PROVIDER_NAME, status=reply.status_code
+            )
+        try:
+            data = reply.json()
+            message = data["choices"][0]["message"]
+            content = message.get("content") or ""
+            raw_calls = message.get("tool_calls") or []
+            usage = data.get("usage") or {}
+            tokens = int(usage.get("total_tokens") or 0)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ModelError(
+                f"unexpected response shape ({type(exc).__name__}: {exc})", provider=PROVIDER_NAME
+            ) from None
+        memory = dict(request.memory)
+        if raw_calls:
+            calls = [_tool_call(raw, names) for raw in raw_calls]
+            return ModelResponse(text=content, tool_calls=calls, tokens=tokens, memory=memory)
+        if request.purpose == "plan":
+            plan = parse_plan(content)
+            if plan is not None:
+                return ModelResponse(text=content, plan=plan, tokens=tokens, memory=memory)
+        return ModelResponse(text=content, final=content, tokens=tokens, memory=memory)
+
+
+def _tool_call(raw: Any, names: dict[str, str]) -> ToolCallSpec:
+    try:
+        function = raw["function"]
+        api_name = str(function["name"])
+        arguments = function.get("arguments") or "{}"
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(
+            f"the model returned a malformed tool call ({type(exc).__name__}: {exc})",
+            provider=PROVIDER_NAME,
+        ) from None
+    if not isinstance(args, dict):
+        raise ModelError(
+            f"the model called {api_name!r} with arguments that are not a JSON object",
+            provider=PROVIDER_NAME,
+        )
+    return ToolCallSpec(tool=names.get(api_name, api_name.replace("__", ".")), args=args)
+
+
+def _error_message(reply: httpx.Response) -> str:
+    try:
+        data = reply.json()
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    text = reply.text.strip()
+    return text[:500] if text else reply.reason_phrase
+
+
+class OpenAIProvider:
+    """The ``openai`` provider. ``environ`` (default ``os.environ``) is where API keys are read."""
+
+    name: str = PROVIDER_NAME
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = environ
+
+    def create(self, spec: ModelSpec) -> Model:
+        options = dict(spec.options)
+        model = spec.model or options.get("model")
+        if not isinstance(model, str) or not model:
+            raise DefinitionError("the openai provider needs `model`", where="[model]")
+        base_url = options.get("base_url", DEFAULT_BASE_URL)
+        key_env = options.get("api_key_env", DEFAULT_API_KEY_ENV)
+        timeout = options.get("timeout", DEFAULT_TIMEOUT)
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise DefinitionError(f"`base_url` {base_url!r} is not an http(s) URL", where="[model]")
+        if not isinstance(key_env, str):
+            raise DefinitionError(
+                "`api_key_env` must name an environment variable", where="[model]"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise DefinitionError("`timeout` must be a positive number of seconds", where="[model]")
+        environ = os.environ if self._environ is None else self._environ
+        return OpenAIModel(
+            model=model,
+            base_url=base_url,
+            api_key=environ.get(key_env) or None,
+            timeout=float(timeout),
+            passthrough={k: v for k, v in options.items() if k not in OWN_OPTIONS},
+        )

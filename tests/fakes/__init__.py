@@ -1,0 +1,1 @@
+"""Local stand-ins for external services that tests drive real clients against."""

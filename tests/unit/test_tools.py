@@ -1,0 +1,213 @@
+"""The built-in tools: workspace confinement, write vs append semantics, and the other tools."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apomesh.builtin.tools import BUILTIN_TOOLS, resolve_in_workspace
+from apomesh.core.errors import ToolError
+from apomesh.plugins.api import Tool
+
+pytestmark = pytest.mark.anyio
+
+TOOLS: dict[str, Tool] = {tool.name: tool for tool in BUILTIN_TOOLS}
+
+
+class FakeToolContext:
+    def __init__(self, workspace: Path) -> None:
+        self._workspace = workspace
+        self.questions: list[str] = []
+        self.checkpoints = 0
+
+    @property
+    def workspace(self) -> Path:
+        return self._workspace
+
+    @property
+    def session_id(self) -> str:
+        return "s-1"
+
+    @property
+    def agent(self) -> str:
+        return "root"
+
+    async def ask_human(self, question: str) -> str:
+        self.questions.append(question)
+        return "yes, go ahead"
+
+    async def checkpoint_now(self) -> None:
+        self.checkpoints += 1
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    path = tmp_path / "workspace"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def ctx(workspace: Path) -> FakeToolContext:
+    return FakeToolContext(workspace)
+
+
+async def call(ctx: FakeToolContext, name: str, **args: Any) -> str:
+    return await TOOLS[name].run(ctx, args)
+
+
+def test_the_tool_flags_match_their_recovery_semantics() -> None:
+    assert not TOOLS["fs.read"].side_effect and not TOOLS["fs.list"].side_effect
+    write, append = TOOLS["fs.write"], TOOLS["fs.append"]
+    assert (write.side_effect, write.idempotent, write.on_unknown) == (True, True, "rerun")
+    assert (append.side_effect, append.idempotent, append.on_unknown) == (True, False, "fail")
+    assert TOOLS["jobs.sleep"].async_job
+
+
+def test_every_tool_has_an_object_schema_naming_its_required_arguments() -> None:
+    for tool in BUILTIN_TOOLS:
+        schema = tool.parameters
+        assert schema["type"] == "object", tool.name
+        assert set(schema["required"]) <= set(schema["properties"]), tool.name
+        assert tool.description, tool.name
+
+
+async def test_write_creates_directories_and_read_returns_the_content(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    result = await call(ctx, "fs.write", path="notes/today/plan.md", content="one\ntwo\n")
+    assert "wrote 8 bytes" in result
+    assert (workspace / "notes/today/plan.md").read_text() == "one\ntwo\n"
+    assert await call(ctx, "fs.read", path="notes/today/plan.md") == "one\ntwo\n"
+
+
+async def test_write_replaces_the_whole_file_so_a_rerun_leaves_the_same_file(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    await call(ctx, "fs.write", path="out.txt", content="a much longer first version")
+    await call(ctx, "fs.write", path="out.txt", content="final")
+    await call(ctx, "fs.write", path="out.txt", content="final")
+    assert (workspace / "out.txt").read_text() == "final"
+    assert sorted(p.name for p in workspace.iterdir()) == ["out.txt"]  # no temp files left
+
+
+async def test_append_adds_one_line_per_call(ctx: FakeToolContext, workspace: Path) -> None:
+    await call(ctx, "fs.append", path="logs/log.txt", line="step 1")
+    await call(ctx, "fs.append", path="logs/log.txt", line="step 1")
+    await call(ctx, "fs.append", path="logs/log.txt", line="step 2")
+    assert (workspace / "logs/log.txt").read_text() == "step 1\nstep 1\nstep 2\n"
+
+
+async def test_append_refuses_more_than_one_line(ctx: FakeToolContext, workspace: Path) -> None:
+    with pytest.raises(ToolError, match="one line"):
+        await call(ctx, "fs.append", path="log.txt", line="a\nb")
+    assert not (workspace / "log.txt").exists()
+
+
+async def test_list_sorts_names_and_marks_directories(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    (workspace / "b.txt").write_text("")
+    (workspace / "a").mkdir()
+    (workspace / "a" / "inner.txt").write_text("")
+    assert await call(ctx, "fs.list") == "a/\nb.txt"
+    assert await call(ctx, "fs.list", path="a") == "inner.txt"
+
+
+async def test_reading_a_missing_file_or_a_directory_is_a_tool_error(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    (workspace / "dir").mkdir()
+    with pytest.raises(ToolError, match="no such file"):
+        await call(ctx, "fs.read", path="missing.txt")
+    with pytest.raises(ToolError, match="directory"):
+        await call(ctx, "fs.read", path="dir")
+
+
+async def test_dot_dot_out_of_the_workspace_is_refused(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    (workspace.parent / "secret.txt").write_text("secret")
+    with pytest.raises(ToolError, match="climbs out"):
+        await call(ctx, "fs.read", path="../secret.txt")
+    with pytest.raises(ToolError, match="climbs out"):
+        await call(ctx, "fs.write", path="a/../../escaped.txt", content="x")
+    assert not (workspace.parent / "escaped.txt").exists()
+
+
+async def test_dot_dot_that_stays_inside_is_allowed(ctx: FakeToolContext, workspace: Path) -> None:
+    await call(ctx, "fs.write", path="a/../b.txt", content="fine")
+    assert (workspace / "b.txt").read_text() == "fine"
+
+
+async def test_absolute_paths_outside_the_workspace_are_refused(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    outside = workspace.parent / "abs.txt"
+    with pytest.raises(ToolError, match="absolute path"):
+        await call(ctx, "fs.write", path=str(outside), content="x")
+    assert not outside.exists()
+    inside = workspace / "inside.txt"
+    await call(ctx, "fs.write", path=str(inside), content="ok")
+    assert inside.read_text() == "ok"
+
+
+async def test_a_symlink_pointing_outside_is_refused(ctx: FakeToolContext, workspace: Path) -> None:
+    outside = workspace.parent / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret")
+    os.symlink(outside, workspace / "link")
+    os.symlink(outside / "secret.txt", workspace / "file-link")
+
+    with pytest.raises(ToolError, match="symlink"):
+        await call(ctx, "fs.read", path="link/secret.txt")
+    with pytest.raises(ToolError, match="symlink"):
+        await call(ctx, "fs.read", path="file-link")
+    with pytest.raises(ToolError, match="symlink"):
+        await call(ctx, "fs.append", path="link/new.txt", line="x")
+    with pytest.raises(ToolError, match="symlink"):
+        await call(ctx, "fs.list", path="link")
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+
+
+async def test_a_symlink_inside_the_workspace_is_followed(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    (workspace / "real").mkdir()
+    (workspace / "real" / "f.txt").write_text("here")
+    os.symlink(workspace / "real", workspace / "alias")
+    assert await call(ctx, "fs.read", path="alias/f.txt") == "here"
+
+
+def test_resolve_refuses_empty_and_nul_paths(workspace: Path) -> None:
+    with pytest.raises(ToolError):
+        resolve_in_workspace(workspace, "")
+    with pytest.raises(ToolError):
+        resolve_in_workspace(workspace, "a\x00b")
+
+
+async def test_wrong_argument_types_are_tool_errors(ctx: FakeToolContext) -> None:
+    with pytest.raises(ToolError, match="`path` must be a string"):
+        await call(ctx, "fs.read", path=3)
+    with pytest.raises(ToolError, match="`content` must be a string"):
+        await call(ctx, "fs.write", path="x")
+    with pytest.raises(ToolError, match="seconds"):
+        await call(ctx, "jobs.sleep", seconds="soon")
+
+
+async def test_ask_human_returns_the_answer(ctx: FakeToolContext) -> None:
+    assert await call(ctx, "ask_human", question="Ship it?") == "yes, go ahead"
+    assert ctx.questions == ["Ship it?"]
+
+
+async def test_checkpoint_now_asks_the_context_for_a_snapshot(ctx: FakeToolContext) -> None:
+    assert await call(ctx, "checkpoint.now") == "checkpoint taken"
+    assert ctx.checkpoints == 1
+
+
+async def test_sleep_job_reports_what_it_did(ctx: FakeToolContext) -> None:
+    assert await call(ctx, "jobs.sleep", seconds=0) == "slept 0 s"
+    assert await call(ctx, "jobs.sleep", seconds=0.01) == "slept 0.01 s"
