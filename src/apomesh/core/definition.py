@@ -107,11 +107,18 @@ class AgentConfig(msgspec.Struct, frozen=True):
 _decoder_cache: dict[type, Any] = {}
 
 
-def _convert(data: Any, kind: type, where: str) -> Any:
+def _convert(data: Any, kind: type, where: str, path: str = "$") -> Any:
     try:
         return msgspec.convert(data, kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise DefinitionError(str(exc), where=where) from None
+        message = str(exc)
+        if path != "$":
+            at = "- at `$"
+            if at in message:
+                message = message.replace(at, f"- at `{path}", 1)
+            else:
+                message = f"{message} - at `{path}`"
+        raise DefinitionError(message, where=where) from None
 
 
 def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefinition:
@@ -121,6 +128,18 @@ def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefi
     """
     if not isinstance(data, dict):
         raise DefinitionError("expected a table of keys", where=where)
+    data = dict(data)
+    if "model" in data:
+        data["model"] = _lift_model_options(data["model"], f"{where} $.model")
+    if isinstance(data.get("roles"), dict):
+        roles = dict(data["roles"])
+        for role, spec in roles.items():
+            if isinstance(spec, dict) and "model" in spec:
+                model = _lift_model_options(spec["model"], f"{where} $.roles.{role}.model")
+                roles[role] = {**spec, "model": model}
+            # Checked one by one because msgspec names a mapping's values `$.roles[...]`.
+            _convert(roles[role], RoleSpec, where, f"$.roles.{role}")
+        data["roles"] = roles
     definition: AgentDefinition = _convert(data, AgentDefinition, where)
     if not definition.name.strip():
         raise DefinitionError("`name` must not be empty", where=where)
@@ -129,6 +148,28 @@ def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefi
         if spec.model is not None:
             _check_script_shape(spec.model, f"{where} $.roles.{role}.model")
     return definition
+
+
+_MODEL_FIELDS = frozenset(ModelSpec.__struct_fields__)
+
+
+def _lift_model_options(model: Any, where: str) -> Any:
+    """Move provider-specific keys written beside ``provider`` (``base_url``, ...) into ``options``.
+
+    Without this they would be dropped silently, since ``ModelSpec`` ignores unknown keys.
+    """
+    if not isinstance(model, dict):
+        return model
+    extra = {k: v for k, v in model.items() if k not in _MODEL_FIELDS}
+    options = model.get("options", {})
+    if not extra or not isinstance(options, dict):
+        return model
+    for key in extra:
+        if key in options:
+            raise DefinitionError(f"`{key}` is set both here and in `options`", where=where)
+    lifted = {k: v for k, v in model.items() if k in _MODEL_FIELDS}
+    lifted["options"] = {**extra, **options}
+    return lifted
 
 
 def parse_script(data: Any, *, where: str = "model script") -> list[ScriptTurn]:

@@ -291,6 +291,8 @@ def _on_job_started(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, AsyncJobStarted)
     _agent(state, env, ev.agent)
+    if ev.job_id in state.jobs_in_flight:
+        raise _invalid(state, env, f"job {ev.job_id!r} started twice")
     state.jobs_in_flight[ev.job_id] = ev
 
 
