@@ -74,6 +74,7 @@ class AgentLifecycle(_Event, frozen=True):
     plan: list[str] | None = None
     reason: str | None = None
     batch: str | None = None
+    purpose: str | None = None
 
 
 class CoordinatorCheckpoint(_Event, frozen=True):

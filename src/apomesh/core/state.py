@@ -70,6 +70,7 @@ class AgentView:
     resuming: bool = False
     born_index: int = 0
     batch: str | None = None
+    purpose: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -104,6 +105,7 @@ class SessionState:
     checkpoint: CoordinatorCheckpoint | None = None
     checkpoint_index: int | None = None
     jobs_in_flight: dict[str, AsyncJobStarted] = field(default_factory=dict)
+    jobs_done: dict[str, AsyncJobFinished] = field(default_factory=dict)
     hitl_pending: dict[str, HitlPaused] = field(default_factory=dict)
     hitl_answers: dict[str, str] = field(default_factory=dict)
     journal: dict[tuple[str, str], JournalEntry] = field(default_factory=dict)
@@ -247,6 +249,8 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
         agent.plan = list(ev.plan)
     if ev.reason is not None:
         agent.reason = ev.reason
+    if ev.purpose is not None:
+        agent.purpose = ev.purpose
 
 
 def _on_checkpoint(state: SessionState, env: Envelope) -> None:
@@ -301,6 +305,7 @@ def _on_job_finished(state: SessionState, env: Envelope) -> None:
     assert isinstance(ev, AsyncJobFinished)
     if state.jobs_in_flight.pop(ev.job_id, None) is None:
         raise _invalid(state, env, f"job {ev.job_id!r} finished but never started")
+    state.jobs_done[ev.job_id] = ev
 
 
 def _on_paused(state: SessionState, env: Envelope) -> None:

@@ -1,0 +1,444 @@
+"""The ``apomesh`` command line: the one composition root.
+
+Exit codes: 0 ok, 1 failure, 2 usage. Commands that talk to a running daemon take ``--url`` (env
+``APOMESH_URL``, default ``http://127.0.0.1:8750``) and ``--token`` (env ``APOMESH_TOKEN``) and go
+through the SDK. Credentials for NATS come from the config file or ``APOMESH_NATS_*`` variables,
+never from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from apomesh import __version__
+from apomesh.core.errors import ApomeshError
+
+console = Console()
+err = Console(stderr=True)
+
+DEFAULT_URL = "http://127.0.0.1:8750"
+
+
+def _config(args: argparse.Namespace, overrides: dict[str, dict[str, Any]]) -> Any:
+    from apomesh.runtime.config import load_config
+
+    path = Path(args.config) if getattr(args, "config", None) else None
+    return load_config(path, overrides=overrides)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+# --- serve / worker / demo ---------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from apomesh.runtime.node import Node
+
+    overrides: dict[str, dict[str, Any]] = {
+        "nats": {"urls": args.nats.split(",") if args.nats else None, "replicas": args.replicas},
+        "daemon": {"data_dir": args.data, "workspace": args.workspace, "workers": args.workers},
+        "http": {"listen": args.http},
+    }
+    config = _config(args, overrides)
+    _setup_logging(config.daemon.log_level)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with Node(config) as node:
+            assert node.daemon is not None
+            console.print(
+                f"apomesh {__version__} serving on {node.http_url} (NATS {', '.join(node.urls)},"
+                f" data {config.daemon.data_path()}, {config.daemon.workers} local workers)"
+            )
+            console.print(f"boot scan: {node.daemon.boot_report}")
+            await stop.wait()
+            console.print("shutting down")
+
+    asyncio.run(serve())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from apomesh.adapters.nats_connect import connect
+    from apomesh.runtime.node import make_plugin_host, nats_options
+    from apomesh.runtime.worker import Worker
+
+    config = _config(args, {"nats": {"urls": args.nats.split(",")}})
+    _setup_logging(config.daemon.log_level)
+    workspace = Path(args.workspace or "workspace").absolute()
+
+    async def work() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        plugins = make_plugin_host(config)
+        nc = await connect(config.nats.urls, name=f"apomesh-worker-{args.name or ''}", **nats_options(config))
+        worker = Worker(
+            nc, tools=plugins.tools(), providers=plugins.model_providers(),
+            supervisors=list(plugins.supervisor_policies().values()), workspace=workspace,
+            name=args.name, heartbeat_interval=config.liveness.heartbeat_interval,
+        )
+        await worker.start()
+        console.print(f"worker {worker.worker_id} on {', '.join(config.nats.urls)}, workspace {workspace}")
+        await stop.wait()
+        await worker.aclose()
+        await nc.close()
+
+    asyncio.run(work())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from apomesh.runtime.demo import run_demo
+
+    logging.basicConfig(level=logging.ERROR)
+    return asyncio.run(run_demo(console))
+
+
+# --- commands that talk to a daemon -----------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from apomesh.sdk.client import SyncClient
+
+    return SyncClient(args.url, token=args.token)
+
+
+def _load_definition(path: str) -> dict[str, Any]:
+    from apomesh.runtime.composition import load_definition_file
+
+    return load_definition_file(Path(path))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from apomesh.runtime.demo import DEFAULT_AGENT
+
+    client = _client(args)
+    if args.agent:
+        session_id = client.start_session(args.goal, agent=args.agent)
+    else:
+        definition = _load_definition(args.definition) if args.definition else DEFAULT_AGENT
+        session_id = client.start_session(args.goal, definition=definition)
+    console.print(f"session {session_id}")
+    if not args.follow:
+        return 0
+    return _follow(client, session_id)
+
+
+def _follow(client: Any, session_id: str) -> int:
+    from rich.live import Live
+    from rich.tree import Tree
+
+    def render() -> Tree:
+        view = client.get_session(session_id)
+        tree = Tree(f"[bold]{view.session_id}[/] {view.status} — {view.goal}")
+        nodes: dict[str, Any] = {}
+        for agent in view.agents:
+            label = f"{agent.ref} [cyan]{agent.phase}[/]"
+            if agent.worker:
+                label += f" on {agent.worker}"
+            if agent.resuming:
+                label += " [yellow](resuming)[/]"
+            elif agent.resumes:
+                label += f" [green](resumed x{agent.resumes})[/]"
+            parent = nodes.get(agent.parent or "", tree)
+            nodes[agent.ref] = parent.add(label)
+        return tree
+
+    with Live(render(), console=console, refresh_per_second=4) as live:
+        for record in client.events(session_id):
+            live.update(render())
+            if record.kind == "SessionEnded":
+                break
+    view = client.get_session(session_id)
+    console.print(f"{view.status}: {view.output or view.reason or ''}")
+    return 0 if view.status == "completed" else 1
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "list":
+        table = Table("session", "status", "goal", "events", "side effects")
+        for s in client.list_sessions(status=args.status, query=args.query):
+            table.add_row(s.session_id, s.status, s.goal, str(s.last_index + 1), str(s.side_effects))
+        console.print(table)
+        return 0
+    if not args.id:
+        err.print("a session id is needed")
+        return 2
+    if args.action == "show":
+        view = client.get_session(args.id)
+        console.print_json(data=_builtins(view))
+        return 0
+    if args.action == "tail":
+        for record in client.events(args.id, after=args.after):
+            console.print(f"{record.index:>5} {record.kind} {json.dumps(record.event, default=str)[:160]}")
+        return 0
+    if args.action == "verify":
+        report = client.verify_session(args.id)
+        console.print_json(data=report)
+        return 0 if report.get("ok") else 1
+    return 2
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "list":
+        table = Table("session", "goal", "reason", "side effects", "last event")
+        for r in client.list_recoverable():
+            table.add_row(r.session_id, r.goal, r.reason, str(r.side_effects), _when(r.last_event_at))
+        console.print(table)
+        return 0
+    if not args.id:
+        err.print("a session id is needed")
+        return 2
+    preview = client.recovery_preview(args.id)
+    migrate = dict(p.split("=", 1) for p in args.migrate_pin or [])
+    if preview.unknown_outcomes:
+        console.print("[yellow]side effects whose outcome is unknown (they will not be run again):[/]")
+        for u in preview.unknown_outcomes:
+            console.print(f"  {u.agent} {u.tool} {json.dumps(u.args)}")
+    if preview.pin_diff:
+        console.print("[yellow]pins that differ from what is installed:[/]")
+        for d in preview.pin_diff:
+            console.print(f"  {d.name}: {d.old} -> {d.new or 'not installed'}")
+    if migrate:
+        console.print(f"migrating pins: {migrate}")
+    if not args.yes and sys.stdin.isatty():
+        if console.input("resume? [y/N] ").strip().lower() not in ("y", "yes"):
+            return 1
+    client.resume(args.id, migrate_pins=migrate or None, confirm=True)
+    console.print(f"resumed {args.id}")
+    return 0
+
+
+def cmd_hitl(args: argparse.Namespace) -> int:
+    _client(args).answer_hitl(args.session, args.pause, args.text)
+    console.print("answered")
+    return 0
+
+
+def cmd_skills(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "put":
+        if not args.name or not args.file:
+            err.print("usage: apomesh skills put NAME FILE")
+            return 2
+        view = client.put_skill(args.name, Path(args.file).read_text(encoding="utf-8"))
+        console.print(f"skill {view.name} revision {view.revision} digest {view.digest[:12]}")
+    elif args.action == "get":
+        console.print(client.get_skill(args.name).body, markup=False)
+    elif args.action == "list":
+        table = Table("skill", "revision", "digest")
+        for s in client.list_skills():
+            table.add_row(s.name, str(s.revision), s.digest[:12])
+        console.print(table)
+    elif args.action == "rm":
+        client.delete_skill(args.name)
+        console.print(f"deleted {args.name}")
+    return 0
+
+
+def cmd_agents(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "publish":
+        created, record = client.publish_agent(_load_definition(args.target))
+        console.print(f"{'published' if created else 'already published (same content)'} {record.name}@{record.version}")
+    elif args.action == "list":
+        table = Table("agent", "version", "digest", "skills")
+        for a in client.list_agents():
+            table.add_row(a.name, a.version, a.digest[:12], ", ".join(a.skills))
+        console.print(table)
+    elif args.action == "show":
+        name, _, version = args.target.partition("@")
+        console.print_json(data=_builtins(client.get_agent(name, version or None)))
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from apomesh.plugins.manager import PluginHost
+
+    host = PluginHost()
+    table = Table("plugin", "version", "hooks", "provides")
+    for info in host.plugins():
+        table.add_row(info.name, info.version, "\n".join(info.hooks), "\n".join(info.registered))
+    console.print(table)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from apomesh.runtime.config import sample_config
+
+    sys.stdout.write(sample_config())
+    return 0
+
+
+def cmd_tokens(args: argparse.Namespace) -> int:
+    from apomesh.api.tokens import TokenStore
+
+    data = Path(args.data or os.environ.get("APOMESH_DAEMON_DATA_DIR", ".apomesh")).absolute()
+    store = TokenStore(data / "tokens.json")
+    if args.action == "create":
+        token_id, secret = store.create(args.role, args.name or args.role)
+        console.print(f"token {token_id} ({args.role}); shown once:")
+        print(secret)
+    elif args.action == "list":
+        table = Table("id", "name", "role", "created")
+        for t in store.list():
+            table.add_row(t.token_id, t.name, t.role, _when(t.created_at))
+        console.print(table)
+    elif args.action == "revoke":
+        store.revoke(args.id)
+        console.print(f"revoked {args.id}")
+    return 0
+
+
+def _when(ts: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts else "-"
+
+
+def _builtins(obj: Any) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(obj)
+
+
+# --- parser ------------------------------------------------------------------------------------------
+
+
+def _remote(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("APOMESH_URL", DEFAULT_URL), help="the daemon's HTTP API (env APOMESH_URL)")
+    p.add_argument("--token", default=os.environ.get("APOMESH_TOKEN"), help="an API token (env APOMESH_TOKEN)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="apomesh", description="Durable agent sessions on NATS JetStream.")
+    parser.add_argument("--version", action="version", version=f"apomesh {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the daemon (embedded NATS unless --nats is given)")
+    p.add_argument("--nats", help="NATS URL(s), comma-separated; none starts an embedded server")
+    p.add_argument("--replicas", type=int, help="stream and bucket replicas (3 in a cluster)")
+    p.add_argument("--data", help="data directory (LMDB, embedded NATS store)")
+    p.add_argument("--workspace", help="workspace directory of the local workers")
+    p.add_argument("--http", help="HOST:PORT of the HTTP API (default 127.0.0.1:8750)")
+    p.add_argument("--workers", type=int, help="local in-process workers (default 2; 0 allowed)")
+    p.add_argument("--config", help="config file (see `apomesh config sample`)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("worker", help="run a worker that connects to NATS")
+    p.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    p.add_argument("--name", help="a name shown in `GET /v1/workers`")
+    p.add_argument("--workspace", help="the directory file tools are confined to")
+    p.add_argument("--config", help="config file (credentials, TLS)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("demo", help="run a self-contained demo: a worker is killed mid-run and resumed")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("run", help="start a session")
+    p.add_argument("goal")
+    p.add_argument("--agent", help="a published agent NAME[@VERSION]")
+    p.add_argument("--definition", help="an agent definition TOML file")
+    p.add_argument("--follow", action="store_true", help="show the spawn tree live until the session ends")
+    _remote(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("sessions", help="list, show, tail or verify sessions")
+    p.add_argument("action", choices=["list", "show", "tail", "verify"])
+    p.add_argument("id", nargs="?")
+    p.add_argument("--status")
+    p.add_argument("--query")
+    p.add_argument("--after", type=int, default=-1)
+    _remote(p)
+    p.set_defaults(func=cmd_sessions)
+
+    p = sub.add_parser("recover", help="list recoverable sessions or resume one")
+    p.add_argument("action", choices=["list", "resume"])
+    p.add_argument("id", nargs="?")
+    p.add_argument("--migrate-pin", action="append", metavar="NAME=VERSION")
+    p.add_argument("--yes", action="store_true", help="resume without asking")
+    _remote(p)
+    p.set_defaults(func=cmd_recover)
+
+    p = sub.add_parser("hitl", help="answer a human-in-the-loop pause")
+    p.add_argument("action", choices=["answer"])
+    p.add_argument("session")
+    p.add_argument("pause")
+    p.add_argument("text")
+    _remote(p)
+    p.set_defaults(func=cmd_hitl)
+
+    p = sub.add_parser("skills", help="the skill catalog")
+    p.add_argument("action", choices=["put", "get", "list", "rm"])
+    p.add_argument("name", nargs="?")
+    p.add_argument("file", nargs="?")
+    _remote(p)
+    p.set_defaults(func=cmd_skills)
+
+    p = sub.add_parser("agents", help="published agents")
+    p.add_argument("action", choices=["publish", "list", "show"])
+    p.add_argument("target", nargs="?", help="FILE for publish, NAME[@VERSION] for show")
+    _remote(p)
+    p.set_defaults(func=cmd_agents)
+
+    p = sub.add_parser("plugins", help="installed plugins")
+    p.add_argument("action", choices=["list"])
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("config", help="configuration")
+    p.add_argument("action", choices=["sample"])
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("tokens", help="API tokens (stored hashed in the data dir)")
+    p.add_argument("action", choices=["create", "list", "revoke"])
+    p.add_argument("id", nargs="?")
+    p.add_argument("--role", choices=["read", "operator"], default="read")
+    p.add_argument("--name")
+    p.add_argument("--data", help="the daemon's data directory")
+    p.set_defaults(func=cmd_tokens)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ApomeshError as exc:
+        err.print(f"[red]error[/] ({exc.code}): {exc.message}")
+        return 1
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        err.print(f"[red]error[/]: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 1
+    except Exception as exc:  # the SDK's typed errors and anything unexpected
+        name = type(exc).__name__
+        if name.endswith("Error") or name == "ServerUnavailable":
+            err.print(f"[red]error[/] ({name}): {exc}")
+            return 1
+        raise

@@ -1,0 +1,336 @@
+"""The agent tool-use loop a worker runs for one dispatch.
+
+Each node is one model turn plus the tool calls it asks for. At each node boundary the loop reports
+what the node added to working memory (``NodeReport``); the daemon stores the snapshot and appends
+the pointer. Side-effecting tools go through the journal (intent before the effect, result after);
+a call found in the journal is served from it. A human question, an async job or an operator hold
+stalls the loop: the dispatch ends, and a later dispatch re-runs the loop from the last snapshot to
+the same stall, where the answer now waits (pause ids and journal keys are derived from the call,
+so nothing is asked or run twice).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apomesh.core.errors import ApomeshError, Fenced
+from apomesh.core.journal import call_key, pause_key
+from apomesh.plugins.api import (
+    Message,
+    Model,
+    ModelProvider,
+    ModelRequest,
+    SupervisorPolicy,
+    Tool,
+    describe_tool,
+)
+from apomesh.runtime.protocol import (
+    AgentMemory,
+    BudgetState,
+    Done,
+    HitlAsk,
+    JobStart,
+    JournalBegin,
+    JournalFinish,
+    NodeReport,
+    Reply,
+    Report,
+    Run,
+)
+
+Send = Callable[[Report], Awaitable[Reply]]
+
+
+class Stall(Exception):
+    """The loop cannot go on in this dispatch (``paused`` or ``waiting``)."""
+
+    def __init__(self, outcome: str, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+
+
+@dataclass
+class LoopContext:
+    """The ``ToolContext`` a tool sees, bound to one dispatch."""
+
+    run: Run
+    worker_id: str
+    workspace_root: Path
+    send: Send
+    step: int = 0
+    explicit_checkpoint: bool = False
+    asked: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def workspace(self) -> Path:
+        return self.workspace_root
+
+    @property
+    def session_id(self) -> str:
+        return self.run.session_id
+
+    @property
+    def agent(self) -> str:
+        return self.run.agent
+
+    async def ask_human(self, question: str) -> str:
+        pause_id = pause_key(self.run.agent, self.step, question)
+        reply = await _checked(
+            self.send(
+                HitlAsk(
+                    self.worker_id,
+                    self.run.session_id,
+                    self.run.agent,
+                    self.run.epoch,
+                    pause_id,
+                    question,
+                )
+            )
+        )
+        if reply.decision == "answered":
+            return reply.result
+        raise Stall("paused", f"waiting for a human answer to pause {pause_id}")
+
+    async def checkpoint_now(self) -> None:
+        self.explicit_checkpoint = True
+
+
+async def _checked(awaitable: Awaitable[Reply]) -> Reply:
+    reply = await awaitable
+    if reply.status == "fenced":
+        raise Fenced(reply.message or "this dispatch was fenced off by a newer epoch")
+    if reply.status == "error":
+        raise ApomeshError(reply.message or "the daemon refused the report")
+    return reply
+
+
+def _instructions(run: Run) -> str:
+    parts = [run.config.instructions] if run.config.instructions else []
+    for skill in run.config.skills:
+        parts.append(f"## Skill: {skill.name}\n{skill.body}")
+    return "\n\n".join(parts)
+
+
+def _tool_schemas(tools: dict[str, Tool], names: list[str]) -> list[dict[str, Any]]:
+    return [describe_tool(tools[n]) for n in names if n in tools]
+
+
+def _budget_exhausted(run: Run, budget: BudgetState) -> str | None:
+    b = run.config.budget
+    if b.max_steps is not None and budget.steps >= b.max_steps:
+        return f"budget exhausted: max_steps {b.max_steps} reached"
+    if b.max_tool_calls is not None and budget.tool_calls > b.max_tool_calls:
+        return f"budget exhausted: max_tool_calls {b.max_tool_calls} exceeded"
+    if b.max_tokens is not None and budget.tokens >= b.max_tokens:
+        return f"budget exhausted: max_tokens {b.max_tokens} reached"
+    if b.max_seconds is not None and budget.seconds >= b.max_seconds:
+        return f"budget exhausted: max_seconds {b.max_seconds} reached"
+    return None
+
+
+async def run_agent(
+    run: Run,
+    *,
+    worker_id: str,
+    workspace: Path,
+    tools: dict[str, Tool],
+    providers: dict[str, ModelProvider],
+    supervisors: list[SupervisorPolicy],
+    send: Send,
+) -> Done:
+    """Run one dispatch of an agent until it ends, stalls or is fenced (``Fenced`` propagates)."""
+    memory = run.memory or AgentMemory()
+    messages = list(memory.messages)
+    model_memory = dict(memory.model)
+    budget = BudgetState(**{f: getattr(memory.budget, f) for f in BudgetState.__struct_fields__})
+    call_counts = dict(memory.call_counts)
+    step = memory.step
+    pending: list[Message] = []
+    prompt = memory.prompt
+    if run.prompt and run.prompt != memory.prompt:
+        pending.append(Message(role="user", content=run.prompt))
+        prompt = run.prompt
+    ctx = LoopContext(run, worker_id, workspace, send, step=step)
+    provider = providers.get(run.config.model.provider)
+
+    def done(outcome: Any, **kw: Any) -> Done:
+        return Done(worker_id, run.session_id, run.agent, run.epoch, outcome=outcome, **kw)
+
+    if provider is None:
+        return done(
+            "failed", reason=f"model provider {run.config.model.provider!r} is not on this worker"
+        )
+    model: Model = provider.create(run.config.model)
+    allowed = [n for n in run.config.tools]
+    for skill in run.config.skills:
+        allowed.extend(t for t in skill.tools if t not in allowed)
+    schemas = _tool_schemas(tools, allowed)
+    started = time.monotonic()
+
+    async def report(source: str, reset: bool = False) -> None:
+        nonlocal pending
+        budget.seconds = memory.budget.seconds + (time.monotonic() - started)
+        await _checked(
+            send(
+                NodeReport(
+                    worker_id,
+                    run.session_id,
+                    run.agent,
+                    run.epoch,
+                    step=step,
+                    new_messages=pending,
+                    model=model_memory,
+                    budget=budget,
+                    source=source,
+                    reset=reset,
+                    prompt=prompt,
+                    call_counts=call_counts,
+                )
+            )
+        )
+        pending = []
+
+    try:
+        while True:
+            budget.seconds = memory.budget.seconds + (time.monotonic() - started)
+            exhausted = _budget_exhausted(run, budget)
+            if exhausted:
+                if pending:
+                    await report("node")
+                return done("budget_exhausted", reason=exhausted)
+            response = await model.respond(
+                ModelRequest(
+                    instructions=_instructions(run),
+                    messages=messages + pending,
+                    tools=schemas,
+                    memory=model_memory,
+                    task=run.task,
+                    task_index=run.task_index,
+                    purpose=run.purpose,
+                )
+            )
+            step += 1
+            ctx.step = step
+            budget.steps += 1
+            budget.tokens += response.tokens
+            model_memory = dict(response.memory)
+            if response.final is not None or response.plan is not None:
+                text = (
+                    response.final if response.final is not None else "\n".join(response.plan or [])
+                )
+                pending.append(Message(role="assistant", content=text))
+                messages.extend(pending)
+                await report("node")
+                if response.plan is not None:
+                    return done("plan", plan=list(response.plan))
+                return done("final", output=response.final or "")
+            pending.append(
+                Message(
+                    role="assistant", content=response.text, tool_calls=list(response.tool_calls)
+                )
+            )
+            for i, call in enumerate(response.tool_calls):
+                budget.tool_calls += 1
+                result = await _call_tool(ctx, tools, allowed, call.tool, call.args, call_counts)
+                pending.append(
+                    Message(role="tool", content=result, tool_call_id=f"{step}.{i}", name=call.tool)
+                )
+            messages.extend(pending)
+            source = "explicit" if ctx.explicit_checkpoint else "node"
+            ctx.explicit_checkpoint = False
+            await report(source)
+            for policy in supervisors:
+                if policy.review(run.agent, step, messages[-12:]) == "reset":
+                    await report("reset_point")
+                    note = Message(
+                        role="user",
+                        content=f"[supervisor {policy.name}] you were repeating yourself; start over: {prompt}",
+                    )
+                    messages = [note]
+                    pending = [note]
+                    await report("node", reset=True)
+                    break
+    except Stall as stall:
+        return done(stall.outcome, reason=stall.reason)
+
+
+async def _call_tool(
+    ctx: LoopContext,
+    tools: dict[str, Tool],
+    allowed: list[str],
+    name: str,
+    args: dict[str, Any],
+    call_counts: dict[str, int],
+) -> str:
+    tool = tools.get(name)
+    if tool is None or name not in allowed:
+        return f"error: tool {name!r} is not available to this agent"
+    if not tool.side_effect and not tool.async_job:
+        try:
+            return await tool.run(ctx, args)
+        except Stall:
+            raise
+        except ApomeshError as exc:
+            return f"error: {exc.message}"
+        except Exception as exc:  # a tool's own failure is something the model should see
+            return f"error: {type(exc).__name__}: {exc}"
+    base = call_key(name, args)
+    seen = call_counts.get(base, 0)
+    call_counts[base] = seen + 1
+    key = base if seen == 0 else f"{base}-{seen}"
+    run = ctx.run
+    if tool.async_job:
+        reply = await _checked(
+            ctx.send(JobStart(ctx.worker_id, run.session_id, run.agent, run.epoch, key, name, args))
+        )
+        if reply.decision == "done":
+            return reply.result
+        raise Stall("waiting", f"waiting for async job {name} {key[:12]}")
+    reply = await _checked(
+        ctx.send(
+            JournalBegin(
+                ctx.worker_id,
+                run.session_id,
+                run.agent,
+                run.epoch,
+                key=key,
+                tool=name,
+                args=args,
+                idempotent=tool.idempotent,
+                on_unknown=tool.on_unknown,
+            )
+        )
+    )
+    if reply.decision == "done":
+        return reply.result if reply.outcome == "ok" else f"error: {reply.result}"
+    if reply.decision == "failed":
+        return f"error: outcome unknown for {name}: {reply.message}"
+    if reply.decision == "hold":
+        raise Stall("waiting", f"held for an operator: outcome of {name} {key[:12]} unknown")
+    try:
+        result = await tool.run(ctx, args)
+        outcome = "ok"
+    except ApomeshError as exc:
+        result, outcome = exc.message, "error"
+    except Exception as exc:
+        result, outcome = f"{type(exc).__name__}: {exc}", "error"
+    await _checked(
+        ctx.send(
+            JournalFinish(
+                ctx.worker_id,
+                run.session_id,
+                run.agent,
+                run.epoch,
+                key=key,
+                tool=name,
+                outcome=outcome,
+                result=result,
+            )
+        )  # type: ignore[arg-type]
+    )
+    return result if outcome == "ok" else f"error: {result}"

@@ -1,0 +1,123 @@
+"""Composing a session's pinned shape from an agent definition.
+
+``load_definition_file`` reads a TOML agent definition and inlines its model script files, so the
+definition that reaches the daemon is self-contained. ``compose_shape`` resolves everything a
+session is built from — the coordination kind and its folded parameters, each role's resolved
+config, the exact skill bodies and the (name, version) of every plugin involved — into the
+``SessionShape`` that ``SessionStarted`` carries. A resume rebuilds from that record alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from apomesh.core.definition import (
+    AgentDefinition,
+    PinnedSkill,
+    parse_definition,
+    parse_script,
+    role_config,
+)
+from apomesh.core.errors import DefinitionError
+from apomesh.core.events import SessionShape
+from apomesh.plugins.manager import PluginHost
+from apomesh.plugins.pins import pins_for
+
+
+def _read_toml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DefinitionError(f"{what} file not found", where=str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DefinitionError(f"not valid TOML: {exc}", where=str(path)) from None
+
+
+def _inline_script(model: Any, base: Path, where: str) -> Any:
+    if not isinstance(model, dict) or not model.get("script") or model.get("turns"):
+        return model
+    script_path = (base / str(model["script"])).resolve()
+    turns = parse_script(_read_toml(script_path, "model script"), where=str(script_path))
+    inlined = {k: v for k, v in model.items() if k != "script"}
+    inlined["turns"] = msgspec.to_builtins(turns)
+    return inlined
+
+
+def inline_scripts(data: dict[str, Any], base: Path, where: str) -> dict[str, Any]:
+    """A definition mapping with every ``model.script`` path replaced by its inline ``turns``."""
+    out = dict(data)
+    if "model" in out:
+        out["model"] = _inline_script(out["model"], base, where)
+    if isinstance(out.get("roles"), dict):
+        out["roles"] = {
+            role: (
+                {**spec, "model": _inline_script(spec["model"], base, where)}
+                if isinstance(spec, dict) and "model" in spec
+                else spec
+            )
+            for role, spec in out["roles"].items()
+        }
+    return out
+
+
+def load_definition_file(path: Path) -> dict[str, Any]:
+    """Read an agent definition TOML, inline its scripts and validate it; answers the mapping."""
+    data = inline_scripts(_read_toml(path, "agent definition"), path.parent, str(path))
+    parse_definition(data, where=str(path))
+    return data
+
+
+def definition_digest(definition: AgentDefinition) -> str:
+    return hashlib.sha256(msgspec.json.encode(definition, order="sorted")).hexdigest()
+
+
+def compose_shape(
+    definition: AgentDefinition,
+    *,
+    host: PluginHost,
+    skills: list[PinnedSkill],
+    source: str,
+    agent: str | None = None,
+) -> SessionShape:
+    """The whole resolved, pinned shape of a session started from ``definition``."""
+    kinds = host.coordination_kinds()
+    kind = kinds.get(definition.coordination)
+    if kind is None:
+        raise DefinitionError(
+            f"unknown coordination kind {definition.coordination!r}; installed: {', '.join(sorted(kinds))}",
+            where="$.coordination",
+        )
+    for where, model in [("$.model", definition.model)] + [
+        (f"$.roles.{r}.model", s.model) for r, s in definition.roles.items() if s.model is not None
+    ]:
+        if model.script and not model.turns:
+            raise DefinitionError(
+                "the model script must be inlined as `turns` (load the file with the CLI)",
+                where=where,
+            )
+    params = kind.fold_params(dict(definition.coordination_params))
+    root = role_config(definition, "root", skills)
+    roles = {
+        role: role_config(definition, role, skills)
+        for role in sorted(set(kind.roles) | set(definition.roles))
+    }
+    configs = [root, *roles.values()]
+    tools = sorted({t for c in configs for t in c.tools} | {t for s in skills for t in s.tools})
+    providers = sorted({c.model.provider for c in configs})
+    plugins = pins_for(host, definition.coordination, tools, providers)
+    return SessionShape(
+        coordination=definition.coordination,
+        coordination_params=params,
+        root=root,
+        roles=roles,
+        skills=skills,
+        plugins=plugins,
+        source=source,  # type: ignore[arg-type]
+        agent=agent,
+        definition_digest=definition_digest(definition),
+    )

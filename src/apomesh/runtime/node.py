@@ -1,0 +1,173 @@
+"""``apomesh serve`` assembled: the embedded nats-server (unless ``--nats`` URLs are given), the NATS
+connection, the event log, heartbeat stream and KV buckets, the LMDB store, the plugin host, the
+daemon, its local in-process workers and the HTTP API.
+
+``Node`` is an async context manager; ``start`` brings the parts up in dependency order and
+``aclose`` takes them down in reverse, so a SIGTERM leaves nothing acknowledged behind: every event
+is on the log before it is acknowledged and snapshots are written at each node boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+
+from apomesh.adapters.heartbeats import HeartbeatStream
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.kv import KvBuckets
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
+from apomesh.adapters.nats_connect import connect, tls_context
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.catalog import Catalog
+from apomesh.runtime.config import Config
+from apomesh.runtime.daemon import Daemon
+from apomesh.runtime.service import Service
+from apomesh.runtime.worker import Worker
+
+log = logging.getLogger("apomesh.node")
+
+
+def nats_options(config: Config) -> dict[str, Any]:
+    """Connection options from the ``[nats]`` section (credentials never come from argv)."""
+    n = config.nats
+    options: dict[str, Any] = {"connect_timeout": n.connect_timeout}
+    if n.creds_file:
+        options["credentials"] = n.creds_file
+    if n.user:
+        options["user"], options["password"] = n.user, n.password
+    if n.token:
+        options["token"] = n.token
+    if n.tls_ca or n.tls_cert:
+        options["tls"] = tls_context(ca_file=n.tls_ca or None, cert_file=n.tls_cert or None, key_file=n.tls_key or None)
+    return options
+
+
+def make_plugin_host(config: Config) -> PluginHost:
+    return PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+
+
+async def start_local_worker(urls: list[str], config: Config, plugins: PluginHost, *, name: str, workspace: Path) -> tuple[Any, Worker]:
+    nc = await connect(urls, name=f"apomesh-worker-{name}", **nats_options(config))
+    worker = Worker(
+        nc, tools=plugins.tools(), providers=plugins.model_providers(),
+        supervisors=list(plugins.supervisor_policies().values()), workspace=workspace, name=name,
+        heartbeat_interval=config.liveness.heartbeat_interval,
+    )
+    await worker.start()
+    return nc, worker
+
+
+class Node:
+    """One ``apomesh serve`` process."""
+
+    def __init__(self, config: Config, *, http: bool = True) -> None:
+        self.config = config
+        self.http = http
+        self.server: Any = None
+        self.nc: Any = None
+        self.store: AsyncStore | None = None
+        self.daemon: Daemon | None = None
+        self.service: Service | None = None
+        self.workers: list[tuple[Any, Worker]] = []
+        self.urls: list[str] = []
+        self._http_server: Any = None
+        self._http_task: asyncio.Task[Any] | None = None
+        self.http_url = ""
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        config = self.config
+        data = config.daemon.data_path()
+        data.mkdir(parents=True, exist_ok=True)
+        if config.nats.urls:
+            self.urls = list(config.nats.urls)
+        else:
+            from apomesh.adapters import natsserver
+
+            self.server = natsserver.embedded_server(config)
+            await asyncio.to_thread(self.server.start)
+            self.urls = [self.server.url]
+            log.info("embedded nats-server at %s (store %s)", self.server.url, config.nats_store_path())
+        self.nc = await connect(self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config))
+        js = self.nc.jetstream()
+        replicas = config.nats.replicas
+        log_adapter = JetStreamLog(self.nc, replicas=replicas, sync_always=config.nats.sync_interval == "always")
+        heartbeats = HeartbeatStream(self.nc, replicas=replicas)
+        kv = await KvBuckets.open(js, replicas)
+        self.store = AsyncStore(LmdbStore(data / "lmdb", map_size=config.store.map_size, sync=config.store.sync))
+        plugins = make_plugin_host(config)
+        workspace = config.daemon.workspace_path()
+        workspace.mkdir(parents=True, exist_ok=True)
+        self.daemon = Daemon(
+            config, nc=self.nc, log_adapter=log_adapter, heartbeats=heartbeats, kv=kv,
+            store=self.store, plugins=plugins, workspace=workspace,
+        )
+        self.service = Service(self.daemon, Catalog(kv, plugins))
+        for i in range(config.daemon.workers):
+            self.workers.append(
+                await start_local_worker(self.urls, config, plugins, name=f"local-{os.getpid()}-{i}", workspace=workspace)
+            )
+        await self.daemon.start()
+        if self.http:
+            await self._start_http()
+
+    async def _start_http(self) -> None:
+        import uvicorn
+
+        from apomesh.api.app import create_app
+        from apomesh.api.auth import AuthSettings
+        from apomesh.api.tokens import TokenStore
+
+        assert self.service is not None
+        http = self.config.http
+        host, port = http.host_port()
+        auth = AuthSettings(enabled=True, token_store=TokenStore(self.config.daemon.data_path() / "tokens.json")) if http.auth_required() else AuthSettings.off()
+        app = create_app(self.service, auth=auth)
+        kwargs: dict[str, Any] = {}
+        if http.tls_cert:
+            kwargs = {"ssl_certfile": http.tls_cert, "ssl_keyfile": http.tls_key}
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **kwargs)
+        self._http_server = uvicorn.Server(uv_config)
+        self._http_task = asyncio.create_task(self._http_server.serve())
+        while not self._http_server.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise RuntimeError(f"the HTTP API could not listen on {http.listen}")
+            await asyncio.sleep(0.02)
+        scheme = "https" if http.tls_cert else "http"
+        bound_port = port
+        with contextlib.suppress(Exception):
+            bound_port = self._http_server.servers[0].sockets[0].getsockname()[1]
+        self.http_url = f"{scheme}://{host}:{bound_port}"
+
+    async def aclose(self) -> None:
+        if self._http_server is not None:
+            self._http_server.should_exit = True
+            if self._http_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._http_task, 5.0)
+        if self.daemon is not None:
+            await self.daemon.aclose()
+        for nc, worker in self.workers:
+            await worker.aclose()
+            with contextlib.suppress(Exception):
+                await nc.close()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        if self.store is not None:
+            await self.store.aclose()
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)

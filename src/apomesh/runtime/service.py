@@ -1,0 +1,230 @@
+"""The daemon as a service: ``DaemonService`` (what the REST API and the console call) on top of
+the orchestrator, the catalogs and the log.
+
+Session creation lives here: it validates the request against the configured limits, resolves the
+agent (a sealed published bundle, or an inline definition whose skills are resolved now and frozen),
+composes the pinned shape and makes ``SessionStarted`` durable before answering.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from apomesh.core.definition import parse_definition
+from apomesh.core.envelope import Envelope
+from apomesh.core.errors import ApomeshError, NotFound, PayloadTooLarge
+from apomesh.core.events import AgentLifecycle, SessionEnded, SessionStarted
+from apomesh.core.state import new_state
+from apomesh.core.views import (
+    AgentRecordView,
+    PinDiff,
+    RecoverableView,
+    SessionSummary,
+    SessionView,
+    SkillView,
+    WorkerView,
+    session_summary,
+    session_view,
+    unknown_outcomes,
+)
+from apomesh.plugins.pins import diff_pins
+from apomesh.runtime.catalog import Catalog
+from apomesh.runtime.composition import compose_shape
+from apomesh.runtime.daemon import Daemon
+from apomesh.runtime.sessions import SessionRuntime
+
+
+def _check_size(what: str, data: Any, limit: int) -> None:
+    size = len(data.encode() if isinstance(data, str) else msgspec.json.encode(data))
+    if size > limit:
+        raise PayloadTooLarge(what, size, limit)
+
+
+class Service:
+    """Implements ``apomesh.api.service.DaemonService``."""
+
+    def __init__(self, daemon: Daemon, catalog: Catalog) -> None:
+        self.daemon = daemon
+        self.catalog = catalog
+        self.limits = daemon.config.limits
+
+    # --- sessions ------------------------------------------------------------------------------------
+
+    async def create_session(
+        self, goal: str, *, agent: tuple[str, str | None] | None, definition: dict[str, Any] | None, by: str
+    ) -> str:
+        _check_size("the goal", goal, self.limits.max_goal_bytes)
+        if agent is not None:
+            bundle = await self.catalog.get_agent_bundle(agent[0], agent[1])
+            parsed = parse_definition(bundle.definition, where=f"published agent {bundle.name}@{bundle.version}")
+            skills = self.catalog.bundle_skills(bundle, parsed)
+            shape = compose_shape(
+                parsed, host=self.daemon.plugins, skills=skills, source="published",
+                agent=f"{bundle.name}@{bundle.version}",
+            )
+        else:
+            if definition is None:
+                raise ApomeshError("a session needs an agent: a published `agent` or an inline `definition`")
+            _check_size("the agent definition", definition, self.limits.max_definition_bytes)
+            parsed = parse_definition(definition)
+            skills = await self.catalog.resolve_skills(parsed.skills)
+            shape = compose_shape(parsed, host=self.daemon.plugins, skills=skills, source="catalog" if parsed.skills else "inline")
+        session_id = uuid.uuid4().hex
+        state = new_state(session_id)
+        if not await self.daemon.kv_lease(session_id):
+            raise ApomeshError(f"session {session_id} is already driven elsewhere")
+        runtime = SessionRuntime(self.daemon, state)
+        self.daemon.sessions[session_id] = runtime
+        await runtime.append(
+            SessionStarted(goal=goal, root="root", shape=shape),
+            AgentLifecycle("root", "born", config=shape.root, task=goal, task_index=0),
+        )
+        runtime.start()
+        return session_id
+
+    async def list_sessions(self, *, status: str | None, query: str | None, limit: int) -> list[SessionSummary]:
+        rows: dict[str, SessionSummary] = {}
+        for record in await self.daemon.completed_records():
+            rows[record.session_id] = SessionSummary(
+                session_id=record.session_id, status=record.status, goal=record.goal,
+                last_index=record.last_index, updated_at=record.ended_at, side_effects=record.side_effects,
+            )
+        for sid, rec in self.daemon.recoverable.items():
+            rows[sid] = SessionSummary(
+                session_id=sid, status="recoverable", goal=rec.goal, last_index=rec.state.last_index if rec.state else -1,
+                updated_at=rec.last_event_at, side_effects=rec.side_effects,
+            )
+        for sid, runtime in self.daemon.sessions.items():
+            rows[sid] = session_summary(runtime.state)
+        out = [
+            r for r in rows.values()
+            if (status is None or r.status == status)
+            and (not query or query.lower() in r.goal.lower() or query.lower() in r.session_id)
+        ]
+        out.sort(key=lambda r: r.updated_at, reverse=True)
+        return out[:limit]
+
+    async def get_session(self, session_id: str) -> SessionView:
+        rec = self.daemon.recoverable.get(session_id)
+        if rec is not None:
+            if rec.state is None:
+                return SessionView(session_id=session_id, status="recoverable", goal="", reason=rec.reason)
+            return session_view(rec.state, status="recoverable", reason=rec.reason)
+        return session_view(await self.daemon.load_state(session_id))
+
+    async def read_events(self, session_id: str, after: int) -> list[Envelope]:
+        envelopes: list[Envelope] = await self.daemon.log.read(session_id, after)
+        if not envelopes and await self.daemon.log.last_index(session_id) < 0:
+            raise NotFound(f"session {session_id}")
+        return envelopes
+
+    async def tail_events(self, session_id: str, after: int) -> AsyncIterator[Envelope]:
+        async for env in self.daemon.log.tail(session_id, after):
+            yield env
+            if isinstance(env.event, SessionEnded):
+                return
+
+    async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
+        await self.daemon.answer_hitl(session_id, pause_id, answer, by=by)
+
+    async def resume(self, session_id: str, *, migrate_pins: dict[str, str], by: str) -> None:
+        await self.daemon.resume(session_id, by=by, migrate_pins=migrate_pins or None)
+
+    async def recovery_preview(self, session_id: str) -> RecoverableView:
+        rec = self.daemon.recoverable.get(session_id)
+        if rec is None:
+            raise NotFound(f"recoverable session {session_id}")
+        return self._recoverable_view(rec)
+
+    def _recoverable_view(self, rec: Any) -> RecoverableView:
+        diff: list[PinDiff] = []
+        outcomes = []
+        if rec.state is not None:
+            outcomes = unknown_outcomes(rec.state)
+            if rec.state.bootstrap is not None:
+                installed = self.daemon.plugins.installed_versions()
+                for change in diff_pins(rec.state.bootstrap.shape.plugins, [
+                    p.__class__(name=p.name, version=installed[p.name]) for p in rec.state.bootstrap.shape.plugins if p.name in installed
+                ]):
+                    diff.append(PinDiff(name=change.name, old=change.old or "", new=change.new))
+        return RecoverableView(
+            session_id=rec.session_id, goal=rec.goal, reason=rec.reason, category=rec.category,
+            side_effects=rec.side_effects, last_event_at=rec.last_event_at, unknown_outcomes=outcomes, pin_diff=diff,
+        )
+
+    async def cancel(self, session_id: str, *, by: str) -> None:
+        await self.daemon.cancel(session_id, by=by)
+
+    async def list_recoverable(self) -> list[RecoverableView]:
+        return [self._recoverable_view(r) for r in self.daemon.recoverable.values()]
+
+    async def list_workers(self) -> list[WorkerView]:
+        now = time.monotonic()
+        return [
+            WorkerView(
+                id=w.worker_id, name=w.name, last_heartbeat=w.last_beat_wall, agents=list(w.agents),
+                tools=list(w.tools), providers=list(w.providers), alive=now - w.last_seen <= self.daemon.threshold,
+            )
+            for w in self.daemon.workers.values()
+        ]
+
+    # --- catalog -------------------------------------------------------------------------------------
+
+    async def put_skill(self, name: str, body: str) -> SkillView:
+        _check_size("the skill body", body, self.limits.max_skill_bytes)
+        return await self.catalog.put_skill(name, body)
+
+    async def get_skill(self, name: str) -> SkillView:
+        return await self.catalog.get_skill(name)
+
+    async def list_skills(self) -> list[SkillView]:
+        return await self.catalog.list_skills()
+
+    async def delete_skill(self, name: str) -> None:
+        await self.catalog.delete_skill(name)
+
+    async def publish_agent(self, definition: dict[str, Any]) -> tuple[bool, AgentRecordView]:
+        _check_size("the agent definition", definition, self.limits.max_definition_bytes)
+        return await self.catalog.publish_agent(definition)
+
+    async def list_agents(self) -> list[AgentRecordView]:
+        return await self.catalog.list_agents()
+
+    async def get_agent(self, name: str, version: str | None) -> AgentRecordView:
+        return await self.catalog.get_agent(name, version)
+
+    # --- health --------------------------------------------------------------------------------------
+
+    async def metrics_text(self) -> str:
+        d = self.daemon
+        m = d.metrics
+        counts: dict[tuple[str, ...], float] = {}
+        phases: dict[tuple[str, ...], float] = {}
+        for runtime in d.sessions.values():
+            key = (runtime.state.status,)
+            counts[key] = counts.get(key, 0) + 1
+            for agent in runtime.state.agents.values():
+                phases[(agent.phase,)] = phases.get((agent.phase,), 0) + 1
+        counts[("recoverable",)] = len(d.recoverable)
+        m.sessions.replace(counts)
+        m.agents.replace(phases)
+        m.recoverable_sessions.set(len(d.recoverable))
+        m.workers_alive.set(len(d.workers))
+        return m.render()
+
+    async def health(self) -> dict[str, Any]:
+        d = self.daemon
+        return {
+            "ok": d.nc.is_connected,
+            "incarnation": d.incarnation,
+            "nats": "connected" if d.nc.is_connected else "reconnecting",
+            "sessions": len(d.sessions),
+            "recoverable": len(d.recoverable),
+            "workers": len(d.workers),
+            "boot": d.boot_report,
+        }
