@@ -427,14 +427,21 @@ class Daemon:
                 if config.model.provider in w.providers and all(t in w.tools for t in config.tools)
             ]
             if candidates:
-                if config.affinity == "sticky" and prefer and any(w.worker_id == prefer for w in candidates):
+                if config.affinity == "sticky" and prefer and prefer in self.workers and prefer in [w.worker_id for w in candidates]:
+                    self.workers[prefer].load += 1
                     return prefer
                 chosen = min(candidates, key=lambda w: (w.load, w.worker_id))
+                chosen.load += 1
                 return chosen.worker_id
             await asyncio.sleep(0.1)
 
-    async def send_run(self, worker_id: str, run: Run) -> bool:
+    def release_worker(self, worker_id: str) -> None:
+        """A dispatch picked for ``worker_id`` ended (answered, lost or refused)."""
         worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.load = max(0, worker.load - 1)
+
+    async def send_run(self, worker_id: str, run: Run) -> bool:
         try:
             msg = await self.nc.request(dispatch_subject(worker_id), ENCODER.encode(run), timeout=5.0)
             ack = DISPATCH_ACK_DECODER.decode(msg.data)
@@ -444,8 +451,6 @@ class Daemon:
         if not ack.ok:
             log.warning("worker %s refused dispatch %s/%s: %s", worker_id, run.session_id, run.agent, ack.reason)
             return False
-        if worker is not None:
-            worker.load += 1
         return True
 
     async def send_cancel(self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str) -> None:
@@ -543,8 +548,6 @@ class Daemon:
         assert isinstance(report, Done)
         if not slot.future.done():
             slot.future.set_result(report)
-            if worker is not None:
-                worker.load = max(0, worker.load - 1)
         return Reply("ok")
 
     async def _on_node(self, runtime: SessionRuntime, slot: Any, report: NodeReport) -> Reply:

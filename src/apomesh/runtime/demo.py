@@ -108,7 +108,7 @@ def describe(env: Envelope) -> str | None:
     return type(ev).__name__
 
 
-async def run_demo(console: Console) -> int:
+async def run_demo(console: Console, nats_url: str | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="apomesh-demo-"))
     workspace = base / "workspace"
     config = load_config(
@@ -117,6 +117,7 @@ async def run_demo(console: Console) -> int:
         overrides={
             "daemon": {"data_dir": str(base / "data"), "workers": 0, "workspace": str(workspace)},
             "liveness": {"heartbeat_interval": 0.5, "missed_beats": 3},
+            "nats": {"urls": [nats_url] if nats_url else None},
         },
     )
     console.print(f"[dim]demo data in {base}[/]")

@@ -227,58 +227,61 @@ class SessionRuntime:
                 raise Held(self.held_reason)
             assert agent.config is not None
             worker_id = await self.daemon.pick_worker(agent.config, prefer=agent.worker)
-            epoch = agent.epoch + 1
-            agent_key = f"{self.session_id}/{ref}"
-            memory = await self.daemon.snapshots.load(agent_key)
-            if resume_reason is not None:
-                await self.append(
-                    AgentResuming(
-                        ref,
-                        reason=resume_reason,
-                        worker=lost_worker,
-                        snapshot_id=agent.snapshot_id,
-                        epoch=epoch,
-                    )
-                )
-                self.daemon.metrics.resumes.labels(_path_label(resume_reason)).inc()
-                resuming = True
-                resume_reason = None
-            await self.append(
-                AgentLifecycle(ref, "dispatched", worker=worker_id, epoch=epoch, purpose=purpose)
-            )
-            loop = asyncio.get_running_loop()
-            slot = DispatchSlot(ref, epoch, worker_id, loop.create_future())
-            self.slots[ref] = slot
-            run = Run(
-                session_id=self.session_id,
-                agent=ref,
-                epoch=epoch,
-                config=agent.config,
-                purpose=purpose,
-                prompt=prompt,
-                task=agent.task or "",
-                task_index=agent.task_index or 0,
-                memory=memory,
-                incarnation=self.daemon.incarnation,
-            )
             try:
-                if not await self.daemon.send_run(worker_id, run):
-                    resume_reason, lost_worker = "dispatch not acknowledged", worker_id
-                    await asyncio.sleep(0.2)
-                    continue
-                done = await slot.future
-            except WorkerLost as lost:
-                resume_reason, lost_worker = lost.reason, lost.worker_id
-                continue
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await self.daemon.send_cancel(
-                        worker_id, self.session_id, ref, epoch, "session cancelled"
+                epoch = agent.epoch + 1
+                agent_key = f"{self.session_id}/{ref}"
+                memory = await self.daemon.snapshots.load(agent_key)
+                if resume_reason is not None:
+                    await self.append(
+                        AgentResuming(
+                            ref,
+                            reason=resume_reason,
+                            worker=lost_worker,
+                            snapshot_id=agent.snapshot_id,
+                            epoch=epoch,
+                        )
                     )
-                raise
+                    self.daemon.metrics.resumes.labels(_path_label(resume_reason)).inc()
+                    resuming = True
+                    resume_reason = None
+                await self.append(
+                    AgentLifecycle(ref, "dispatched", worker=worker_id, epoch=epoch, purpose=purpose)
+                )
+                loop = asyncio.get_running_loop()
+                slot = DispatchSlot(ref, epoch, worker_id, loop.create_future())
+                self.slots[ref] = slot
+                run = Run(
+                    session_id=self.session_id,
+                    agent=ref,
+                    epoch=epoch,
+                    config=agent.config,
+                    purpose=purpose,
+                    prompt=prompt,
+                    task=agent.task or "",
+                    task_index=agent.task_index or 0,
+                    memory=memory,
+                    incarnation=self.daemon.incarnation,
+                )
+                try:
+                    if not await self.daemon.send_run(worker_id, run):
+                        resume_reason, lost_worker = "dispatch not acknowledged", worker_id
+                        await asyncio.sleep(0.2)
+                        continue
+                    done = await slot.future
+                except WorkerLost as lost:
+                    resume_reason, lost_worker = lost.reason, lost.worker_id
+                    continue
+                except asyncio.CancelledError:
+                    with contextlib.suppress(Exception):
+                        await self.daemon.send_cancel(
+                            worker_id, self.session_id, ref, epoch, "session cancelled"
+                        )
+                    raise
+                finally:
+                    if self.slots.get(ref) is slot:
+                        del self.slots[ref]
             finally:
-                if self.slots.get(ref) is slot:
-                    del self.slots[ref]
+                self.daemon.release_worker(worker_id)
             if resuming:
                 await self.append(AgentResumed(ref, epoch=epoch))
                 resuming = False
