@@ -1,0 +1,728 @@
+"""The event log on NATS JetStream: one stream, one subject per session, optimistic appends.
+
+Stream ``APOMESH_LOG`` holds subjects ``apomesh.log.<session_id>`` (file storage, direct gets
+allowed, atomic batches allowed, a two-minute duplicate window). Every message carries
+``Nats-Msg-Id: <session_id>:<index>`` (dedupe on retry) and the first of each append carries
+``Nats-Expected-Last-Subject-Sequence`` (optimistic concurrency), so a stale writer is refused.
+
+Why a step's several events go as one atomic batch: the expected-sequence header of event k+1
+would need the stream sequence of event k, which is only known once k is acknowledged, so
+chained headers force one round trip per event (about 5.5k events/s). Pipelining the rest without
+the header is unsafe: if the first event is refused because another writer got there, the others
+would still land after that writer's events. An atomic batch (nats-server >= 2.12) carries the
+header on its first message and is stored whole or not at all, in one round trip. The daemon is
+the only writer of a session (an ownership lease elsewhere guarantees it), so the check on the
+first message is all the ordering a batch needs. Servers without atomic batches get one awaited
+publish per event, each expecting the sequence the previous one was acknowledged at.
+
+Retries: a timeout or disconnect resends the same batch with the same expected sequence and
+message ids. If the first try was stored, the resend is refused (wrong last sequence, or a
+duplicate id in the batch) or acknowledged as a duplicate; each of those means "maybe written",
+and the session's stored tail is then compared with what we sent: our own events (same bytes, or
+same index and event id) count as written, anything else is ``AppendConflict``. So a retried
+append never duplicates and never loses an event. A server that stays out of reach is
+``LogUnavailable`` after ``timeout`` seconds, never a hang.
+
+Durability: an acknowledged event has been written to the server's files, so it survives the
+server process being killed. The server fsyncs every two minutes by default, so a machine crash or
+power cut can lose the last ones unless it runs with ``sync_interval: always`` (``sync_always``
+records which promise the deployment makes; the embedded server is started accordingly), or the
+stream is replicated (R3), where an acknowledgement means a majority of servers hold the event.
+
+Reads use batched direct gets (one request per page of up to ``read_page`` messages), which
+measured faster than an ordered consumer at every session size we tried (see bench/bench_log.py).
+If a direct get answers with less than this process already knows is stored (a lagging replica
+of an R3 stream may answer direct gets), the read is redone through an ordered consumer, which
+the stream leader serves. ``tail`` reads through an ordered consumer that starts at the stream
+sequence of the first wanted index, so nothing is missed or repeated between history and live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+
+from apomesh.adapters.heartbeats import HeartbeatStream
+from apomesh.adapters.memory_log import (
+    DEFAULT_MAX_EVENT_BYTES,
+    OutgoingEvent,
+    check_dense,
+    check_session_id,
+    decode_entry,
+    gap_conflict,
+    prepare_batch,
+    settle_overlap,
+)
+from apomesh.adapters.nats_connect import (
+    JS_API_PREFIX,
+    NATS,
+    UNAVAILABLE_ERRORS,
+    api_request,
+    direct_get_batch,
+    unavailable_as_log_error,
+)
+from apomesh.core.envelope import Envelope, decode
+from apomesh.core.errors import AppendConflict, LogError, LogUnavailable
+
+LOG_STREAM = "APOMESH_LOG"
+LOG_SUBJECT_PREFIX = "apomesh.log"
+DUPLICATE_WINDOW_SECONDS = 120.0
+MAX_ATOMIC_BATCH = 256
+"""Events per atomic batch; the server refuses batches over 1000 messages by default."""
+
+_WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
+_BATCH_DUPLICATE_ID = 10201
+_ATOMIC_DISABLED = 10174
+_ATOMIC_MIN_VERSION = (2, 12)
+
+_json_decode = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+def log_subject(session_id: str, prefix: str = LOG_SUBJECT_PREFIX) -> str:
+    """The subject a session's events are stored under."""
+    check_session_id(session_id)
+    return f"{prefix}.{session_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Position:
+    """Where a session's log ends: its last index and that event's stream sequence."""
+
+    index: int
+    seq: int
+
+
+_EMPTY = _Position(-1, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """One stored message of a session: stream sequence, index (from its message id) and bytes."""
+
+    seq: int
+    index: int | None
+    data: bytes
+
+
+_Outcome = Literal["written", "wrong_last", "duplicate", "transient"]
+
+
+class JetStreamLog:
+    """``EventLog`` on a JetStream stream; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        replicas: int = 1,
+        stream: str = LOG_STREAM,
+        subject_prefix: str = LOG_SUBJECT_PREFIX,
+        sync_always: bool = False,
+        timeout: float = 5.0,
+        attempt_timeout: float = 2.0,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        read_page: int = 5000,
+        position_cache_size: int = 100_000,
+        ensure_heartbeats: bool = True,
+    ) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        self._nc = nc
+        self._js = nc.jetstream(timeout=timeout)
+        self.replicas = replicas
+        self.stream = stream
+        self.subject_prefix = subject_prefix
+        self.sync_always = sync_always
+        self._timeout = timeout
+        self._attempt_timeout = attempt_timeout
+        self._max_event_bytes = max_event_bytes
+        self._read_page = read_page
+        self._positions: OrderedDict[str, _Position] = OrderedDict()
+        self._position_cache_size = position_cache_size
+        self._atomic = _server_supports_atomic(nc)
+        self._ensure_heartbeats = ensure_heartbeats
+
+    @property
+    def durability(self) -> str:
+        """The durability an acknowledged append has, in words (for health pages and docs)."""
+        copies = "a majority of replicas" if self.replicas > 1 else "the server's files"
+        sync = (
+            "fsynced before the ack"
+            if self.sync_always
+            else "fsynced within the server's sync_interval"
+        )
+        return f"written to {copies}, {sync}"
+
+    def subject(self, session_id: str) -> str:
+        return log_subject(session_id, self.subject_prefix)
+
+    # -- stream setup ------------------------------------------------------------------------
+
+    def _wanted_config(self) -> StreamConfig:
+        return StreamConfig(
+            name=self.stream,
+            description="apomesh event log: one subject per session",
+            subjects=[f"{self.subject_prefix}.*"],
+            storage=StorageType.FILE,
+            num_replicas=self.replicas,
+            allow_direct=True,
+            allow_atomic=True if self._atomic else None,
+            duplicate_window=DUPLICATE_WINDOW_SECONDS,
+            max_msg_size=self._max_event_bytes + 4096,
+            deny_delete=True,
+            deny_purge=False,
+        )
+
+    async def ensure(self) -> None:
+        """Create the log stream, or bring an existing one to the wanted settings.
+
+        Replicas, direct gets, atomic batches and a too-short duplicate window are updated in
+        place; a stream on memory storage or one whose update the server refuses is a
+        ``LogError`` saying what differs.
+        """
+        wanted = self._wanted_config()
+        with unavailable_as_log_error(f"ensure stream {self.stream}"):
+            try:
+                info = await self._js.stream_info(self.stream)
+            except nats.js.errors.NotFoundError:
+                try:
+                    await self._js.add_stream(wanted)
+                except nats.js.errors.APIError as exc:
+                    raise LogError(
+                        f"cannot create stream {self.stream}: {exc.description}"
+                    ) from None
+            else:
+                await self._reconcile_stream(info.config, wanted)
+        if self._ensure_heartbeats:
+            await HeartbeatStream(self._nc, self.replicas, timeout=self._timeout).ensure()
+
+    async def _reconcile_stream(self, current: StreamConfig, wanted: StreamConfig) -> None:
+        if current.storage != StorageType.FILE:
+            raise LogError(
+                f"stream {self.stream} uses {current.storage} storage; the log needs file storage"
+            )
+        changes: dict[str, Any] = {}
+        if set(current.subjects or []) != set(wanted.subjects or []):
+            changes["subjects"] = wanted.subjects
+        if (current.num_replicas or 1) != self.replicas:
+            changes["num_replicas"] = self.replicas
+        if not current.allow_direct:
+            changes["allow_direct"] = True
+        if self._atomic and not current.allow_atomic:
+            changes["allow_atomic"] = True
+        if (current.duplicate_window or 0) < DUPLICATE_WINDOW_SECONDS:
+            changes["duplicate_window"] = DUPLICATE_WINDOW_SECONDS
+        if (current.max_msg_size or -1) not in (-1, wanted.max_msg_size) and (
+            current.max_msg_size or 0
+        ) < (wanted.max_msg_size or 0):
+            changes["max_msg_size"] = wanted.max_msg_size
+        if not changes:
+            return
+        try:
+            await self._js.update_stream(replace(current, **changes))
+        except nats.js.errors.APIError as exc:
+            described = ", ".join(
+                f"{key}={getattr(current, key)!r} (wanted {value!r})"
+                for key, value in changes.items()
+            )
+            raise LogError(
+                f"stream {self.stream} differs from the wanted settings: {described};"
+                f" the server refused to update it: {exc.description}"
+            ) from None
+
+    # -- appends -----------------------------------------------------------------------------
+
+    async def append(self, session_id: str, envelopes: Sequence[Envelope]) -> None:
+        pending = prepare_batch(session_id, envelopes, max_event_bytes=self._max_event_bytes)
+        if not pending:
+            return
+        subject = self.subject(session_id)
+        deadline = time.monotonic() + self._timeout
+        position = self._positions.get(session_id)
+        verified = False
+        problem = "no answer"
+        backoff = 0.02
+        while pending:
+            if position is None:
+                position, verified = await self._stored_position(session_id, deadline), True
+            first = pending[0].index
+            if position.index >= first:
+                pending, position = await self._settle(session_id, pending, position, deadline)
+                continue
+            if position.index < first - 1:
+                if not verified:  # only a belief from earlier calls: ask the stream before refusing
+                    position, verified = await self._stored_position(session_id, deadline), True
+                    continue
+                raise gap_conflict(session_id, first, position.index)
+            chunk = pending[: MAX_ATOMIC_BATCH if self._atomic else 1]
+            outcome, seq, detail = await self._publish(
+                subject, session_id, chunk, position.seq, deadline
+            )
+            if outcome == "written":
+                position = _Position(chunk[-1].index, seq)
+                self._remember(session_id, position)
+                pending = pending[len(chunk) :]
+                backoff = 0.02
+                continue
+            if outcome == "transient":
+                problem = detail
+                if time.monotonic() + backoff >= deadline:
+                    raise LogUnavailable(
+                        f"append to session {session_id}: not acknowledged within"
+                        f" {self._timeout:g} s ({problem})"
+                    )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
+            # "maybe written": learn where the session's log really ends and settle from there.
+            self._positions.pop(session_id, None)
+            fresh = await self._stored_position(session_id, deadline)
+            if fresh == position:
+                if outcome == "duplicate":
+                    raise AppendConflict(
+                        f"session {session_id}: message ids {session_id}:{first}.. were used within"
+                        " the duplicate window but are not in the log (was the session deleted and"
+                        " its id reused?)"
+                    )
+                raise LogError(
+                    f"session {session_id}: the server refused an append that continues its log ({detail})"
+                )
+            position, verified = fresh, True
+        if position is not None:
+            self._remember(session_id, position)
+
+    async def _publish(
+        self,
+        subject: str,
+        session_id: str,
+        chunk: Sequence[OutgoingEvent],
+        expected_seq: int,
+        deadline: float,
+    ) -> tuple[_Outcome, int, str]:
+        """Send one chunk; return the outcome, the stream sequence of its last event, and a detail."""
+        timeout = min(self._attempt_timeout, deadline - time.monotonic())
+        if timeout <= 0:
+            return "transient", 0, "deadline reached"
+        try:
+            if len(chunk) == 1:
+                outgoing = chunk[0]
+                headers = {
+                    "Nats-Msg-Id": f"{session_id}:{outgoing.index}",
+                    "Nats-Expected-Last-Subject-Sequence": str(expected_seq),
+                }
+                reply = await self._nc.request(
+                    subject, outgoing.payload, timeout=timeout, headers=headers
+                )
+            else:
+                reply = await self._publish_atomic(
+                    subject, session_id, chunk, expected_seq, timeout
+                )
+        except nats.errors.ConnectionClosedError:
+            raise LogUnavailable(
+                f"append to session {session_id}: the NATS connection is closed"
+            ) from None
+        except UNAVAILABLE_ERRORS as exc:
+            return "transient", 0, f"{type(exc).__name__}: {exc}".rstrip(": ")
+        answer = _json_decode(reply.data)
+        error = answer.get("error")
+        if error is None:
+            if answer.get("duplicate"):
+                return "duplicate", int(answer.get("seq", 0)), "duplicate acknowledgement"
+            return "written", int(answer["seq"]), ""
+        code = int(error.get("err_code", 0))
+        description = str(error.get("description", error))
+        if code in _WRONG_LAST_SEQUENCE:
+            return "wrong_last", 0, description
+        if code == _BATCH_DUPLICATE_ID:
+            return "duplicate", 0, description
+        if code == _ATOMIC_DISABLED:
+            # The stream lost its atomic setting (recreated by an older build?): go one by one.
+            self._atomic = False
+            return "transient", 0, description
+        if error.get("code") == 503 or "inflight" in description:
+            return "transient", 0, description
+        raise LogError(f"append to session {session_id} refused: {description} (err_code {code})")
+
+    async def _publish_atomic(
+        self,
+        subject: str,
+        session_id: str,
+        chunk: Sequence[OutgoingEvent],
+        expected_seq: int,
+        timeout: float,
+    ) -> Msg:
+        batch_id = os.urandom(12).hex()
+        last = len(chunk)
+        for position, outgoing in enumerate(chunk, start=1):
+            headers = {
+                "Nats-Batch-Id": batch_id,
+                "Nats-Batch-Sequence": str(position),
+                "Nats-Msg-Id": f"{session_id}:{outgoing.index}",
+            }
+            if position == 1:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_seq)
+            if position == last:
+                headers["Nats-Batch-Commit"] = "1"
+                return await self._nc.request(
+                    subject, outgoing.payload, timeout=timeout, headers=headers
+                )
+            await self._nc.publish(subject, outgoing.payload, headers=headers)
+        raise AssertionError("unreachable: a chunk is never empty")
+
+    async def _settle(
+        self, session_id: str, pending: list[OutgoingEvent], position: _Position, deadline: float
+    ) -> tuple[list[OutgoingEvent], _Position]:
+        """The log already reaches our first index: keep what is ours, refuse what is not."""
+        first = pending[0].index
+        stored = await self._read_stored(session_id, first - 1, deadline, at_least=position.index)
+        entries = [(first + offset, item.data) for offset, item in enumerate(stored)]
+        for offset, item in enumerate(stored):
+            if item.index is not None and item.index != first + offset:
+                check_dense(session_id, first + offset, item.index)
+        remaining = settle_overlap(session_id, pending, entries)
+        if stored:
+            return remaining, _Position(first + len(stored) - 1, stored[-1].seq)
+        # What we believed stored is not there (a purged session): start again from the leader.
+        self._positions.pop(session_id, None)
+        fresh = await self._stored_position(session_id, deadline)
+        if fresh.index >= first:
+            raise LogError(
+                f"session {session_id}: its last index is {fresh.index} but no event follows {first - 1}"
+            )
+        return remaining, fresh
+
+    def _remember(self, session_id: str, position: _Position) -> None:
+        known = self._positions.get(session_id)
+        if known is not None and known.seq > position.seq:
+            return
+        self._positions[session_id] = position
+        self._positions.move_to_end(session_id)
+        if len(self._positions) > self._position_cache_size:
+            self._positions.popitem(last=False)
+
+    def forget_position(self, session_id: str) -> None:
+        """Drop what this log remembers of the session's end (the next append looks it up)."""
+        self._positions.pop(session_id, None)
+
+    async def _stored_position(self, session_id: str, deadline: float) -> _Position:
+        """The session's last index and sequence as the stream leader sees it."""
+        subject = self.subject(session_id)
+        while True:
+            timeout = max(0.05, min(self._attempt_timeout, deadline - time.monotonic()))
+            try:
+                answer = await api_request(
+                    self._nc,
+                    f"{JS_API_PREFIX}.STREAM.MSG.GET.{self.stream}",
+                    {"last_by_subj": subject},
+                    timeout=timeout,
+                )
+            except LogUnavailable as exc:
+                if time.monotonic() >= deadline or self._nc.is_closed:
+                    raise LogUnavailable(
+                        f"find the end of session {session_id}: {exc.message}"
+                    ) from None
+                await asyncio.sleep(0.05)
+                continue
+            except LogError as exc:
+                if "no message found" in str(exc):
+                    return _EMPTY
+                raise
+            message = answer["message"]
+            seq = int(message["seq"])
+            data = base64.b64decode(message.get("data") or b"")
+            headers = (
+                _parse_headers(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
+            )
+            index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
+            if index is None:
+                index = decode(data, session_id=session_id).index
+            position = _Position(index, seq)
+            self._remember(session_id, position)
+            return position
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def last_index(self, session_id: str) -> int:
+        position = await self._last_direct(session_id, time.monotonic() + self._timeout)
+        return position.index
+
+    async def _last_direct(self, session_id: str, deadline: float) -> _Position:
+        subject = self.subject(session_id)
+        timeout = max(0.05, deadline - time.monotonic())
+        with unavailable_as_log_error(f"last index of session {session_id}"):
+            reply = await self._nc.request(
+                f"{JS_API_PREFIX}.DIRECT.GET.{self.stream}.{subject}", b"", timeout=timeout
+            )
+        headers = reply.headers or {}
+        status = headers.get("Status") if not reply.data else None
+        if status == "404":
+            return _EMPTY
+        if status is not None:
+            raise LogError(f"last index of session {session_id}: direct get answered {status}")
+        seq = int(headers["Nats-Sequence"])
+        index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
+        if index is None:
+            index = decode(reply.data, session_id=session_id).index
+        position = _Position(index, seq)
+        self._remember(session_id, position)
+        return position
+
+    async def read(self, session_id: str, after: int = -1) -> list[Envelope]:
+        return [
+            decode_entry(session_id, index, data)
+            for index, data in await self.read_raw(session_id, after)
+        ]
+
+    async def read_raw(self, session_id: str, after: int = -1) -> list[tuple[int, bytes]]:
+        deadline = time.monotonic() + self._timeout
+        known = self._positions.get(session_id)
+        stored = await self._read_stored(
+            session_id, after, deadline, at_least=known.index if known else -1
+        )
+        start = max(after, -1) + 1
+        result = []
+        for offset, item in enumerate(stored):
+            expected = start + offset
+            if item.index is not None:
+                check_dense(session_id, expected, item.index)
+            result.append((expected, item.data))
+        return result
+
+    async def _read_stored(
+        self, session_id: str, after: int, deadline: float, *, at_least: int
+    ) -> list[_Stored]:
+        """Stored messages with index > ``after``; redone via a consumer if a replica lags behind
+        ``at_least`` (the last index this process knows is stored)."""
+        subject = self.subject(session_id)
+        start_seq = await self._start_seq_after(session_id, after, deadline)
+        if start_seq is None:
+            return []
+        stored = await self._read_direct(subject, session_id, start_seq, deadline)
+        last_read = after + len(stored)
+        if last_read < at_least:
+            stored = await self._read_by_consumer(
+                subject, session_id, start_seq, at_least - after, deadline
+            )
+        if stored:
+            last = stored[-1]
+            self._remember(
+                session_id,
+                _Position(last.index if last.index is not None else after + len(stored), last.seq),
+            )
+        return stored
+
+    async def _read_direct(
+        self, subject: str, session_id: str, start_seq: int, deadline: float
+    ) -> list[_Stored]:
+        stored: list[_Stored] = []
+        seq = start_seq
+        while True:
+            page = await direct_get_batch(
+                self._nc,
+                self.stream,
+                {
+                    "seq": seq,
+                    "next_by_subj": subject,
+                    "batch": self._read_page,
+                    "max_bytes": 16 * 1024 * 1024,
+                },
+                timeout=_remaining(deadline, f"read session {session_id}"),
+            )
+            for msg in page.messages:
+                headers = msg.headers or {}
+                stored.append(
+                    _Stored(
+                        int(headers["Nats-Sequence"]),
+                        _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id),
+                        msg.data,
+                    )
+                )
+            if not page.messages or page.pending <= 0:
+                return stored
+            seq = stored[-1].seq + 1
+
+    async def _read_by_consumer(
+        self, subject: str, session_id: str, start_seq: int, count: int, deadline: float
+    ) -> list[_Stored]:
+        """Read at least ``count`` messages from ``start_seq`` through an ordered consumer."""
+        stored: list[_Stored] = []
+        with unavailable_as_log_error(f"read session {session_id}"):
+            subscription = await self._subscribe_from(subject, start_seq)
+            try:
+                while True:
+                    msg = await subscription.next_msg(
+                        timeout=_remaining(deadline, f"read session {session_id}")
+                    )
+                    stored.append(
+                        _Stored(msg.metadata.sequence.stream, _msg_index(msg, session_id), msg.data)
+                    )
+                    if len(stored) >= count and msg.metadata.num_pending == 0:
+                        return stored
+            finally:
+                await _unsubscribe_quietly(subscription)
+
+    async def _subscribe_from(self, subject: str, start_seq: int) -> Any:
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
+            filter_subject=subject,
+        )
+        return await self._js.subscribe(
+            subject, stream=self.stream, ordered_consumer=True, config=config
+        )
+
+    async def _start_seq_after(self, session_id: str, after: int, deadline: float) -> int | None:
+        """The stream sequence of the session's event ``after + 1``; None when there is none."""
+        if after < 0:
+            return 1
+        last = await self._last_direct(session_id, deadline)
+        if after >= last.index:
+            return None
+        if after == last.index - 1:
+            return last.seq
+        # Indexes rise with stream sequences, so a binary search over sequences finds the start
+        # in O(log n) direct gets without keeping a per-session index of sequences.
+        subject = self.subject(session_id)
+        low, high = 1, last.seq
+        while low < high:
+            middle = (low + high) // 2
+            seq, index = await self._first_at_or_after(subject, session_id, middle, deadline)
+            if index > after:
+                if index == after + 1:
+                    return seq
+                high = middle
+            else:
+                low = seq + 1
+        return (await self._first_at_or_after(subject, session_id, low, deadline))[0]
+
+    async def _first_at_or_after(
+        self, subject: str, session_id: str, seq: int, deadline: float
+    ) -> tuple[int, int]:
+        page = await direct_get_batch(
+            self._nc,
+            self.stream,
+            {"seq": seq, "next_by_subj": subject, "batch": 1},
+            timeout=_remaining(deadline, f"read session {session_id}"),
+        )
+        if not page.messages:
+            raise LogError(f"session {session_id}: no message at or after stream sequence {seq}")
+        msg = page.messages[0]
+        headers = msg.headers or {}
+        index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
+        if index is None:
+            index = decode(msg.data, session_id=session_id).index
+        return int(headers["Nats-Sequence"]), index
+
+    async def tail(self, session_id: str, after: int = -1) -> AsyncIterator[Envelope]:
+        subject = self.subject(session_id)
+        deadline = time.monotonic() + self._timeout
+        start_seq = await self._start_seq_after(session_id, after, deadline)
+        if start_seq is None:
+            start_seq = (await self._last_direct(session_id, deadline)).seq + 1
+        with unavailable_as_log_error(f"tail session {session_id}"):
+            subscription = await self._subscribe_from(subject, start_seq)
+        expected = max(after, -1) + 1
+        try:
+            while True:
+                try:
+                    msg = await subscription.next_msg(timeout=None)
+                except nats.errors.TimeoutError:
+                    continue
+                except nats.errors.ConnectionClosedError:
+                    raise LogUnavailable(
+                        f"tail session {session_id}: the NATS connection is closed"
+                    ) from None
+                index = _msg_index(msg, session_id)
+                if index is not None and index < expected:
+                    continue  # before ``after`` (a scan from the session's start)
+                envelope = decode_entry(session_id, expected, msg.data)
+                expected += 1
+                yield envelope
+        finally:
+            await _unsubscribe_quietly(subscription)
+
+    # -- listing and deleting ----------------------------------------------------------------
+
+    async def list_sessions(self) -> list[str]:
+        """Every session id with entries, paged past the server's per-answer subject limit."""
+        prefix = f"{self.subject_prefix}."
+        sessions: set[str] = set()
+        offset = 0
+        while True:
+            answer = await api_request(
+                self._nc,
+                f"{JS_API_PREFIX}.STREAM.INFO.{self.stream}",
+                {"subjects_filter": f"{prefix}*", "offset": offset},
+                timeout=self._timeout,
+            )
+            subjects: dict[str, int] = answer.get("state", {}).get("subjects") or {}
+            sessions.update(
+                subject[len(prefix) :] for subject in subjects if subject.startswith(prefix)
+            )
+            offset += len(subjects)
+            if not subjects or offset >= int(answer.get("total", 0)):
+                return sorted(sessions)
+
+    async def delete_session(self, session_id: str) -> None:
+        """Purge the session's events (tests and operators). Its message ids stay in the
+        duplicate window for two minutes, so reusing the id at once is refused."""
+        subject = self.subject(session_id)
+        with unavailable_as_log_error(f"delete session {session_id}"):
+            await self._js.purge_stream(self.stream, subject=subject)
+        self._positions.pop(session_id, None)
+
+
+def _server_supports_atomic(nc: NATS) -> bool:
+    try:
+        version = nc.connected_server_version
+        return (version.major, version.minor) >= _ATOMIC_MIN_VERSION
+    except Exception:  # not connected yet, or a version string we cannot read
+        return True
+
+
+def _remaining(deadline: float, what: str) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise LogUnavailable(f"{what}: NATS did not answer in time")
+    return remaining
+
+
+def _index_from_msg_id(msg_id: str | None, session_id: str) -> int | None:
+    if not msg_id:
+        return None
+    session, _, index = msg_id.rpartition(":")
+    if session != session_id or not index.isdigit():
+        return None
+    return int(index)
+
+
+def _msg_index(msg: Msg, session_id: str) -> int | None:
+    return _index_from_msg_id((msg.headers or {}).get("Nats-Msg-Id"), session_id)
+
+
+def _parse_headers(raw: bytes) -> dict[str, str]:
+    """Headers of a stored message as the message-get API returns them (``NATS/1.0`` block)."""
+    headers: dict[str, str] = {}
+    for line in raw.decode("utf-8", "replace").split("\r\n")[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip()] = value.strip()
+    return headers
+
+
+async def _unsubscribe_quietly(subscription: Any) -> None:
+    with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+        await subscription.unsubscribe()

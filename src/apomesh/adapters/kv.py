@@ -1,0 +1,309 @@
+"""Typed wrappers over JetStream KV: published agents, the skill catalog and session leases.
+
+Three buckets, opened together by ``KvBuckets.open``:
+
+- ``APOMESH_AGENTS`` (``AgentRegistry``): published agents, create-only. Publishing the same
+  bytes again is a no-op; other bytes under an existing key is ``PublishConflict``, because a
+  published (name, version) is immutable.
+- ``APOMESH_SKILLS`` (``SkillCatalog``): the mutable skill catalog, keeping the last revisions of
+  each skill (``history``).
+- ``APOMESH_LEASES`` (``LeaseTable``): which daemon drives which session. A lease is a key whose
+  value is the owner; it is taken by create-if-absent and renewed or released by compare-and-set
+  on its revision, and the bucket's TTL ages it out when its owner stops renewing, so two daemons
+  never drive the same session. Owners renew well inside the TTL (a third of it, say).
+
+KV keys allow only ``[-/_=.a-zA-Z0-9]`` and no leading, trailing or doubled dots, so names are
+encoded reversibly (``encode_key``): letters, digits, ``-`` and ``_`` stay, every other byte of
+the UTF-8 name becomes ``=XX``. Connection failures raise ``LogUnavailable`` ("NATS cannot be
+reached"); a bucket whose settings cannot be brought to the wanted ones raises ``CatalogError``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from apomesh.adapters.nats_connect import unavailable_as_log_error
+from apomesh.core.errors import CatalogError, PublishConflict
+
+AGENTS_BUCKET = "APOMESH_AGENTS"
+SKILLS_BUCKET = "APOMESH_SKILLS"
+LEASES_BUCKET = "APOMESH_LEASES"
+DEFAULT_SKILL_HISTORY = 16
+DEFAULT_LEASE_TTL = 30.0
+
+_PLAIN = re.compile(r"[A-Za-z0-9_-]")
+_ESCAPE = re.compile(r"=([0-9A-F]{2})")
+
+
+def encode_key(name: str) -> str:
+    """A KV-safe key for any non-empty name, reversible with ``decode_key``."""
+    if not name:
+        raise ValueError("a KV key cannot be empty")
+    return "".join(
+        char if _PLAIN.fullmatch(char) else "".join(f"={byte:02X}" for byte in char.encode("utf-8"))
+        for char in name
+    )
+
+
+def decode_key(key: str) -> str:
+    """The name ``encode_key`` made ``key`` from."""
+    raw = bytearray()
+    position = 0
+    for match in _ESCAPE.finditer(key):
+        raw.extend(key[position : match.start()].encode("ascii"))
+        raw.append(int(match.group(1), 16))
+        position = match.end()
+    raw.extend(key[position:].encode("ascii"))
+    return raw.decode("utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class Revision:
+    """One revision of a key: its number, its value, and whether it was a deletion."""
+
+    revision: int
+    value: bytes
+    deleted: bool
+
+
+async def _open_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """Create the bucket, or open it and bring replicas, history and TTL to the wanted ones."""
+    bucket = config.bucket
+    with unavailable_as_log_error(f"open bucket {bucket}"):
+        try:
+            return await js.create_key_value(config)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != 10058:  # "stream name already in use with a different configuration"
+                raise CatalogError(
+                    f"cannot create bucket {bucket} with replicas={config.replicas},"
+                    f" history={config.history}, ttl={config.ttl}: {exc.description}"
+                ) from None
+        stream = f"KV_{bucket}"
+        current = (await js.stream_info(stream)).config
+        wanted = replace(
+            current,
+            num_replicas=config.replicas,
+            max_msgs_per_subject=config.history,
+            max_age=config.ttl if config.ttl else current.max_age,
+        )
+        try:
+            await js.update_stream(wanted)
+        except nats.js.errors.APIError as exc:
+            raise CatalogError(
+                f"bucket {bucket} has replicas={current.num_replicas}, history={current.max_msgs_per_subject},"
+                f" ttl={current.max_age}; wanted {config.replicas}, {config.history}, {config.ttl};"
+                f" the server refused the update: {exc.description}"
+            ) from None
+        return await js.key_value(bucket)
+
+
+async def _value(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
+    """The key's current value and revision, or None when it is absent or deleted."""
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return (entry.value or b"", entry.revision or 0)
+
+
+async def _keys(kv: KeyValue) -> list[str]:
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    return sorted(decode_key(key) for key in keys)
+
+
+class AgentRegistry:
+    """Published agents: create-only, by key (e.g. ``name@version``)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+
+    async def create(self, key: str, value: bytes) -> None:
+        """Publish ``value`` under ``key``; identical bytes again is a no-op, other bytes raise
+        ``PublishConflict``."""
+        encoded = encode_key(key)
+        with unavailable_as_log_error(f"publish agent {key}"):
+            try:
+                await self._kv.create(encoded, value)
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                existing = await _value(self._kv, encoded)
+        if existing is not None and existing[0] == value:
+            return
+        raise PublishConflict(f"agent {key} is already published with other content")
+
+    async def get(self, key: str) -> bytes | None:
+        with unavailable_as_log_error(f"get agent {key}"):
+            found = await _value(self._kv, encode_key(key))
+        return found[0] if found else None
+
+    async def keys(self) -> list[str]:
+        with unavailable_as_log_error("list agents"):
+            return await _keys(self._kv)
+
+
+class SkillCatalog:
+    """The mutable skill catalog, with the last revisions of each skill kept."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+
+    async def put(self, name: str, body: bytes) -> int:
+        """Store a new revision of the skill; returns its revision number."""
+        with unavailable_as_log_error(f"put skill {name}"):
+            return await self._kv.put(encode_key(name), body)
+
+    async def get(self, name: str) -> bytes | None:
+        with unavailable_as_log_error(f"get skill {name}"):
+            found = await _value(self._kv, encode_key(name))
+        return found[0] if found else None
+
+    async def get_revision(self, name: str) -> tuple[bytes, int] | None:
+        """The skill's body and revision number, or None."""
+        with unavailable_as_log_error(f"get skill {name}"):
+            return await _value(self._kv, encode_key(name))
+
+    async def delete(self, name: str) -> None:
+        with unavailable_as_log_error(f"delete skill {name}"):
+            await self._kv.delete(encode_key(name))
+
+    async def keys(self) -> list[str]:
+        with unavailable_as_log_error("list skills"):
+            return await _keys(self._kv)
+
+    async def history(self, name: str) -> list[Revision]:
+        """The kept revisions of the skill, oldest first (deletions included)."""
+        with unavailable_as_log_error(f"skill history {name}"):
+            try:
+                entries = await self._kv.history(encode_key(name))
+            except nats.js.errors.NoKeysError:
+                return []
+        return [
+            Revision(entry.revision or 0, entry.value or b"", entry.operation in ("DEL", "PURGE"))
+            for entry in entries
+        ]
+
+
+class LeaseTable:
+    """Session ownership leases with a TTL, by compare-and-set on the key's revision."""
+
+    def __init__(self, kv: KeyValue, ttl: float) -> None:
+        self._kv = kv
+        self.ttl = ttl
+
+    async def acquire(self, session_id: str, owner: str) -> bool:
+        """Take the session's lease; True when ``owner`` now holds it (already holding it renews)."""
+        key = encode_key(session_id)
+        mine = owner.encode()
+        with unavailable_as_log_error(f"acquire lease {session_id}"):
+            for _ in range(3):
+                try:
+                    await self._kv.create(key, mine)
+                    return True
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    pass
+                held = await _value(self._kv, key)
+                if held is None:
+                    continue  # released or expired between our two calls: try to create again
+                if held[0] != mine:
+                    return False
+                return await self._swap(key, mine, held[1])
+        return False
+
+    async def renew(self, session_id: str, owner: str) -> bool:
+        """Extend ``owner``'s lease; False when it is no longer theirs (lost or expired)."""
+        key = encode_key(session_id)
+        mine = owner.encode()
+        with unavailable_as_log_error(f"renew lease {session_id}"):
+            held = await _value(self._kv, key)
+            if held is None or held[0] != mine:
+                return False
+            return await self._swap(key, mine, held[1])
+
+    async def release(self, session_id: str, owner: str) -> bool:
+        """Give the lease up if ``owner`` holds it; True when it was released."""
+        key = encode_key(session_id)
+        with unavailable_as_log_error(f"release lease {session_id}"):
+            held = await _value(self._kv, key)
+            if held is None or held[0] != owner.encode():
+                return False
+            try:
+                await self._kv.delete(key, last=held[1])
+            except nats.js.errors.APIError as exc:
+                if exc.err_code in (10071, 10164):
+                    return False
+                raise
+            return True
+
+    async def owner(self, session_id: str) -> str | None:
+        """Who holds the session's lease now, or None."""
+        with unavailable_as_log_error(f"lease owner {session_id}"):
+            held = await _value(self._kv, encode_key(session_id))
+        return held[0].decode() if held else None
+
+    async def _swap(self, key: str, value: bytes, revision: int) -> bool:
+        try:
+            await self._kv.update(key, value, last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class KvBuckets:
+    """The three buckets the runtime uses."""
+
+    agents: AgentRegistry
+    skills: SkillCatalog
+    leases: LeaseTable
+
+    @classmethod
+    async def open(
+        cls,
+        js: JetStreamContext,
+        replicas: int = 1,
+        *,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        skill_history: int = DEFAULT_SKILL_HISTORY,
+    ) -> KvBuckets:
+        """Create or open the buckets with ``replicas`` copies each."""
+        agents = await _open_bucket(
+            js,
+            KeyValueConfig(
+                bucket=AGENTS_BUCKET,
+                description="apomesh published agents (create-only)",
+                history=1,
+                replicas=replicas,
+                storage=StorageType.FILE,
+            ),
+        )
+        skills = await _open_bucket(
+            js,
+            KeyValueConfig(
+                bucket=SKILLS_BUCKET,
+                description="apomesh skill catalog",
+                history=skill_history,
+                replicas=replicas,
+                storage=StorageType.FILE,
+            ),
+        )
+        leases = await _open_bucket(
+            js,
+            KeyValueConfig(
+                bucket=LEASES_BUCKET,
+                description="apomesh session ownership leases",
+                history=1,
+                ttl=lease_ttl,
+                replicas=replicas,
+                storage=StorageType.FILE,
+            ),
+        )
+        return cls(AgentRegistry(agents), SkillCatalog(skills), LeaseTable(leases, lease_ttl))

@@ -1,0 +1,302 @@
+"""The JetStream log against real nats-servers: corrupt entries, kills and restarts, a server that
+is down, listings past a page, an R3 stream on a 3-node cluster, stream settings, heartbeats."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import nats
+import pytest
+from tests.contract.test_event_log import events, new_session
+
+from apomesh.adapters.heartbeats import (
+    HEARTBEAT_STREAM,
+    HEARTBEAT_WILDCARD,
+    HeartbeatStream,
+    beat_subject,
+)
+from apomesh.adapters.jetstream_log import LOG_STREAM, JetStreamLog, _Position
+from apomesh.adapters.nats_connect import NATS, close_quietly, connect
+from apomesh.core.errors import (
+    AppendConflict,
+    LogError,
+    LogUnavailable,
+    MalformedEnvelope,
+    UnknownEventKind,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def cluster_urls(cluster: Any) -> list[str]:
+    urls = getattr(cluster, "urls", None)
+    if urls:
+        return list(urls)
+    return [server.url for server in cluster.servers]
+
+
+@pytest.fixture
+async def nc(nats_server: Any) -> AsyncIterator[NATS]:
+    client = await connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def log(nc: NATS) -> JetStreamLog:
+    made = JetStreamLog(nc)
+    await made.ensure()
+    return made
+
+
+async def test_ensure_creates_both_streams_with_the_promised_settings(
+    nc: NATS, log: JetStreamLog
+) -> None:
+    js = nc.jetstream()
+    config = (await js.stream_info(LOG_STREAM)).config
+    assert config.subjects == ["apomesh.log.*"]
+    assert config.allow_direct and config.allow_atomic
+    assert (config.duplicate_window or 0) >= 120
+    assert config.num_replicas == 1
+    heartbeat = (await js.stream_info(HEARTBEAT_STREAM)).config
+    assert heartbeat.subjects == [HEARTBEAT_WILDCARD]
+    assert heartbeat.max_msgs_per_subject == 1
+    await log.ensure()  # idempotent
+
+
+async def test_bytes_published_straight_onto_a_session_subject_fail_the_read_with_a_typed_error(
+    nc: NATS, log: JetStreamLog
+) -> None:
+    session = new_session()
+    await log.append(session, events(session, 0, 3))
+    await nc.publish(log.subject(session), b"\x93\x01garbage")
+    await nc.flush()
+    with anyio.fail_after(5):
+        while len(await log.read_raw(session)) < 4:
+            await anyio.sleep(0.01)
+    with pytest.raises(MalformedEnvelope) as caught:
+        await log.read(session)
+    assert (caught.value.session_id, caught.value.index) == (session, 3)
+    assert f"session {session} index 3" in str(caught.value)
+    # An envelope of a kind this build does not know is its own typed error.
+    other = new_session()
+    unknown = nats_msgpack([1, other, 0, 1.0, "e", {"kind": "FromTheFuture"}])
+    await nc.jetstream().publish(log.subject(other), unknown)
+    with pytest.raises(UnknownEventKind) as unknown_caught:
+        await log.read(other)
+    assert (unknown_caught.value.session_id, unknown_caught.value.index) == (other, 0)
+
+
+def nats_msgpack(value: Any) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(value)
+
+
+async def test_a_retry_with_a_stale_position_never_duplicates(log: JetStreamLog) -> None:
+    session = new_session()
+    await log.append(session, events(session, 0, 5))
+    # Our belief about where the log ends is wrong (older than the truth): re-sending the same
+    # step is recognised as already written, for a single event and for a batch.
+    for stale in (_Position(2, 1), _Position(-1, 0), _Position(4, 1)):
+        log._positions[session] = stale
+        await log.append(session, events(session, 3, 2))
+        log._positions[session] = stale
+        await log.append(session, events(session, 4, 1))
+    assert await log.read(session) == events(session, 0, 5)
+    # With a stale belief, a new step still lands exactly once after the true end.
+    log._positions[session] = _Position(1, 2)
+    await log.append(session, events(session, 5, 3))
+    assert await log.read(session) == events(session, 0, 8)
+    # And another writer's event at those indexes is still a conflict.
+    log._positions[session] = _Position(1, 2)
+    with pytest.raises(AppendConflict):
+        await log.append(session, events(session, 6, 3, tag="other"))
+    assert await log.read(session) == events(session, 0, 8)
+
+
+async def test_reusing_a_deleted_sessions_id_inside_the_duplicate_window_is_refused(
+    log: JetStreamLog,
+) -> None:
+    session = new_session()
+    await log.append(session, events(session, 0, 2))
+    await log.delete_session(session)
+    with pytest.raises(AppendConflict, match="duplicate window"):
+        await log.append(session, events(session, 0, 2, tag="again"))
+    with pytest.raises(AppendConflict, match="duplicate window"):
+        await log.append(session, events(session, 0, 1, tag="again"))
+    assert await log.read(session) == []
+
+
+async def test_listing_pages_past_a_hundred_sessions(nc: NATS) -> None:
+    tag = uuid.uuid4().hex[:8]
+    log = JetStreamLog(
+        nc, stream=f"LIST_{tag}", subject_prefix=f"list{tag}", ensure_heartbeats=False
+    )
+    await log.ensure()
+    sessions = sorted(f"s{number:04d}" for number in range(150))
+    js = nc.jetstream()
+    pending = [await js.publish_async(log.subject(session), b"x") for session in sessions]
+    for future in pending:
+        await future
+    assert await log.list_sessions() == sessions
+    await js.delete_stream(f"LIST_{tag}")
+
+
+async def test_every_acknowledged_event_survives_a_killed_server(fresh_nats_server: Any) -> None:
+    # SIGKILL ends the process, not the machine: the server writes each message to its files
+    # before acknowledging it, so the page cache still holds it and the restarted server reads it
+    # back. (A power cut is what needs sync_interval "always", or replicas.)
+    client = await connect(fresh_nats_server.url)
+    try:
+        log = JetStreamLog(client, timeout=2.0)
+        await log.ensure()
+        sessions = [new_session() for _ in range(5)]
+        next_index = dict.fromkeys(sessions, 0)
+        for step in range(12):
+            for session in sessions:
+                count = 1 if step % 3 == 0 else 4  # single events and atomic batches
+                await log.append(session, events(session, next_index[session], count))
+                next_index[session] += count
+        written = {session: await log.last_index(session) for session in sessions}
+        fresh_nats_server.kill()
+        with pytest.raises(LogUnavailable):
+            await log.append(sessions[0], events(sessions[0], written[sessions[0]] + 1, 1))
+        fresh_nats_server.start()
+        with anyio.fail_after(20):
+            while not client.is_connected:
+                await anyio.sleep(0.05)
+        for session in sessions:
+            stored = await log.read(session)
+            # Every acknowledged event is there; the unacknowledged one may or may not be.
+            assert len(stored) - 1 >= written[session]
+            assert [envelope.index for envelope in stored] == list(range(len(stored)))
+        session = sessions[1]
+        await log.append(session, events(session, written[session] + 1, 2))
+        assert await log.last_index(session) == written[session] + 2
+    finally:
+        await close_quietly(client)
+
+
+async def test_reads_and_appends_against_a_dead_server_raise_log_unavailable_in_bounded_time(
+    fresh_nats_server: Any,
+) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        log = JetStreamLog(client, timeout=1.0, attempt_timeout=0.5)
+        await log.ensure()
+        session = new_session()
+        await log.append(session, events(session, 0, 2))
+        fresh_nats_server.kill()
+        started = time.monotonic()
+        for call in (
+            log.read(session),
+            log.read(session, after=0),
+            log.last_index(session),
+            log.list_sessions(),
+            log.append(session, events(session, 2, 3)),
+        ):
+            with anyio.fail_after(10), pytest.raises(LogUnavailable):
+                await call
+        assert time.monotonic() - started < 60  # bounded, not a timing claim
+    finally:
+        await close_quietly(client)
+
+
+async def test_connecting_to_nothing_is_log_unavailable() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with anyio.fail_after(10), pytest.raises(LogUnavailable, match=f"127.0.0.1:{port}"):
+        await connect(f"127.0.0.1:{port}", connect_timeout=1.0)
+
+
+async def test_a_closed_connection_is_log_unavailable_at_once(nats_server: Any) -> None:
+    client = await connect(nats_server.url)
+    log = JetStreamLog(client)
+    await log.ensure()
+    await client.close()
+    session = new_session()
+    with anyio.fail_after(10), pytest.raises(LogUnavailable):
+        await log.append(session, events(session, 0, 1))
+    with anyio.fail_after(10), pytest.raises(LogUnavailable):
+        await log.read(session)
+
+
+async def test_ensure_refuses_replicas_a_single_server_cannot_give(nc: NATS) -> None:
+    tag = uuid.uuid4().hex[:8]
+    options: dict[str, Any] = {
+        "stream": f"R_{tag}",
+        "subject_prefix": f"r{tag}",
+        "ensure_heartbeats": False,
+    }
+    await JetStreamLog(nc, **options).ensure()
+    with pytest.raises(LogError, match="replicas"):
+        await JetStreamLog(nc, replicas=3, **options).ensure()
+    await nc.jetstream().delete_stream(f"R_{tag}")
+
+
+async def test_an_r3_stream_on_a_cluster_appends_reads_and_tails(nats_cluster: Any) -> None:
+    urls = cluster_urls(nats_cluster)
+    client = await connect(urls)
+    reader_client = await connect(list(reversed(urls)))
+    try:
+        log = JetStreamLog(client, replicas=1)
+        await log.ensure()
+        # An existing R1 stream is brought to R3 in place.
+        log = JetStreamLog(client, replicas=3)
+        await log.ensure()
+        assert (await client.jetstream().stream_info(LOG_STREAM)).config.num_replicas == 3
+        session = new_session()
+        await log.append(session, events(session, 0, 1))
+        await log.append(session, events(session, 1, 10))
+        assert await log.read(session) == events(session, 0, 11)
+        reader = JetStreamLog(reader_client, replicas=3)
+        assert await reader.read(session, after=4) == events(session, 5, 6)
+        assert await reader.last_index(session) == 10
+        assert session in await reader.list_sessions()
+        await log.append(session, events(session, 8, 5))  # overlapping retry
+        assert await reader.read(session) == events(session, 0, 13)
+        heartbeats = HeartbeatStream(client, 3)
+        await heartbeats.ensure()
+        await client.publish(beat_subject("w-r3"), b"alive")
+        await client.flush()
+        with anyio.fail_after(10):
+            while (await heartbeats.latest()).get("w-r3") != b"alive":
+                await anyio.sleep(0.05)
+    finally:
+        await close_quietly(client)
+        await reader_client.close()
+
+
+async def test_heartbeats_keep_the_latest_beat_of_every_worker(nc: NATS, log: JetStreamLog) -> None:
+    heartbeats = HeartbeatStream(nc)
+    await heartbeats.ensure()
+    workers = [f"w-{uuid.uuid4().hex[:6]}" for _ in range(3)]
+    # Workers beat with plain core publishes, no JetStream API.
+    plain = await nats.connect(nc.connected_url.geturl() if nc.connected_url else "")
+    try:
+        for beat in range(3):
+            for worker in workers:
+                await plain.publish(beat_subject(worker), f"{worker}:{beat}".encode())
+        await plain.flush()
+    finally:
+        await plain.close()
+    with anyio.fail_after(10):
+        while True:
+            latest = await heartbeats.latest()
+            if all(latest.get(worker) == f"{worker}:2".encode() for worker in workers):
+                break
+            await anyio.sleep(0.02)
+    info = await nc.jetstream().stream_info(HEARTBEAT_STREAM, subjects_filter=HEARTBEAT_WILDCARD)
+    assert all(info.state.subjects and info.state.subjects[beat_subject(w)] == 1 for w in workers)
+    await heartbeats.forget(workers[0])
+    assert workers[0] not in await heartbeats.latest()
+    with pytest.raises(ValueError):
+        beat_subject("a.b")

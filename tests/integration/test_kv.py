@@ -1,0 +1,179 @@
+"""The KV buckets against a real nats-server: create-only agents, the skill catalog with its
+history, and ownership leases by compare-and-set with a TTL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from apomesh.adapters.kv import (
+    AGENTS_BUCKET,
+    LEASES_BUCKET,
+    SKILLS_BUCKET,
+    KvBuckets,
+    decode_key,
+    encode_key,
+)
+from apomesh.adapters.nats_connect import NATS, close_quietly, connect
+from apomesh.core.errors import CatalogError, LogUnavailable, PublishConflict
+
+
+@pytest.fixture
+async def nc(nats_server: Any) -> AsyncIterator[NATS]:
+    client = await connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def buckets(nc: NATS) -> KvBuckets:
+    return await KvBuckets.open(nc.jetstream())
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@given(st.text(min_size=1))
+def test_any_name_encodes_to_a_kv_safe_key_and_back(name: str) -> None:
+    key = encode_key(name)
+    assert all(c.isascii() and (c.isalnum() or c in "-_=") for c in key)
+    assert decode_key(key) == name
+
+
+def test_plain_names_stay_readable() -> None:
+    assert encode_key("house-style_2") == "house-style_2"
+    assert encode_key("writer@1.0.0") == "writer=401=2E0=2E0"
+    assert encode_key("a/b") == "a=2Fb"
+    with pytest.raises(ValueError):
+        encode_key("")
+
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_open_creates_the_three_buckets_and_reopens_them(
+    nc: NATS, buckets: KvBuckets
+) -> None:
+    js = nc.jetstream()
+    for bucket in (AGENTS_BUCKET, SKILLS_BUCKET, LEASES_BUCKET):
+        assert (await js.stream_info(f"KV_{bucket}")).config.num_replicas == 1
+    assert (await js.stream_info(f"KV_{SKILLS_BUCKET}")).config.max_msgs_per_subject == 16
+    assert (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age == 30
+    await KvBuckets.open(js)  # idempotent
+
+
+async def test_a_published_agent_is_create_only(buckets: KvBuckets) -> None:
+    key = unique("writer") + "@1.0.0"
+    await buckets.agents.create(key, b"definition v1")
+    await buckets.agents.create(key, b"definition v1")  # the same bytes again: a no-op
+    with pytest.raises(PublishConflict, match="already published"):
+        await buckets.agents.create(key, b"something else")
+    assert await buckets.agents.get(key) == b"definition v1"
+    assert key in await buckets.agents.keys()
+    assert await buckets.agents.get(unique("nobody") + "@0") is None
+
+
+async def test_the_skill_catalog_keeps_revisions_and_forgets_deleted_skills(
+    buckets: KvBuckets,
+) -> None:
+    name = unique("house style")
+    first = await buckets.skills.put(name, b"be brief")
+    second = await buckets.skills.put(name, b"be briefer")
+    assert second > first
+    assert await buckets.skills.get(name) == b"be briefer"
+    assert await buckets.skills.get_revision(name) == (b"be briefer", second)
+    assert name in await buckets.skills.keys()
+    history = await buckets.skills.history(name)
+    assert [(entry.value, entry.deleted) for entry in history] == [
+        (b"be brief", False),
+        (b"be briefer", False),
+    ]
+    await buckets.skills.delete(name)
+    assert await buckets.skills.get(name) is None
+    assert name not in await buckets.skills.keys()
+    assert (await buckets.skills.history(name))[-1].deleted
+    assert await buckets.skills.history(unique("never")) == []
+
+
+async def test_a_lease_has_one_owner_at_a_time(buckets: KvBuckets) -> None:
+    leases = buckets.leases
+    session = unique("s") + ".with/odd@chars"
+    assert await leases.owner(session) is None
+    assert await leases.acquire(session, "daemon-a")
+    assert not await leases.acquire(session, "daemon-b")
+    assert await leases.acquire(session, "daemon-a")  # holding it already: renewed
+    assert await leases.owner(session) == "daemon-a"
+    assert await leases.renew(session, "daemon-a")
+    assert not await leases.renew(session, "daemon-b")
+    assert not await leases.release(session, "daemon-b")
+    assert await leases.owner(session) == "daemon-a"
+    assert await leases.release(session, "daemon-a")
+    assert await leases.owner(session) is None
+    assert not await leases.renew(session, "daemon-a")
+    assert await leases.acquire(session, "daemon-b")
+    assert await leases.owner(session) == "daemon-b"
+
+
+async def test_racing_owners_never_both_win(buckets: KvBuckets) -> None:
+    session = unique("race")
+    winners: list[str] = []
+
+    async def contend(owner: str) -> None:
+        if await buckets.leases.acquire(session, owner):
+            winners.append(owner)
+
+    async with anyio.create_task_group() as group:
+        for number in range(8):
+            group.start_soon(contend, f"daemon-{number}")
+    assert len(winners) == 1
+    assert await buckets.leases.owner(session) == winners[0]
+
+
+async def test_an_unrenewed_lease_expires_and_another_owner_takes_it(
+    fresh_nats_server: Any,
+) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        buckets = await KvBuckets.open(client.jetstream(), lease_ttl=1.0)
+        assert await buckets.leases.acquire("s-1", "daemon-a")
+        assert not await buckets.leases.acquire("s-1", "daemon-b")
+        with anyio.fail_after(15):
+            while not await buckets.leases.acquire("s-1", "daemon-b"):
+                await anyio.sleep(0.1)
+        assert await buckets.leases.owner("s-1") == "daemon-b"
+        assert not await buckets.leases.renew("s-1", "daemon-a")
+    finally:
+        await close_quietly(client)
+
+
+async def test_reopening_with_other_settings_updates_or_says_why(fresh_nats_server: Any) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        js = client.jetstream()
+        await KvBuckets.open(js, skill_history=4)
+        await KvBuckets.open(js, skill_history=8)
+        assert (await js.stream_info(f"KV_{SKILLS_BUCKET}")).config.max_msgs_per_subject == 8
+        with pytest.raises(CatalogError, match="replicas"):
+            await KvBuckets.open(js, replicas=3)
+    finally:
+        await close_quietly(client)
+
+
+async def test_a_dead_server_is_log_unavailable(fresh_nats_server: Any) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        buckets = await KvBuckets.open(client.jetstream(timeout=1.0))
+        fresh_nats_server.kill()
+        with anyio.fail_after(10), pytest.raises(LogUnavailable):
+            await buckets.skills.get("anything")
+        with anyio.fail_after(10), pytest.raises(LogUnavailable):
+            await buckets.leases.acquire("s-1", "daemon-a")
+    finally:
+        await close_quietly(client)
