@@ -1,0 +1,222 @@
+"""A session's events as server-sent events: the frame format, where a stream starts, and the
+streaming response that replays the log, continues live and sends keep-alive comments.
+
+Each event is one frame::
+
+    id: <index in the session's log>
+    event: <event name, e.g. AgentLifecycle>
+    data: {"v":1,"session_id":...,"index":...,"ts":...,"event_id":...,"kind":...,"event":{...}}
+
+(bytes fields in ``event`` are base64 strings). A client resumes with ``Last-Event-ID: <index>``
+(or ``?after=<index>``) and gets exactly the events after it. ``: keep-alive`` comment lines keep
+idle connections open through proxies. The stream ends after the terminal ``SessionEnded`` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from apomesh.api.service import DaemonService
+from apomesh.core.envelope import Envelope
+from apomesh.core.events import SessionEnded, event_name
+
+log = logging.getLogger("apomesh.api.sse")
+
+KEEPALIVE_FRAME = b": keep-alive\n\n"
+DEFAULT_KEEPALIVE_SECONDS = 15.0
+
+
+def envelope_json(env: Envelope) -> bytes:
+    """The JSON form of an envelope: its fields by name plus ``kind``, the event's name."""
+    return msgspec.json.encode(
+        {
+            "v": env.v,
+            "session_id": env.session_id,
+            "index": env.index,
+            "ts": env.ts,
+            "event_id": env.event_id,
+            "kind": event_name(env.event),
+            "event": env.event,
+        }
+    )
+
+
+def frame(env: Envelope) -> bytes:
+    """One SSE frame for an envelope."""
+    name = event_name(env.event).encode()
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (env.index, name, envelope_json(env))
+
+
+class InvalidStart(ValueError):
+    """A ``Last-Event-ID`` header or ``after`` parameter that is not an index."""
+
+
+def start_after(headers: Mapping[str, str], query: Mapping[str, str]) -> int:
+    """The index a stream starts after: ``Last-Event-ID`` wins over ``?after=``; -1 by default."""
+    raw = headers.get("last-event-id")
+    source = "Last-Event-ID"
+    if raw is None or not raw.strip():
+        raw = query.get("after")
+        source = "after"
+    if raw is None or not raw.strip():
+        return -1
+    try:
+        after = int(raw.strip())
+    except ValueError:
+        raise InvalidStart(f"{source} must be an event index, not {raw[:40]!r}") from None
+    if after < -1:
+        raise InvalidStart(f"{source} must be -1 or more")
+    return after
+
+
+async def session_frames(
+    service: DaemonService, session_id: str, after: int, replay: list[Envelope]
+) -> AsyncIterator[bytes]:
+    """Frames of ``replay`` (read before the response started, so an unknown session was a 404),
+    then of the live tail, without repeats or gaps, ending after ``SessionEnded``."""
+    last = after
+    for env in replay:
+        if env.index <= last:
+            continue
+        yield frame(env)
+        last = env.index
+        if isinstance(env.event, SessionEnded):
+            return
+    view = await service.get_session(session_id)
+    if view.terminal and view.last_index <= last:
+        return
+    tail = service.tail_events(session_id, last)
+    try:
+        async for env in tail:
+            if env.index <= last:
+                continue
+            yield frame(env)
+            last = env.index
+            if isinstance(env.event, SessionEnded):
+                return
+    finally:
+        closer = getattr(tail, "aclose", None)
+        if closer is not None:
+            with anyio.CancelScope(shield=True):
+                await closer()
+
+
+class EventStreams:
+    """The app's open event streams, so a stopping server can end them cleanly at once (clients
+    see the stream end and resume with ``Last-Event-ID``) instead of waiting on them."""
+
+    def __init__(self) -> None:
+        self._open: set[anyio.CancelScope] = set()
+        self.closing = False
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, scope: anyio.CancelScope) -> None:
+        if self.closing:
+            scope.cancel()
+        self._open.add(scope)
+
+    def discard(self, scope: anyio.CancelScope) -> None:
+        self._open.discard(scope)
+
+    def close_all(self) -> None:
+        """End every open stream and every stream opened from now on."""
+        self.closing = True
+        for scope in list(self._open):
+            scope.cancel()
+
+
+class EventStreamResponse(Response):
+    """Streams SSE frames from ``source`` with a keep-alive comment every ``keepalive`` seconds.
+
+    One task pumps frames, one sends keep-alives and one watches for the client leaving; writes
+    are serialised by a lock, so no frame is ever cut by a keep-alive or lost to a timeout."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        source: AsyncIterator[bytes],
+        *,
+        keepalive: float = DEFAULT_KEEPALIVE_SECONDS,
+        streams: EventStreams | None = None,
+    ) -> None:
+        # Not Response.__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        self.source = source
+        self.keepalive = keepalive
+        self.streams = streams if streams is not None else EventStreams()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lock = anyio.Lock()
+        client_gone = False
+
+        async def emit(chunk: bytes) -> None:
+            async with lock:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def pump(group: anyio.abc.TaskGroup) -> None:
+            nonlocal client_gone
+            try:
+                async for chunk in self.source:
+                    await emit(chunk)
+            except OSError:
+                client_gone = True
+            except Exception:
+                # Headers are sent: the status cannot change. End the stream; the client
+                # reconnects with Last-Event-ID and loses nothing.
+                log.exception("event stream failed")
+            finally:
+                closer: Any = getattr(self.source, "aclose", None)
+                if closer is not None:
+                    with anyio.CancelScope(shield=True):
+                        await closer()
+                group.cancel_scope.cancel()
+
+        async def keep_alive(group: anyio.abc.TaskGroup) -> None:
+            nonlocal client_gone
+            while True:
+                await anyio.sleep(self.keepalive)
+                try:
+                    await emit(KEEPALIVE_FRAME)
+                except OSError:
+                    client_gone = True
+                    group.cancel_scope.cancel()
+                    return
+
+        async def watch_disconnect(group: anyio.abc.TaskGroup) -> None:
+            nonlocal client_gone
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    client_gone = True
+                    group.cancel_scope.cancel()
+                    return
+
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        with anyio.CancelScope() as stream_scope:
+            self.streams.add(stream_scope)
+            try:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(watch_disconnect, group)
+                    group.start_soon(keep_alive, group)
+                    group.start_soon(pump, group)
+            finally:
+                self.streams.discard(stream_scope)
+        if not client_gone:
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,162 @@
+"""API tokens: creation, listing, revocation and verification against a JSON file of hashes.
+
+A token reads ``apm_<id>_<secret>``. The file (``tokens.json`` in the daemon's data dir, mode 0600)
+keeps, per token, its id, a name, its role (``read`` or ``operator``), when it was made and the
+sha256 of its secret: the secret itself is shown once, at creation, and stored nowhere. The id is
+not secret; it lets an operator list and revoke tokens. Verification compares digests in constant
+time. The file is re-read when it changes on disk, so tokens made or revoked with the command line
+take effect in a running daemon.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+Role = Literal["read", "operator"]
+ROLES: tuple[Role, ...] = ("read", "operator")
+TOKEN_PREFIX = "apm_"
+TOKENS_FILE = "tokens.json"
+
+
+class TokenInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One token as stored (and listed): never the secret, only its digest."""
+
+    id: str
+    name: str
+    role: Role
+    created_at: float
+    secret_sha256: str
+
+    @property
+    def token_id(self) -> str:
+        return self.id
+
+
+class _TokenFile(msgspec.Struct, kw_only=True):
+    version: int = 1
+    tokens: list[TokenInfo] = []
+
+
+def role_allows(role: str, needed: str) -> bool:
+    """Whether a token of ``role`` may do what needs ``needed`` (operator implies read)."""
+    return role == needed or (role == "operator" and needed == "read")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def split_token(token: str) -> tuple[str, str] | None:
+    """(id, secret) of a well-formed token, None otherwise."""
+    if not token.startswith(TOKEN_PREFIX):
+        return None
+    token_id, sep, secret = token[len(TOKEN_PREFIX) :].partition("_")
+    if not sep or not token_id or not secret:
+        return None
+    return token_id, secret
+
+
+class TokenStore:
+    """Tokens kept hashed in one JSON file. Safe to share between threads."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._tokens: dict[str, TokenInfo] = {}
+        self._stamp: tuple[int, int] | None = None
+
+    @classmethod
+    def in_dir(cls, data_dir: str | os.PathLike[str]) -> TokenStore:
+        """The store of a daemon's data dir (``<data>/tokens.json``)."""
+        return cls(Path(data_dir) / TOKENS_FILE)
+
+    def create(self, role: str, name: str) -> tuple[str, str]:
+        """Make a token; returns (token_id, the full secret token) — the only time it is shown."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        checked: Role = "operator" if role == "operator" else "read"
+        with self._lock:
+            self._load()
+            token_id = secrets.token_hex(6)
+            while token_id in self._tokens:
+                token_id = secrets.token_hex(6)
+            secret = secrets.token_urlsafe(32)
+            info = TokenInfo(
+                id=token_id,
+                name=name,
+                role=checked,
+                created_at=time.time(),
+                secret_sha256=_digest(secret),
+            )
+            self._tokens[token_id] = info
+            self._save()
+        return token_id, f"{TOKEN_PREFIX}{token_id}_{secret}"
+
+    def list(self) -> list[TokenInfo]:
+        with self._lock:
+            self._load()
+            return sorted(self._tokens.values(), key=lambda t: t.created_at)
+
+    def revoke(self, token_id: str) -> bool:
+        """Remove a token by id; False when there was none."""
+        with self._lock:
+            self._load()
+            if self._tokens.pop(token_id, None) is None:
+                return False
+            self._save()
+            return True
+
+    def identify(self, token: str) -> TokenInfo | None:
+        """The stored token a presented one matches, or None."""
+        parts = split_token(token)
+        with self._lock:
+            self._load()
+            info = self._tokens.get(parts[0]) if parts is not None else None
+        # Compare even when the id is unknown so timing does not tell whether an id exists.
+        expected = info.secret_sha256 if info is not None else _digest(secrets.token_hex(16))
+        presented = _digest(parts[1] if parts is not None else token)
+        if hmac.compare_digest(expected, presented) and info is not None:
+            return info
+        return None
+
+    def verify(self, token: str) -> Role | None:
+        """The role of a valid token, or None."""
+        info = self.identify(token)
+        return info.role if info is not None else None
+
+    def _load(self) -> None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            self._tokens = {}
+            self._stamp = None
+            return
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return
+        data = msgspec.json.decode(self.path.read_bytes(), type=_TokenFile)
+        self._tokens = {t.id: t for t in data.tokens}
+        self._stamp = stamp
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        payload = msgspec.json.encode(_TokenFile(tokens=list(self._tokens.values())))
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing temp file keeps its old mode otherwise
+        with os.fdopen(fd, "wb") as out:
+            out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+        stat = self.path.stat()
+        self._stamp = (stat.st_mtime_ns, stat.st_size)

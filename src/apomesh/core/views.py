@@ -1,0 +1,230 @@
+"""Read-only views of sessions, workers and catalogs, as the REST API answers them and the SDK reads
+them back: plain msgspec Structs shared by both sides, plus the pure builders that derive a session's
+views from its folded ``SessionState``. Nothing here does I/O; times are the log's own timestamps.
+
+Fields added later get defaults, and readers ignore fields they do not know, so a newer daemon and
+an older client (or the reverse) still understand each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from apomesh.core.events import PluginPin
+from apomesh.core.state import SessionState
+
+SESSION_STATUSES: tuple[str, ...] = (
+    "running",
+    "paused",
+    "completed",
+    "failed",
+    "cancelled",
+    "recoverable",
+)
+"""Every status a session view can carry; ``recoverable`` is decided by the daemon, not the fold."""
+
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+
+
+class AgentSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One agent of a session's spawn tree: where it hangs, what it does and how far it got."""
+
+    ref: str
+    parent: str | None
+    name: str
+    role: str
+    phase: str
+    task: str | None = None
+    worker: str | None = None
+    epoch: int = 0
+    resumes: int = 0
+    resuming: bool = False
+    output: str | None = None
+    reason: str | None = None
+    batch: str | None = None
+
+
+class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
+    """An open human-in-the-loop pause: which agent asks what."""
+
+    pause_id: str
+    agent: str
+    question: str
+
+
+class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True):
+    """A side effect whose intent is logged but whose result never was (or was ``unknown``)."""
+
+    agent: str
+    tool: str
+    key: str
+    args: dict[str, Any]
+
+
+class SessionView(msgspec.Struct, frozen=True, kw_only=True):
+    """The folded state of one session, as ``GET /v1/sessions/{id}`` answers it."""
+
+    session_id: str
+    status: str
+    goal: str
+    output: str | None = None
+    side_effects: int = 0
+    last_index: int = -1
+    agents: list[AgentSummary] = []
+    hitl_pending: list[HitlPauseView] = []
+    unknown_outcomes: list[UnknownOutcomeView] = []
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    coordination: str = ""
+    recoveries: int = 0
+    resumes: int = 0
+    reason: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One row of the sessions list."""
+
+    session_id: str
+    status: str
+    goal: str
+    last_index: int = -1
+    updated_at: float = 0.0
+    side_effects: int = 0
+
+
+class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker the daemon knows: its last heartbeat (unix seconds) and the agents it runs."""
+
+    id: str
+    name: str
+    last_heartbeat: float
+    agents: list[str] = []
+    tools: list[str] = []
+    providers: list[str] = []
+    alive: bool = True
+
+
+class PinDiff(msgspec.Struct, frozen=True, kw_only=True):
+    """A pinned plugin whose installed version differs: ``new`` is None when it is not installed."""
+
+    name: str
+    old: str
+    new: str | None
+
+
+class RecoverableView(msgspec.Struct, frozen=True, kw_only=True):
+    """A session waiting for an operator, with what the operator must see before resuming it."""
+
+    session_id: str
+    goal: str
+    reason: str
+    category: str = ""
+    side_effects: int = 0
+    last_event_at: float = 0.0
+    unknown_outcomes: list[UnknownOutcomeView] = []
+    pin_diff: list[PinDiff] = []
+
+
+class SkillView(msgspec.Struct, frozen=True, kw_only=True):
+    """A skill in the mutable catalog; ``revision`` grows on every put."""
+
+    name: str
+    body: str
+    digest: str
+    revision: int = 0
+
+
+class AgentRecordView(msgspec.Struct, frozen=True, kw_only=True):
+    """A published, immutable agent (name, version) and what it was sealed with."""
+
+    name: str
+    version: str
+    digest: str
+    definition: dict[str, Any]
+    skills: list[str] = []
+    plugins: list[PluginPin] = []
+
+
+def session_view(
+    state: SessionState, status: str | None = None, reason: str | None = None
+) -> SessionView:
+    """The view of a folded session. ``status``/``reason`` override the fold's (the daemon passes
+    ``recoverable`` and why); otherwise the status is the fold's and the reason the terminal one."""
+    ended_reason = state.ended.reason if state.ended is not None else None
+    agents = [
+        AgentSummary(
+            ref=agent.ref,
+            parent=agent.parent,
+            name=agent.config.name if agent.config is not None else agent.ref,
+            role=agent.config.role if agent.config is not None else "",
+            phase=agent.phase,
+            task=agent.task,
+            worker=agent.worker,
+            epoch=agent.epoch,
+            resumes=agent.resumes,
+            resuming=agent.resuming,
+            output=agent.output,
+            reason=agent.reason,
+            batch=agent.batch,
+        )
+        for agent in state.agents.values()
+    ]
+    return SessionView(
+        session_id=state.session_id,
+        status=status if status is not None else state.status,
+        goal=state.goal,
+        output=state.output,
+        side_effects=state.side_effects,
+        last_index=state.last_index,
+        agents=agents,
+        hitl_pending=[
+            HitlPauseView(pause_id=p.pause_id, agent=p.agent, question=p.question)
+            for p in state.hitl_pending.values()
+        ],
+        unknown_outcomes=unknown_outcomes(state),
+        started_at=state.started_ts,
+        updated_at=state.last_ts,
+        coordination=state.bootstrap.shape.coordination if state.bootstrap is not None else "",
+        recoveries=state.recoveries,
+        resumes=state.resumes,
+        reason=reason if reason is not None else ended_reason,
+    )
+
+
+def unknown_outcomes(state: SessionState) -> list[UnknownOutcomeView]:
+    """The session's side effects whose outcome is unknown, in log order."""
+    entries = sorted(state.unknown_outcomes, key=lambda e: e.intent_index)
+    return [
+        UnknownOutcomeView(agent=e.agent, tool=e.tool, key=e.key, args=dict(e.args))
+        for e in entries
+    ]
+
+
+def session_summary(state: SessionState, status: str | None = None) -> SessionSummary:
+    """The list row of a folded session (``status`` overrides the fold's, as in ``session_view``)."""
+    return SessionSummary(
+        session_id=state.session_id,
+        status=status if status is not None else state.status,
+        goal=state.goal,
+        last_index=state.last_index,
+        updated_at=state.last_ts,
+        side_effects=state.side_effects,
+    )
+
+
+def summarize(view: SessionView) -> SessionSummary:
+    """The list row of a session view."""
+    return SessionSummary(
+        session_id=view.session_id,
+        status=view.status,
+        goal=view.goal,
+        last_index=view.last_index,
+        updated_at=view.updated_at,
+        side_effects=view.side_effects,
+    )
