@@ -23,6 +23,7 @@ from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, tls_context
+from apomesh.adapters.natsserver import NatsServer, find_nats_server, single_node
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
@@ -46,6 +47,19 @@ def nats_options(config: Config) -> dict[str, Any]:
     if n.tls_ca or n.tls_cert:
         options["tls"] = tls_context(ca_file=n.tls_ca or None, cert_file=n.tls_cert or None, key_file=n.tls_key or None)
     return options
+
+
+def embedded_server(config: Config) -> NatsServer:
+    """The one-node JetStream server ``apomesh serve`` starts when no ``--nats`` URL is given:
+    127.0.0.1 only, its store under the data dir, dying with the daemon."""
+    store = config.nats_store_path()
+    spec = single_node(
+        store.parent,
+        name=store.name,
+        sync_interval="always" if config.nats.sync_interval == "always" else None,
+        port=config.nats.embedded_port or None,
+    )
+    return NatsServer(spec, binary=find_nats_server(config.nats.server_binary or None))
 
 
 def make_plugin_host(config: Config) -> PluginHost:
@@ -94,9 +108,7 @@ class Node:
         if config.nats.urls:
             self.urls = list(config.nats.urls)
         else:
-            from apomesh.adapters import natsserver
-
-            self.server = natsserver.embedded_server(config)
+            self.server = embedded_server(config)
             await asyncio.to_thread(self.server.start)
             self.urls = [self.server.url]
             log.info("embedded nats-server at %s (store %s)", self.server.url, config.nats_store_path())
