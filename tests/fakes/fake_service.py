@@ -54,7 +54,6 @@ from apomesh.core.events import (
 from apomesh.core.journal import call_key
 from apomesh.core.state import SessionState, fold
 from apomesh.core.views import (
-    TERMINAL_STATUSES,
     AgentRecordView,
     PinDiff,
     RecoverableView,
@@ -443,9 +442,6 @@ class FakeService:
     async def health(self) -> dict[str, Any]:
         self._check_broken()
         return {"ok": True, "sessions": len(await self.log.list_sessions())}
-
-    def terminal(self, view: SessionView) -> bool:
-        return view.status in TERMINAL_STATUSES
 
 
 # --- serving an app in the test's event loop -------------------------------------------------

@@ -367,7 +367,7 @@ function agentTree(agents) {
         h("code", { class: "agent-ref" }, agent.ref),
         agent.resuming ? h("span", { class: "badge resuming", testid: "agent-resuming-badge" }, "resuming") : null,
         agent.resumes ? h("span", { class: "resumes", testid: "agent-resumes",
-          title: "times this agent was resumed" }, `resumed ×${agent.resumes}`) : null,
+          title: "times this agent was resumed" }, `resumes: ${agent.resumes}`) : null,
         agent.worker ? h("span", { class: "muted" }, `on ${agent.worker} · epoch ${agent.epoch}`) : null),
       agent.task ? h("div", { class: "agent-task" }, agent.task) : null,
       agent.output && agent.phase === "completed" ? h("div", { class: "agent-output" }, agent.output) : null,
@@ -474,16 +474,15 @@ function renderSession(sessionId) {
     output.textContent = view.output || "";
     reason.hidden = !view.reason;
     reason.textContent = view.reason ? `Reason: ${view.reason}` : "";
-    const fact = (k, v) => [h("dt", {}, k), h("dd", {}, v)];
-    facts.replaceChildren(...[
+    const fact = (k, v) => h("div", { class: "fact" }, h("dt", {}, k), h("dd", {}, v));
+    facts.replaceChildren(
       fact("Coordination", view.coordination || "—"),
       fact("Events", String(view.last_index + 1)),
       fact("Side effects", String(view.side_effects)),
       fact("Agent resumes", String(view.resumes)),
       fact("Recoveries", String(view.recoveries)),
       fact("Started", formatTime(view.started_at)),
-      fact("Updated", formatTime(view.updated_at)),
-    ].flat());
+      fact("Updated", formatTime(view.updated_at)));
     tree.replaceChildren(...agentTree(view.agents));
     unknown.replaceChildren(...(view.unknown_outcomes.length ? [
       h("h2", {}, "Side effects with unknown outcome"),
@@ -712,10 +711,10 @@ function render() {
   else if (parts[0] === "recoverable") renderRecoverable();
   else if (parts[0] === "workers") renderWorkers();
   else renderSessions();
+  pollRecoverableCount();
 }
 
 setupTokenDialog();
 window.addEventListener("hashchange", render);
 render();
-pollRecoverableCount();
 setInterval(pollRecoverableCount, 10000);
