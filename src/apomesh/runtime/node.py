@@ -23,7 +23,7 @@ from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, tls_context
-from apomesh.adapters.natsserver import NatsServer, find_nats_server, single_node
+from apomesh.adapters.natsserver import embedded_server
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
@@ -47,19 +47,6 @@ def nats_options(config: Config) -> dict[str, Any]:
     if n.tls_ca or n.tls_cert:
         options["tls"] = tls_context(ca_file=n.tls_ca or None, cert_file=n.tls_cert or None, key_file=n.tls_key or None)
     return options
-
-
-def embedded_server(config: Config) -> NatsServer:
-    """The one-node JetStream server ``apomesh serve`` starts when no ``--nats`` URL is given:
-    127.0.0.1 only, its store under the data dir, dying with the daemon."""
-    store = config.nats_store_path()
-    spec = single_node(
-        store.parent,
-        name=store.name,
-        sync_interval="always" if config.nats.sync_interval == "always" else None,
-        port=config.nats.embedded_port or None,
-    )
-    return NatsServer(spec, binary=find_nats_server(config.nats.server_binary or None))
 
 
 def make_plugin_host(config: Config) -> PluginHost:
