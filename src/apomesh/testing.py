@@ -12,6 +12,13 @@ NATS servers:
                            (a ``NatsCluster``: a list of ``NatsServer`` with ``.urls``)
     ``nats_hub_leaf``      a JetStream hub and a leaf node linked to it, ``(hub, leaf)``
 
+Daemons and workers (real processes):
+    ``mesh``               a fresh nats-server, an ``apomesh serve`` process and two
+                           ``apomesh worker`` processes, registered (a ``Mesh``); tests may
+                           SIGKILL, freeze or restart any of them
+    ``DaemonProcess``, ``WorkerProcess``  the same parts, to build other shapes (a cluster,
+                           a leaf node)
+
 Importing this module stays cheap (pytest loads it in every run where apomesh is installed): the
 server machinery is imported inside the fixtures.
 """
@@ -29,7 +36,11 @@ if TYPE_CHECKING:
     from apomesh.adapters.natsserver import NatsCluster, NatsServer
 
 __all__ = [
+    "DaemonProcess",
+    "Mesh",
+    "WorkerProcess",
     "fresh_nats_server",
+    "mesh",
     "nats_cluster",
     "nats_hub_leaf",
     "nats_server",
@@ -125,3 +136,230 @@ def nats_hub_leaf(
 
 # --------------------------------------------------------------------------------------------
 # Daemon (to come: an `apomesh serve` node and workers on top of the servers above)
+
+
+class DaemonProcess:
+    """An ``apomesh serve`` process on a given NATS (no embedded server), with its HTTP API on a
+    free loopback port. ``kill()`` is SIGKILL; ``start()`` again reuses the same data dir and port,
+    which is how tests restart a daemon."""
+
+    def __init__(
+        self,
+        nats_urls: list[str],
+        data_dir: Any,
+        *,
+        workers: int = 0,
+        heartbeat_interval: float = 0.3,
+        missed_beats: int = 3,
+        env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        from pathlib import Path
+
+        from apomesh.adapters.natsserver import free_port
+
+        self.nats_urls = list(nats_urls)
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.workspace = self.data_dir / "workspace"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = workers
+        self.extra_args = extra_args
+        self.log_file = self.data_dir / "serve.log"
+        self.env = {
+            "APOMESH_LIVENESS_HEARTBEAT_INTERVAL": str(heartbeat_interval),
+            "APOMESH_LIVENESS_MISSED_BEATS": str(missed_beats),
+            **(env or {}),
+        }
+        self.proc: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self, timeout: float = 30.0) -> None:
+        import os
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        args = [
+            sys.executable, "-m", "apomesh", "serve", "--nats", ",".join(self.nats_urls),
+            "--data", str(self.data_dir), "--workspace", str(self.workspace),
+            "--http", f"127.0.0.1:{self.port}", "--workers", str(self.workers), *self.extra_args,
+        ]
+        env = {**os.environ, **self.env}
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"apomesh serve exited {self.proc.returncode}:\n{self.output_tail()}")
+            try:
+                with opener.open(f"{self.url}/healthz", timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"apomesh serve did not answer /healthz within {timeout} s:\n{self.output_tail()}")
+
+    def output_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, grace: float = 10.0) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class WorkerProcess:
+    """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT."""
+
+    def __init__(self, nats_urls: list[str], workspace: Any, name: str, env: dict[str, str] | None = None) -> None:
+        from pathlib import Path
+
+        self.nats_urls = list(nats_urls)
+        self.workspace = Path(workspace)
+        self.name = name
+        self.env = env or {}
+        self.log_file = self.workspace.parent / f"worker-{name}.log"
+        self.proc: Any = None
+
+    def start(self) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "apomesh", "worker", "--nats", ",".join(self.nats_urls),
+                "--name", self.name, "--workspace", str(self.workspace)]
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def freeze(self) -> None:
+        import os
+        import signal
+
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        import os
+        import signal
+
+        os.kill(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.thaw()
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class Mesh:
+    """A whole system for a test: its own nats-server, an ``apomesh serve`` process and worker
+    processes. ``worker()`` starts one more; everything stops at teardown."""
+
+    def __init__(self, server: NatsServer, base: Any, *, daemon_workers: int = 0, env: dict[str, str] | None = None) -> None:
+        self.server = server
+        self.base = base
+        self.env = env or {}
+        self.daemon = DaemonProcess([server.url], base / "daemon", workers=daemon_workers, env=self.env)
+        self.workers: list[WorkerProcess] = []
+
+    @property
+    def url(self) -> str:
+        return self.daemon.url
+
+    @property
+    def nats_url(self) -> str:
+        return self.server.url
+
+    def worker(self, name: str | None = None) -> WorkerProcess:
+        worker = WorkerProcess([self.server.url], self.daemon.workspace, name or f"w{len(self.workers)}", env=self.env)
+        worker.start()
+        self.workers.append(worker)
+        return worker
+
+    def wait_workers(self, count: int, timeout: float = 30.0) -> None:
+        """Until the daemon lists ``count`` live workers."""
+        import json
+        import time
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with opener.open(f"{self.url}/v1/workers", timeout=2.0) as response:
+                    body = json.loads(response.read())
+                    rows = body["workers"] if isinstance(body, dict) else body
+                    if sum(1 for w in rows if w.get("alive", True)) >= count:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{count} workers did not register within {timeout} s")
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        self.daemon.stop()
+
+
+@pytest.fixture
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """A fresh system: its own nats-server, an ``apomesh serve`` process (no local workers) and
+    two worker processes, registered. Heartbeats every 0.3 s, lost after 3 missed beats."""
+    from apomesh.adapters.natsserver import NatsServer, single_node
+
+    base = tmp_path_factory.mktemp("mesh")
+    server = NatsServer(single_node(base, name="nats"))
+    server.start()
+    system = Mesh(server, base)
+    try:
+        system.daemon.start()
+        system.worker()
+        system.worker()
+        system.wait_workers(2)
+        yield system
+    finally:
+        system.close()
+        server.stop()
