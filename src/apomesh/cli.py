@@ -298,7 +298,7 @@ def cmd_tokens(args: argparse.Namespace) -> int:
     from apomesh.api.tokens import TokenStore
 
     data = Path(args.data or os.environ.get("APOMESH_DAEMON_DATA_DIR", ".apomesh")).absolute()
-    store = TokenStore(data / "tokens.json")
+    store = TokenStore.in_dir(data)
     if args.action == "create":
         token_id, secret = store.create(args.role, args.name or args.role)
         console.print(f"token {token_id} ({args.role}); shown once:")

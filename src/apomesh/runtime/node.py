@@ -123,22 +123,23 @@ class Node:
             await self._start_http()
 
     async def _start_http(self) -> None:
-        import uvicorn
-
-        from apomesh.api.app import create_app
+        from apomesh.api.app import ApiServer, create_app
         from apomesh.api.auth import AuthSettings
         from apomesh.api.tokens import TokenStore
 
         assert self.service is not None
         http = self.config.http
         host, port = http.host_port()
-        auth = AuthSettings(enabled=True, token_store=TokenStore(self.config.daemon.data_path() / "tokens.json")) if http.auth_required() else AuthSettings.off()
+        auth = (
+            AuthSettings(enabled=True, token_store=TokenStore.in_dir(self.config.daemon.data_path()))
+            if http.auth_required()
+            else AuthSettings.off()
+        )
         app = create_app(self.service, auth=auth)
         kwargs: dict[str, Any] = {}
         if http.tls_cert:
             kwargs = {"ssl_certfile": http.tls_cert, "ssl_keyfile": http.tls_key}
-        uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", **kwargs)
-        self._http_server = uvicorn.Server(uv_config)
+        self._http_server = ApiServer(app, host=host, port=port, log_level="warning", **kwargs)
         self._http_task = asyncio.create_task(self._http_server.serve())
         while not self._http_server.started:
             if self._http_task.done():
