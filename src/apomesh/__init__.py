@@ -7,7 +7,7 @@ points are the ``apomesh`` command (``apomesh.cli``) and the async client ``apom
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from apomesh._version import __version__
 
 __all__ = ["__version__", "Client", "SyncClient"]
 

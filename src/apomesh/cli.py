@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from apomesh import __version__
+from apomesh._version import __version__
 from apomesh.core.errors import ApomeshError
 
 console = Console()
@@ -49,6 +49,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from apomesh.api.server import serve_api
     from apomesh.runtime.node import Node
 
     overrides: dict[str, dict[str, Any]] = {
@@ -64,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with Node(config) as node:
+        async with Node(config, http=serve_api) as node:
             assert node.daemon is not None
             console.print(
                 f"apomesh {__version__} serving on {node.http_url} (NATS {', '.join(node.urls)},"

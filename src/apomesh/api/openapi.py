@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from apomesh import __version__
+from apomesh._version import __version__
 from apomesh.api.tokens import Role
 from apomesh.core.views import (
     AgentRecordView,

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import pluggy
 
-import apomesh
+from apomesh._version import __version__ as APOMESH_VERSION
 from apomesh.core.errors import NotFound, PluginError
 from apomesh.core.events import PluginPin
 from apomesh.plugins import hookspecs
@@ -193,7 +193,7 @@ class PluginHost:
                 key=BUILTIN_DISTRIBUTION,
                 plugin=module,
                 distribution=BUILTIN_DISTRIBUTION,
-                version=apomesh.__version__,
+                version=APOMESH_VERSION,
                 entry_point="",
                 builtin=True,
             )

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,10 @@ from apomesh.runtime.service import Service
 from apomesh.runtime.worker import Worker
 
 log = logging.getLogger("apomesh.node")
+
+HttpStarter = Callable[[Service, Config], Awaitable[Any]]
+"""Starts the HTTP API for a node (``apomesh.api.server.serve_api``); answers a handle with
+``url`` and ``async stop()``. The command line passes it in, so this layer never imports the API."""
 
 
 def nats_options(config: Config) -> dict[str, Any]:
@@ -67,7 +72,7 @@ async def start_local_worker(urls: list[str], config: Config, plugins: PluginHos
 class Node:
     """One ``apomesh serve`` process."""
 
-    def __init__(self, config: Config, *, http: bool = True) -> None:
+    def __init__(self, config: Config, *, http: HttpStarter | None | bool = None) -> None:
         self.config = config
         self.http = http
         self.server: Any = None
@@ -77,8 +82,7 @@ class Node:
         self.service: Service | None = None
         self.workers: list[tuple[Any, Worker]] = []
         self.urls: list[str] = []
-        self._http_server: Any = None
-        self._http_task: asyncio.Task[Any] | None = None
+        self._http_endpoint: Any = None
         self.http_url = ""
 
     async def __aenter__(self) -> Node:
@@ -120,44 +124,13 @@ class Node:
             )
         await self.daemon.start()
         if self.http:
-            await self._start_http()
-
-    async def _start_http(self) -> None:
-        from apomesh.api.app import ApiServer, create_app
-        from apomesh.api.auth import AuthSettings
-        from apomesh.api.tokens import TokenStore
-
-        assert self.service is not None
-        http = self.config.http
-        host, port = http.host_port()
-        auth = (
-            AuthSettings(enabled=True, token_store=TokenStore.in_dir(self.config.daemon.data_path()))
-            if http.auth_required()
-            else AuthSettings.off()
-        )
-        app = create_app(self.service, auth=auth)
-        kwargs: dict[str, Any] = {}
-        if http.tls_cert:
-            kwargs = {"ssl_certfile": http.tls_cert, "ssl_keyfile": http.tls_key}
-        self._http_server = ApiServer(app, host=host, port=port, log_level="warning", **kwargs)
-        self._http_task = asyncio.create_task(self._http_server.serve())
-        while not self._http_server.started:
-            if self._http_task.done():
-                self._http_task.result()
-                raise RuntimeError(f"the HTTP API could not listen on {http.listen}")
-            await asyncio.sleep(0.02)
-        scheme = "https" if http.tls_cert else "http"
-        bound_port = port
-        with contextlib.suppress(Exception):
-            bound_port = self._http_server.servers[0].sockets[0].getsockname()[1]
-        self.http_url = f"{scheme}://{host}:{bound_port}"
+            assert callable(self.http) and self.service is not None
+            self._http_endpoint = await self.http(self.service, config)
+            self.http_url = self._http_endpoint.url
 
     async def aclose(self) -> None:
-        if self._http_server is not None:
-            self._http_server.should_exit = True
-            if self._http_task is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._http_task, 5.0)
+        if self._http_endpoint is not None:
+            await self._http_endpoint.stop()
         if self.daemon is not None:
             await self.daemon.aclose()
         for nc, worker in self.workers:

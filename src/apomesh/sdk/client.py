@@ -23,7 +23,7 @@ import anyio
 import httpx
 import msgspec
 
-from apomesh import __version__
+from apomesh._version import __version__
 from apomesh.core.views import (
     AgentRecordView,
     RecoverableView,

@@ -1,0 +1,56 @@
+"""Serving the API for ``apomesh serve``: the app on uvicorn at ``[http] listen``, with bearer-token
+auth on when the daemon listens beyond loopback (or as configured) and TLS when a certificate is
+given. ``serve_api`` is handed to the runtime's ``Node`` by the command line, so the runtime never
+imports the API layer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from apomesh.api.app import ApiServer, create_app
+from apomesh.api.auth import AuthSettings
+from apomesh.api.service import DaemonService
+from apomesh.api.tokens import TokenStore
+from apomesh.runtime.config import Config
+
+
+@dataclass
+class HttpEndpoint:
+    url: str
+    server: ApiServer
+    task: asyncio.Task[Any]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 10.0)
+
+
+async def serve_api(service: DaemonService, config: Config) -> HttpEndpoint:
+    """Start the HTTP API; answers once it listens."""
+    http = config.http
+    host, port = http.host_port()
+    auth = (
+        AuthSettings(enabled=True, token_store=TokenStore.in_dir(config.daemon.data_path()))
+        if http.auth_required()
+        else AuthSettings.off()
+    )
+    app = create_app(service, auth=auth)
+    options: dict[str, Any] = {"log_level": "warning"}
+    if http.tls_cert:
+        options.update(ssl_certfile=http.tls_cert, ssl_keyfile=http.tls_key)
+    server = ApiServer(app, host=host, port=port, **options)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError(f"the HTTP API could not listen on {http.listen}")
+        await asyncio.sleep(0.02)
+    bound = port
+    with contextlib.suppress(Exception):
+        bound = server.servers[0].sockets[0].getsockname()[1]
+    scheme = "https" if http.tls_cert else "http"
+    return HttpEndpoint(f"{scheme}://{host}:{bound}", server, task)
