@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.core.journal import call_key, pause_key
@@ -312,6 +312,7 @@ async def _call_tool(
         return f"error: outcome unknown for {name}: {reply.message}"
     if reply.decision == "hold":
         raise Stall("waiting", f"held for an operator: outcome of {name} {key[:12]} unknown")
+    outcome: Literal["ok", "error"]
     try:
         result = await tool.run(ctx, args)
         outcome = "ok"
@@ -331,6 +332,6 @@ async def _call_tool(
                 outcome=outcome,
                 result=result,
             )
-        )  # type: ignore[arg-type]
+        )
     )
     return result if outcome == "ok" else f"error: {result}"

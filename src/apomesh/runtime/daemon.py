@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -202,7 +202,7 @@ class Daemon:
     def next_child_ref(self, state: SessionState, parent: str) -> str:
         return decisions.next_child_ref(state, parent)
 
-    async def adopt(self, state: SessionState, *, recovered: str | None, fresh_children: bool) -> SessionRuntime:
+    async def adopt(self, state: SessionState, *, recovered: Literal["auto", "operator"] | None, fresh_children: bool) -> SessionRuntime:
         """Take ownership of a session (lease) and start driving it."""
         if not await self.kv.leases.acquire(state.session_id, self.daemon_id):
             raise ApomeshError(f"session {state.session_id} is driven by another daemon")
@@ -262,7 +262,7 @@ class Daemon:
         completed = {sid for sid, _ in await self.store.list_completed()}
         session_ids = [s for s in await self.log.list_sessions() if s not in completed]
         gate = asyncio.Semaphore(32)
-        counts = {"completed_skipped": len(completed), "terminal": 0, "auto_resume": 0, "recoverable": 0, "undecodable": 0}
+        counts: dict[str, float] = {"completed_skipped": len(completed), "terminal": 0, "auto_resume": 0, "recoverable": 0, "undecodable": 0}
 
         async def one(session_id: str) -> None:
             async with gate:

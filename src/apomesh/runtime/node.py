@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-
 from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
@@ -72,7 +71,7 @@ async def start_local_worker(urls: list[str], config: Config, plugins: PluginHos
 class Node:
     """One ``apomesh serve`` process."""
 
-    def __init__(self, config: Config, *, http: HttpStarter | None | bool = None) -> None:
+    def __init__(self, config: Config, *, http: HttpStarter | bool | None = None) -> None:
         self.config = config
         self.http = http
         self.server: Any = None

@@ -32,7 +32,6 @@ from apomesh.core.views import (
     session_view,
     unknown_outcomes,
 )
-from apomesh.plugins.pins import diff_pins
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.daemon import Daemon
@@ -148,10 +147,10 @@ class Service:
             outcomes = unknown_outcomes(rec.state)
             if rec.state.bootstrap is not None:
                 installed = self.daemon.plugins.installed_versions()
-                for change in diff_pins(rec.state.bootstrap.shape.plugins, [
-                    p.__class__(name=p.name, version=installed[p.name]) for p in rec.state.bootstrap.shape.plugins if p.name in installed
-                ]):
-                    diff.append(PinDiff(name=change.name, old=change.old or "", new=change.new))
+                for pin in rec.state.bootstrap.shape.plugins:
+                    now = installed.get(pin.name)
+                    if now != pin.version:
+                        diff.append(PinDiff(name=pin.name, old=pin.version, new=now))
         return RecoverableView(
             session_id=rec.session_id, goal=rec.goal, reason=rec.reason, category=rec.category,
             side_effects=rec.side_effects, last_event_at=rec.last_event_at, unknown_outcomes=outcomes, pin_diff=diff,

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from apomesh.core import envelope
 from apomesh.core.events import (
@@ -317,10 +317,10 @@ class SessionRuntime:
 
     # --- the coordinator task ----------------------------------------------------------------------
 
-    def start(self, recovered: str | None = None) -> None:
+    def start(self, recovered: Literal["auto", "operator"] | None = None) -> None:
         self.task = asyncio.create_task(self._run(recovered), name=f"session-{self.session_id}")
 
-    async def _run(self, recovered: str | None) -> None:
+    async def _run(self, recovered: Literal["auto", "operator"] | None) -> None:
         assert self.state.bootstrap is not None
         shape = self.state.bootstrap.shape
         try:
@@ -330,7 +330,7 @@ class SessionRuntime:
                         path=recovered,
                         checkpoint_index=self.state.checkpoint_index,
                         incarnation=self.daemon.incarnation,
-                    )  # type: ignore[arg-type]
+                    )
                 )
             for job in list(self.state.jobs_in_flight.values()):
                 self.daemon.start_job(self, job)

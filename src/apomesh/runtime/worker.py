@@ -20,7 +20,8 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from apomesh.core.errors import Fenced
 from apomesh.plugins.api import ModelProvider, SupervisorPolicy, Tool
@@ -148,7 +149,7 @@ class Worker:
                         SUBJECT_REGISTER, ENCODER.encode(request), timeout=self.request_timeout
                     )
                     reply = REGISTER_REPLY_DECODER.decode(msg.data)
-                except (NatsTimeout, NoRespondersError, asyncio.TimeoutError):
+                except (TimeoutError, NatsTimeout, NoRespondersError):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     continue
@@ -266,7 +267,7 @@ class Worker:
             try:
                 msg = await self.nc.request(subject, data, timeout=self.request_timeout)
                 return REPLY_DECODER.decode(msg.data)
-            except (NatsTimeout, NoRespondersError, asyncio.TimeoutError):
+            except (TimeoutError, NatsTimeout, NoRespondersError):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
