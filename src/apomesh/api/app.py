@@ -176,6 +176,10 @@ class _Api:
                     identity = self.authenticator.check(
                         client_address(request), request.headers.get("authorization"), spec.role
                     )
+                session_id = request.path_params.get("session_id")
+                if session_id is not None and not _plausible_session_id(session_id):
+                    # No session can have such an id: answer as for any unknown one.
+                    raise NotFound(f"session {session_id[:80]!r}")
                 return await handler(request, identity)
             except AuthFailure as exc:
                 headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
@@ -366,6 +370,16 @@ def _agent_choice(choice: AgentChoice | str) -> tuple[str, str | None]:
     if not name.strip() or (version is not None and not version.strip()):
         raise BadRequest("invalid_body", "`agent` needs a name and, if given, a non-empty version")
     return name, version
+
+
+def _plausible_session_id(session_id: str) -> bool:
+    """Whether ``session_id`` could name a session: one NATS subject token (no ``.``, ``*``,
+    ``>``, spaces or control characters) of at most 256 characters."""
+    return (
+        0 < len(session_id) <= 256
+        and session_id.isprintable()
+        and not any(c in session_id for c in ".*> \t")
+    )
 
 
 def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:

@@ -38,7 +38,12 @@ async def serve_api(service: DaemonService, config: Config) -> HttpEndpoint:
         if http.auth_required()
         else AuthSettings.off()
     )
-    app = create_app(service, auth=auth)
+    app = create_app(
+        service,
+        auth=auth,
+        max_body_bytes=http.max_body_bytes,
+        keepalive_seconds=http.keepalive_seconds,
+    )
     options: dict[str, Any] = {"log_level": "warning"}
     if http.tls_cert:
         options.update(ssl_certfile=http.tls_cert, ssl_keyfile=http.tls_key)

@@ -16,7 +16,14 @@ from typing import Any
 import msgspec
 
 from apomesh.core.definition import AgentDefinition, PinnedSkill, parse_definition
-from apomesh.core.errors import DefinitionError, MissingSkill, NotFound, PublishConflict
+from apomesh.core.errors import (
+    ApomeshError,
+    CatalogError,
+    DefinitionError,
+    MissingSkill,
+    NotFound,
+    PublishConflict,
+)
 from apomesh.core.events import PluginPin
 from apomesh.core.views import AgentRecordView, SkillView
 from apomesh.plugins.api import ResolvedSkill
@@ -69,7 +76,7 @@ class Catalog:
     # --- skills --------------------------------------------------------------------------------------
 
     async def put_skill(self, name: str, body: str, tools: list[str] | None = None) -> SkillView:
-        _check_name(name, "skill")
+        _check_name(name, "skill", CatalogError)
         revision = await self.kv.skills.put(name, msgspec.json.encode(SkillRecord(body, tools or [])))
         return SkillView(name=name, body=body, digest=digest_of(body), revision=revision)
 
@@ -181,6 +188,6 @@ def _view(bundle: AgentBundle) -> AgentRecordView:
     )
 
 
-def _check_name(name: str, what: str) -> None:
+def _check_name(name: str, what: str, error: type[ApomeshError] = DefinitionError) -> None:
     if not name or len(name) > 128 or any(c.isspace() or c in "@/*>" for c in name):
-        raise DefinitionError(f"{what} name {name!r} must be 1-128 characters without spaces, '@', '/', '*' or '>'")
+        raise error(f"{what} name {name!r} must be 1-128 characters without spaces, '@', '/', '*' or '>'")

@@ -92,6 +92,8 @@ class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tls_key: str = ""
     auth: Literal["auto", "on", "off"] = "auto"
     token: str = ""
+    keepalive_seconds: PositiveSeconds = 15.0
+    max_body_bytes: Positive = 1 * MIB
 
     def host_port(self) -> tuple[str, int]:
         """``listen`` split into (host, port); an IPv6 host is written in brackets: ``[::1]:8750``."""

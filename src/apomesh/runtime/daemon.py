@@ -364,7 +364,7 @@ class Daemon:
         state = runtime.state if runtime else await self.load_state(session_id)
         if pause_id not in state.hitl_pending:
             if pause_id in state.hitl_answers:
-                raise ApomeshError(f"pause {pause_id} was already answered")
+                raise NotFound(f"pause {pause_id} is not open: it was already answered")
             raise NotFound(f"open pause {pause_id} in session {session_id}")
         if runtime is None:
             raise ApomeshError(f"session {session_id} is not running here; resume it first")

@@ -98,6 +98,7 @@ class Worker:
         self._beat_task: asyncio.Task[None] | None = None
         self._sub: Any = None
         self._registered = asyncio.Event()
+        self._beat_now = asyncio.Event()
         self._register_lock = asyncio.Lock()
         self._closing = False
         self._seq = 0
@@ -162,6 +163,7 @@ class Worker:
                 self.incarnation = reply.incarnation
                 self.heartbeat_interval = reply.heartbeat_interval or self.heartbeat_interval
                 self._registered.set()
+                self._beat_now.set()
                 log.info("worker %s registered with daemon %s", self.worker_id, reply.incarnation)
                 return
 
@@ -177,7 +179,11 @@ class Worker:
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(beat_subject(self.worker_id), ENCODER.encode(beat))
-            await asyncio.sleep(self.heartbeat_interval)
+            # A registration may set a shorter interval than the one being slept: beat at once
+            # then, or the daemon's first silence window could close before the next beat.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval)
+            self._beat_now.clear()
 
     def _abandon_all(self, reason: str) -> None:
         for key, (_, task) in list(self.running.items()):
@@ -195,8 +201,9 @@ class Worker:
             return
         if isinstance(message, Reregister):
             await _respond(msg, DispatchAck(True))
-            if message.incarnation != self.incarnation:
-                self._spawn(self.register())
+            # Also from the incarnation we know: it asks when it no longer lists us (it declared
+            # us lost during a silence), and only a new registration puts us back on its list.
+            self._spawn(self.register())
             return
         if isinstance(message, Cancel):
             key = (message.session_id, message.agent)
