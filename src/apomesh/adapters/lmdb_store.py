@@ -196,6 +196,31 @@ class LmdbStore:
 
         self._write(f"write {len(encoded_puts)} records", body)
 
+    def write_batches(
+        self, batches: Sequence[tuple[Sequence[tuple[str, str, bytes]], Sequence[tuple[str, str]]]]
+    ) -> None:
+        """Several ``write_batch`` calls' (puts, deletes), applied in order in one synced
+        transaction: one fsync for all of them, and after a crash all of them or none."""
+        encoded = [
+            (
+                [
+                    (self._dbs[check_database(db)], encode_key(key), bytes(value))
+                    for db, key, value in puts
+                ],
+                [(self._dbs[check_database(db)], encode_key(key)) for db, key in deletes],
+            )
+            for puts, deletes in batches
+        ]
+
+        def body(txn: lmdb.Transaction) -> None:
+            for encoded_puts, encoded_deletes in encoded:
+                for handle, key, value in encoded_puts:
+                    txn.put(key, value, db=handle)
+                for handle, key in encoded_deletes:
+                    txn.delete(key, db=handle)
+
+        self._write(f"write {len(encoded)} batches", body)
+
     def get(self, db: str, key: str) -> bytes | None:
         handle = self._dbs[check_database(db)]
         raw_key = encode_key(key)
@@ -315,17 +340,40 @@ class LmdbStore:
         self.close()
 
 
+class _QueuedWrite:
+    """One caller's ``write_batch`` waiting for the group commit that carries it."""
+
+    __slots__ = ("deletes", "done", "error", "puts")
+
+    def __init__(
+        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]]
+    ) -> None:
+        self.puts = puts
+        self.deletes = deletes
+        self.done = False
+        self.error: BaseException | None = None
+
+
 class AsyncStore:
     """Any ``StateStore`` called from async code: each call runs in a worker thread.
 
-    Reads run concurrently on anyio's default thread limiter; writes queue on one limiter of a
-    single token, so a burst of writes waits its turn instead of parking a thread per write on
-    LMDB's write lock. A cancelled caller still lets a started write finish (never half-applied).
+    Reads run concurrently on anyio's default thread limiter. Writes are group-committed: a write
+    that arrives while another transaction is being committed waits for it, and then all the
+    writes that queued meanwhile go in the next transaction together (``write_batches`` when the
+    store has it), so a burst of writes from many sessions costs one fsync and one thread hop per
+    group instead of one per write, and never parks a thread per write on LMDB's write lock. Each
+    caller's batch is still all-or-nothing and is durable when its call returns; if a group's
+    transaction fails, its batches are retried one by one so one bad batch fails only its caller.
+    A cancelled caller whose batch has not been picked up yet takes it back; one already being
+    committed still finishes (never half-applied).
     """
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._write_limiter: anyio.CapacityLimiter | None = None
+        self._queued: list[_QueuedWrite] = []
+        self._committing = False
+        self._committed: anyio.Event | None = None
 
     def _writes(self) -> anyio.CapacityLimiter:
         # Created on first use so the facade can be built outside a running event loop.
@@ -333,10 +381,60 @@ class AsyncStore:
             self._write_limiter = anyio.CapacityLimiter(1)
         return self._write_limiter
 
+    async def _group_write(
+        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        entry = _QueuedWrite(puts, deletes)
+        self._queued.append(entry)
+        while not entry.done:
+            if self._committing:
+                if self._committed is None:
+                    self._committed = anyio.Event()
+                try:
+                    await self._committed.wait()
+                except BaseException:
+                    if entry in self._queued:
+                        self._queued.remove(entry)
+                    raise
+                continue
+            group, self._queued = self._queued, []
+            self._committing = True
+            try:
+                await anyio.to_thread.run_sync(self._commit_group, group, limiter=self._writes())
+            except BaseException as exc:
+                for queued in group:
+                    if not queued.done:  # the thread never got to it: fail it, never leave it
+                        queued.error, queued.done = exc, True
+                raise
+            finally:
+                self._committing = False
+                committed, self._committed = self._committed, None
+                if committed is not None:
+                    committed.set()
+        if entry.error is not None:
+            raise entry.error
+
+    def _commit_group(self, group: list[_QueuedWrite]) -> None:
+        """Runs in the writer thread: the group in one transaction when the store can."""
+        write_batches = getattr(self.store, "write_batches", None)
+        if len(group) > 1 and write_batches is not None:
+            try:
+                write_batches([(entry.puts, entry.deletes) for entry in group])
+            except Exception:
+                pass  # apply them one by one below, so the error reaches only its own caller
+            else:
+                for entry in group:
+                    entry.done = True
+                return
+        for entry in group:
+            try:
+                self.store.write_batch(entry.puts, entry.deletes)
+            except Exception as exc:
+                entry.error = exc
+            entry.done = True
+
     async def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
-        await anyio.to_thread.run_sync(
-            self.store.put_snapshot, agent_key, snapshot_id, data, limiter=self._writes()
-        )
+        await self._group_write([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
 
     async def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
         return await anyio.to_thread.run_sync(self.store.get_snapshot, agent_key, snapshot_id)
@@ -352,9 +450,7 @@ class AsyncStore:
     async def write_batch(
         self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
     ) -> None:
-        await anyio.to_thread.run_sync(
-            self.store.write_batch, puts, deletes, limiter=self._writes()
-        )
+        await self._group_write(puts, deletes)
 
     async def get(self, db: str, key: str) -> bytes | None:
         return await anyio.to_thread.run_sync(self.store.get, db, key)
@@ -363,17 +459,13 @@ class AsyncStore:
         return await anyio.to_thread.run_sync(self.store.scan, db, prefix)
 
     async def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
-        await anyio.to_thread.run_sync(
-            self.store.put_journal, agent_key, call_key, record, limiter=self._writes()
-        )
+        await self._group_write([("journal", journal_key(agent_key, call_key), record)])
 
     async def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
         return await anyio.to_thread.run_sync(self.store.get_journal, agent_key, call_key)
 
     async def put_completed(self, session_id: str, record: bytes) -> None:
-        await anyio.to_thread.run_sync(
-            self.store.put_completed, session_id, record, limiter=self._writes()
-        )
+        await self._group_write([("completed", session_id, record)])
 
     async def get_completed(self, session_id: str) -> bytes | None:
         return await anyio.to_thread.run_sync(self.store.get_completed, session_id)
