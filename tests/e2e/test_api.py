@@ -143,6 +143,13 @@ def test_a_session_from_an_inline_definition_completes(http: httpx.Client, syste
     assert root["worker"] in {w["id"] for w in http.get("/v1/workers").json()["workers"]}
 
 
+def test_a_goal_alone_runs_the_default_agent(http: httpx.Client, system: Mesh) -> None:
+    response = http.post("/v1/sessions", json={"goal": "just this"})
+    assert response.status_code == 201, response.text
+    done = wait_status(system.url, response.json()["session_id"])
+    assert done["status"] == "completed" and done["output"] == "done: just this"
+
+
 def test_a_published_agent_is_created_once_and_runs(http: httpx.Client, system: Mesh) -> None:
     definition = {**ECHO, "name": "greeter", "version": "1.0.0"}
     first = http.post("/v1/agents", json=definition)
@@ -574,11 +581,14 @@ def test_resume_needs_the_preview_confirmed_after_a_daemon_restart(mesh: Mesh) -
     done = wait_status(mesh.url, session_id, timeout=90)
     assert done["status"] == "completed", done
     assert httpx.get(f"{mesh.url}/v1/recoverable").json()["sessions"] == []
+    # No longer stranded: resuming it again, or asking for its preview, is a conflict.
     error_of(
         httpx.post(f"{mesh.url}/v1/sessions/{session_id}/resume", json={"confirm": True}),
-        404,
-        "not_found",
+        409,
+        "apomesh_error",
     )
+    error_of(httpx.get(f"{mesh.url}/v1/recoverable/{session_id}"), 409, "apomesh_error")
+    error_of(httpx.post(f"{mesh.url}/v1/sessions/{session_id}/resume"), 409, "apomesh_error")
     lines = journal_lines(mesh.daemon.workspace, "resume-api.txt")
     assert len(lines) == len(set(lines)), lines
     assert set(lines) <= {f"line {n}" for n in range(1, 7)}

@@ -35,6 +35,7 @@ from apomesh.core.views import (
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.daemon import Daemon
+from apomesh.runtime.folds import FoldCache
 from apomesh.runtime.sessions import SessionRuntime
 
 
@@ -51,6 +52,9 @@ class Service:
         self.daemon = daemon
         self.catalog = catalog
         self.limits = daemon.config.limits
+        # Sessions this daemon does not drive (ended ones above all) are read through this cache,
+        # so a request folds only what was appended since the last one, not the whole log.
+        self.folds = FoldCache(daemon.log.read)
 
     # --- sessions ------------------------------------------------------------------------------------
 
@@ -68,7 +72,9 @@ class Service:
             )
         else:
             if definition is None:
-                raise ApomeshError("a session needs an agent: a published `agent` or an inline `definition`")
+                from apomesh.runtime.demo import DEFAULT_AGENT  # runtime.demo imports the node
+
+                definition = DEFAULT_AGENT
             _check_size("the agent definition", definition, self.limits.max_definition_bytes)
             parsed = parse_definition(definition)
             skills = await self.catalog.resolve_skills(parsed.skills)
@@ -114,7 +120,10 @@ class Service:
             if rec.state is None:
                 return SessionView(session_id=session_id, status="recoverable", goal="", reason=rec.reason)
             return session_view(rec.state, status="recoverable", reason=rec.reason)
-        return session_view(await self.daemon.load_state(session_id))
+        runtime = self.daemon.sessions.get(session_id)
+        if runtime is not None:
+            return session_view(runtime.state)
+        return await self.folds.view(session_id)
 
     async def read_events(self, session_id: str, after: int) -> list[Envelope]:
         envelopes: list[Envelope] = await self.daemon.log.read(session_id, after)
@@ -132,12 +141,15 @@ class Service:
         await self.daemon.answer_hitl(session_id, pause_id, answer, by=by)
 
     async def resume(self, session_id: str, *, migrate_pins: dict[str, str], by: str) -> None:
+        if session_id not in self.daemon.recoverable:
+            await self.recovery_preview(session_id)  # 404 when unknown, 409 when not stranded
         await self.daemon.resume(session_id, by=by, migrate_pins=migrate_pins or None)
 
     async def recovery_preview(self, session_id: str) -> RecoverableView:
         rec = self.daemon.recoverable.get(session_id)
         if rec is None:
-            raise NotFound(f"recoverable session {session_id}")
+            view = await self.get_session(session_id)  # NotFound for an unknown session
+            raise ApomeshError(f"session {session_id} is {view.status}, not on the recoverable list")
         return self._recoverable_view(rec)
 
     def _recoverable_view(self, rec: Any) -> RecoverableView:
