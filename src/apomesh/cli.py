@@ -172,6 +172,9 @@ def _follow(client: Any, session_id: str) -> int:
             live.update(render())
             if record.kind == "SessionEnded":
                 break
+    if not console.is_terminal:
+        # rich ends the last frame with a newline only on a terminal; a pipe needs its own.
+        console.line()
     view = client.get_session(session_id)
     console.print(f"{view.status}: {view.output or view.reason or ''}")
     return 0 if view.status == "completed" else 1

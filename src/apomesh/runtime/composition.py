@@ -42,6 +42,12 @@ def _inline_script(model: Any, base: Path, where: str) -> Any:
     if not isinstance(model, dict) or not model.get("script") or model.get("turns"):
         return model
     script_path = (base / str(model["script"])).resolve()
+    if not script_path.is_file():
+        # Named by the field that points at it, so the user knows which `script` is wrong.
+        raise DefinitionError(
+            f"model script file {model['script']!r} not found (looked for {script_path})",
+            where=f"{where}.script",
+        )
     turns = parse_script(_read_toml(script_path, "model script"), where=str(script_path))
     inlined = {k: v for k, v in model.items() if k != "script"}
     inlined["turns"] = msgspec.to_builtins(turns)
@@ -52,11 +58,14 @@ def inline_scripts(data: dict[str, Any], base: Path, where: str) -> dict[str, An
     """A definition mapping with every ``model.script`` path replaced by its inline ``turns``."""
     out = dict(data)
     if "model" in out:
-        out["model"] = _inline_script(out["model"], base, where)
+        out["model"] = _inline_script(out["model"], base, f"{where} $.model")
     if isinstance(out.get("roles"), dict):
         out["roles"] = {
             role: (
-                {**spec, "model": _inline_script(spec["model"], base, where)}
+                {
+                    **spec,
+                    "model": _inline_script(spec["model"], base, f"{where} $.roles.{role}.model"),
+                }
                 if isinstance(spec, dict) and "model" in spec
                 else spec
             )
