@@ -446,6 +446,9 @@ def test_metrics_count_what_happened_in_prometheus_format(mesh: Mesh) -> None:
     next(w for w in mesh.workers if w.name == names[worker_id]).kill()
     mesh.worker()
     assert wait_status(mesh.url, session_id, timeout=90)["status"] == "completed"
+    workers = httpx.get(f"{mesh.url}/v1/workers").json()["workers"]
+    assert [w["alive"] for w in workers if w["id"] == worker_id] == [False]
+    assert sum(w["alive"] for w in workers) == 2
 
     response = httpx.get(f"{mesh.url}/metrics")
     assert response.status_code == 200

@@ -69,6 +69,9 @@ from apomesh.runtime.snapshots import SnapshotStore
 
 log = logging.getLogger("apomesh.daemon")
 
+LOST_WORKERS_KEPT = 64
+"""How many workers declared lost the daemon keeps listing (``GET /v1/workers``, ``alive`` false)."""
+
 
 @dataclass
 class WorkerInfo:
@@ -144,6 +147,8 @@ class Daemon:
         self.sessions: dict[str, SessionRuntime] = {}
         self.recoverable: dict[str, Recoverable] = {}
         self.workers: dict[str, WorkerInfo] = {}
+        # Workers declared lost, newest last, listed as such until they register again.
+        self.lost_workers: dict[str, WorkerInfo] = {}
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reregister_sent: dict[str, float] = {}
@@ -392,6 +397,7 @@ class Daemon:
             reg.worker_id, reg.name, reg.tools, reg.providers, now, time.time(),
             load=known.load if known else 0,
         )
+        self.lost_workers.pop(reg.worker_id, None)
         log.info("worker %s (%s) registered", reg.worker_id, reg.name)
         await _reply(msg, RegisterReply(True, incarnation=self.incarnation, heartbeat_interval=self.interval))
         await self._wake_all()
@@ -480,6 +486,10 @@ class Daemon:
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             return
+        self.lost_workers.pop(worker_id, None)
+        self.lost_workers[worker_id] = worker
+        while len(self.lost_workers) > LOST_WORKERS_KEPT:
+            del self.lost_workers[next(iter(self.lost_workers))]
         self.metrics.workers_lost.inc()
         log.warning("worker %s lost: %s", worker_id, reason)
         for runtime in list(self.sessions.values()):

@@ -176,13 +176,22 @@ class Service:
 
     async def list_workers(self) -> list[WorkerView]:
         now = time.monotonic()
-        return [
+        alive = [
             WorkerView(
                 id=w.worker_id, name=w.name, last_heartbeat=w.last_beat_wall, agents=list(w.agents),
                 tools=list(w.tools), providers=list(w.providers), alive=now - w.last_seen <= self.daemon.threshold,
             )
             for w in self.daemon.workers.values()
         ]
+        lost = [
+            WorkerView(
+                id=w.worker_id, name=w.name, last_heartbeat=w.last_beat_wall, agents=[],
+                tools=list(w.tools), providers=list(w.providers), alive=False,
+            )
+            for w in reversed(self.daemon.lost_workers.values())
+            if w.worker_id not in self.daemon.workers
+        ]
+        return alive + lost
 
     # --- catalog -------------------------------------------------------------------------------------
 

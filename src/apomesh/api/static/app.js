@@ -367,11 +367,14 @@ function agentTree(agents) {
         h("code", { class: "agent-ref" }, agent.ref),
         agent.resuming ? h("span", { class: "badge resuming", testid: "agent-resuming-badge" }, "resuming") : null,
         agent.resumes ? h("span", { class: "resumes", testid: "agent-resumes",
-          title: "times this agent was resumed" }, `resumes: ${agent.resumes}`) : null,
-        agent.worker ? h("span", { class: "muted" }, `on ${agent.worker} · epoch ${agent.epoch}`) : null),
-      agent.task ? h("div", { class: "agent-task" }, agent.task) : null,
-      agent.output && agent.phase === "completed" ? h("div", { class: "agent-output" }, agent.output) : null,
-      agent.reason ? h("div", { class: "agent-reason" }, agent.reason) : null,
+          title: "times this agent was resumed" }, `resumes: ${agent.resumes}`) : null),
+      agent.worker ? h("div", { class: "agent-meta" },
+        `on ${agent.worker} · epoch ${agent.epoch}`) : null,
+      agent.task ? h("div", { class: "agent-task" }, h("span", { class: "label" }, "task"), agent.task) : null,
+      agent.output && agent.phase === "completed"
+        ? h("div", { class: "agent-output" }, h("span", { class: "label" }, "output"), agent.output) : null,
+      agent.reason ? h("div", { class: `agent-reason reason-${agent.phase}` },
+        h("span", { class: "label" }, "why"), agent.reason) : null,
       kids.length ? h("ul", {}, kids.map(node)) : null);
   };
   return roots.map(node);
@@ -388,6 +391,7 @@ function renderSession(sessionId) {
   const goal = h("p", { id: "session-goal", testid: "session-goal", class: "goal-text" });
   const facts = h("dl", { id: "session-facts", testid: "session-facts", class: "facts" });
   const output = h("pre", { id: "session-output", testid: "session-output", class: "output", hidden: true });
+  const outputLabel = h("h2", { class: "output-label", hidden: true }, "Output");
   const reason = h("p", { id: "session-reason", testid: "session-reason", class: "reason", hidden: true });
   const actions = h("div", { class: "actions" });
   const hitl = h("div", { id: "hitl-list", testid: "hitl-list", class: "hitl-list" });
@@ -401,7 +405,7 @@ function renderSession(sessionId) {
     h("a", { href: "#/sessions", class: "back" }, "← Sessions"),
     h("h1", {}, "Session ", h("code", { id: "session-id", testid: "session-id" }, sessionId), " ",
       status, " ", streamState),
-    errors, goal, reason, output, facts, actions, hitl, unknown,
+    errors, goal, reason, outputLabel, output, facts, actions, hitl, unknown,
     h("div", { class: "columns" },
       h("section", { class: "panel" }, h("h2", {}, "Agents"), tree),
       h("section", { class: "panel" }, h("h2", {}, "Timeline"), timeline))));
@@ -471,6 +475,7 @@ function renderSession(sessionId) {
     status.dataset.status = view.status;
     goal.textContent = view.goal;
     output.hidden = view.output === null || view.output === undefined;
+    outputLabel.hidden = output.hidden;
     output.textContent = view.output || "";
     reason.hidden = !view.reason;
     reason.textContent = view.reason ? `Reason: ${view.reason}` : "";
@@ -523,6 +528,8 @@ function renderSession(sessionId) {
 
   function addEvent(env) {
     const resume = env.kind === "AgentResuming" || env.kind === "AgentResumed";
+    // Follow the newest event, unless the operator scrolled up to read older ones.
+    const following = timeline.scrollTop + timeline.clientHeight >= timeline.scrollHeight - 24;
     timeline.append(h("li", { testid: "timeline-item", class: resume ? "resume" : "",
       data: { kind: env.kind, index: String(env.index) } },
       h("span", { class: "idx" }, `#${env.index}`),
@@ -530,13 +537,23 @@ function renderSession(sessionId) {
       h("span", { class: `kind kind-${env.kind}` }, env.kind),
       h("span", { class: "what" }, describe(env))));
     while (timeline.children.length > TIMELINE_MAX) timeline.firstElementChild.remove();
+    if (following) timeline.scrollTop = timeline.scrollHeight;
     refreshSoon();
   }
 
   function setStream(state) {
+    const was = streamState.dataset.state;
     streamState.dataset.state = state;
     streamState.textContent = state;
+    // Back after a drop (a daemon restart, say): the status may have changed with no event,
+    // e.g. the session now waits on the recoverable list.
+    if (state === "live" && was === "reconnecting") refreshSoon();
   }
+  // A session's status can change without an event (stranded on the recoverable list, resumed
+  // by another operator): look again now and then while it has not ended.
+  every(current, POLL_MS * 2, () => {
+    if (view && !["completed", "failed", "cancelled"].includes(view.status)) refreshSoon();
+  });
 
   refresh().then(() => {
     if (page !== current) return;

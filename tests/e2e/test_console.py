@@ -1,0 +1,233 @@
+"""The operator console in a real headless Chromium (Playwright) on a real daemon with worker
+processes: a fanout session followed live while the worker running a sub-agent is SIGKILLed (the
+tree marks the agent resuming, then resumed), a pause answered through the form, and a session
+stranded by a daemon SIGKILL resumed from the recoverable page after its preview. Screenshots go to
+``$APOMESH_SHOTS`` (default /tmp)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from tests.e2e.api_support import (
+    appender,
+    asker,
+    fanout_writer,
+    journal_lines,
+    view,
+    wait_event,
+    wait_until,
+)
+
+from apomesh.testing import Mesh
+
+playwright_api = pytest.importorskip("playwright.async_api")
+
+CHROMIUM = os.environ.get("APOMESH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+WAIT_MS = 30_000
+SHOTS = Path(os.environ.get("APOMESH_SHOTS", "/tmp"))
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        not (Path(CHROMIUM).exists() or shutil.which("chromium")),
+        reason="Debian's chromium is not installed",
+    ),
+]
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    async with playwright_api.async_playwright() as playwright:
+        launched = await playwright.chromium.launch(
+            executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
+            args=CHROMIUM_ARGS,
+            headless=True,
+        )
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+@pytest.fixture
+async def page(browser: Any) -> AsyncIterator[Any]:
+    context = await browser.new_context(viewport={"width": 1360, "height": 1000})
+    opened = await context.new_page()
+    errors: list[str] = []
+    opened.on("pageerror", lambda error: errors.append(str(error)))
+    yield opened
+    await context.close()
+    assert errors == [], f"the console raised: {errors}"
+
+
+def by_testid(name: str, **data: str) -> str:
+    selector = f'[data-testid="{name}"]'
+    for key, value in data.items():
+        selector += f'[data-{key.replace("_", "-")}="{value}"]'
+    return selector
+
+
+async def wait_for(page: Any, selector: str, state: str = "visible") -> Any:
+    return await page.wait_for_selector(selector, state=state, timeout=WAIT_MS)
+
+
+async def start(url: str, goal: str, definition: dict[str, Any]) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(
+            f"{url}/v1/sessions", json={"goal": goal, "definition": definition}
+        )
+    assert response.status_code == 201, response.text
+    return str(response.json()["session_id"])
+
+
+async def timeline_indexes(page: Any) -> list[int]:
+    indexes: list[int] = await page.eval_on_selector_all(
+        by_testid("timeline-item"), "items => items.map(i => Number(i.dataset.index))"
+    )
+    return indexes
+
+
+async def test_a_fanout_session_is_followed_through_a_worker_kill(page: Any, mesh: Mesh) -> None:
+    session_id = await start(mesh.url, "write three parts", fanout_writer("console", 5, 0.5))
+    await page.goto(f"{mesh.url}/#/sessions/{session_id}")
+    await wait_for(page, by_testid("session-page", session_id=session_id))
+    await wait_for(page, by_testid("stream-state", state="live"))
+    assert await page.text_content(by_testid("session-goal")) == "write three parts"
+
+    # A sub-agent shows up running in the tree; SIGKILL the worker process running it.
+    running = await wait_for(
+        page, f'{by_testid("agent-node", phase="running")}[data-agent-ref*="/"]'
+    )
+    agent = await running.get_attribute("data-agent-ref")
+    effect = await anyio.to_thread.run_sync(
+        lambda: wait_event(
+            mesh.url,
+            session_id,
+            lambda e: e["kind"] == "ToolCallRecorded" and e["event"]["agent"] == agent,
+        )
+    )
+    assert effect["event"]["outcome"] == "ok"
+    state = await anyio.to_thread.run_sync(view, mesh.url, session_id)
+    worker_id = next(a["worker"] for a in state["agents"] if a["ref"] == agent)
+    workers = httpx.get(f"{mesh.url}/v1/workers").json()["workers"]
+    name = next(w["name"] for w in workers if w["id"] == worker_id)
+    victim = next(w for w in mesh.workers if w.name == name)
+    await anyio.to_thread.run_sync(victim.kill)
+    await anyio.to_thread.run_sync(mesh.worker)
+
+    # The tree marks the agent while it is being resumed, the timeline highlights the pair.
+    resuming = await wait_for(page, by_testid("agent-node", agent_ref=agent, resuming="true"))
+    assert await resuming.query_selector(by_testid("agent-resuming-badge")) is not None
+    item = await wait_for(page, by_testid("timeline-item", kind="AgentResuming"))
+    assert "resume" in (await item.get_attribute("class"))
+    assert "lost" in (await item.text_content())
+    await page.screenshot(path=str(SHOTS / "console-e2e-resuming.png"), full_page=True)
+    resumed = await wait_for(page, by_testid("agent-node", agent_ref=agent, resuming="false"))
+    await wait_for(page, by_testid("timeline-item", kind="AgentResumed"))
+    assert "resumes: 1" in (await resumed.text_content())
+
+    await wait_for(page, by_testid("session-status", status="completed"))
+    await wait_for(page, by_testid("stream-state", state="ended"))
+    assert await page.text_content(by_testid("session-output")) == "three parts"
+    for ref in ("root", "root/0", "root/1", "root/2"):
+        await wait_for(page, by_testid("agent-node", agent_ref=ref, phase="completed"))
+    indexes = await timeline_indexes(page)
+    assert indexes == list(range(len(indexes)))
+    assert indexes[-1] == (await anyio.to_thread.run_sync(view, mesh.url, session_id))["last_index"]
+    await page.screenshot(path=str(SHOTS / "console-e2e-session.png"), full_page=True)
+    for index in range(3):
+        lines = journal_lines(mesh.daemon.workspace, f"console-{index}.txt")
+        assert len(lines) == len(set(lines)) == 5
+
+    # The sessions list shows it, and the workers page the one killed and its replacement.
+    await page.click('a[href="#/sessions"] >> nth=0')
+    await wait_for(page, by_testid("session-row", session_id=session_id, status="completed"))
+    await page.screenshot(path=str(SHOTS / "console-e2e-sessions.png"), full_page=True)
+    await page.click(by_testid("nav-workers"))
+    await wait_for(page, by_testid("worker-row", alive="true"))
+    lost = await wait_for(page, by_testid("worker-row", worker_id=worker_id, alive="false"))
+    assert "lost" in (await lost.text_content())
+    assert await page.locator(by_testid("worker-row", alive="true")).count() == 2
+    await page.screenshot(path=str(SHOTS / "console-e2e-workers.png"), full_page=True)
+
+
+async def test_a_pause_is_answered_through_the_form(page: Any, mesh: Mesh) -> None:
+    session_id = await start(mesh.url, "choose a cover", asker("Which colour should the cover be?"))
+    await page.goto(f"{mesh.url}/#/sessions/{session_id}")
+    pause = await wait_for(page, by_testid("hitl-pause"))
+    question = await pause.query_selector(by_testid("hitl-question"))
+    assert await question.text_content() == "Which colour should the cover be?"
+    await wait_for(page, by_testid("session-status", status="paused"))
+    await page.screenshot(path=str(SHOTS / "console-e2e-pause.png"), full_page=True)
+    await page.fill(by_testid("hitl-answer-input"), "Deep blue.")
+    await page.click(by_testid("hitl-answer-submit"))
+    await wait_for(page, by_testid("hitl-pause"), state="detached")
+    await wait_for(page, by_testid("timeline-item", kind="HitlAnswered"))
+    await wait_for(page, by_testid("session-status", status="completed"))
+    answered = await anyio.to_thread.run_sync(
+        lambda: wait_event(mesh.url, session_id, lambda e: e["kind"] == "HitlAnswered")
+    )
+    assert answered["event"]["answer"] == "Deep blue."
+
+
+async def test_a_session_stranded_by_a_daemon_kill_is_resumed_after_its_preview(
+    page: Any, mesh: Mesh
+) -> None:
+    session_id = await start(mesh.url, "append six lines", appender("console-resume.txt"))
+    await page.goto(f"{mesh.url}/#/sessions/{session_id}")
+    await wait_for(page, by_testid("stream-state", state="live"))
+    await wait_for(page, by_testid("timeline-item", kind="ToolCallRecorded"))
+
+    # The daemon dies mid-session: the page notices and reconnects once it is back.
+    await anyio.to_thread.run_sync(mesh.daemon.kill)
+    await wait_for(page, by_testid("stream-state", state="reconnecting"))
+    await anyio.to_thread.run_sync(mesh.daemon.start)
+    await wait_for(page, by_testid("stream-state", state="live"))
+    await wait_for(page, by_testid("session-status", status="recoverable"))
+    await wait_for(page, f'{by_testid("recoverable-count")}:has-text("1")')
+
+    await page.click(by_testid("nav-recoverable"))
+    row = await wait_for(page, by_testid("recoverable-row", session_id=session_id))
+    assert "side effects" in (await row.text_content())
+    await page.click(
+        f"{by_testid('recoverable-row', session_id=session_id)} {by_testid('recoverable-resume')}"
+    )
+    preview = await wait_for(page, by_testid("resume-preview", session_id=session_id))
+    assert await preview.query_selector(by_testid("preview-no-pins")) is not None
+    reason = await preview.query_selector(by_testid("preview-reason"))
+    assert "side effect" in (await reason.text_content())
+    outcomes = await preview.query_selector_all(by_testid("preview-unknown-outcome"))
+    nothing_unknown = await preview.query_selector(by_testid("preview-no-unknown"))
+    assert outcomes or nothing_unknown is not None
+    await page.screenshot(path=str(SHOTS / "console-e2e-preview.png"), full_page=True)
+    assert (await anyio.to_thread.run_sync(view, mesh.url, session_id))["status"] == "recoverable"
+
+    await page.click(by_testid("resume-confirm"))
+    await wait_for(page, by_testid("session-page", session_id=session_id))
+    await wait_for(page, by_testid("timeline-item", kind="OperatorAction"))
+    await wait_for(page, by_testid("timeline-item", kind="SessionRecovered"))
+    await wait_for(page, by_testid("session-status", status="completed"))
+    await wait_for(page, by_testid("stream-state", state="ended"))
+    indexes = await timeline_indexes(page)
+    assert indexes == list(range(len(indexes)))
+    lines = journal_lines(mesh.daemon.workspace, "console-resume.txt")
+    assert len(lines) == len(set(lines)) >= 5
+
+    await page.click(by_testid("nav-recoverable"))
+    await wait_for(page, by_testid("recoverable-empty"))
+    wait_until(lambda: httpx.get(f"{mesh.url}/v1/recoverable").json()["sessions"] == [], 10)
