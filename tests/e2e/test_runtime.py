@@ -352,3 +352,42 @@ def test_sigterm_mid_session_then_restart_resumes_and_loses_nothing(mesh: Mesh) 
     assert recovered.event["path"] == "auto"
     assert recovered.index > before[-1].index
     assert ended["side_effects"] == 0
+
+
+def test_an_open_pause_survives_a_daemon_restart(mesh: Mesh) -> None:
+    session_id = start(mesh.url, "design a cover", definition("hitl"))
+    (pause,) = _paused(mesh.url, session_id)["hitl_pending"]
+    mesh.daemon.stop()
+    mesh.daemon.start()
+    # The restarted daemon still lists the same pause, and takes its answer.
+    (again,) = _paused(mesh.url, session_id)["hitl_pending"]
+    assert again == pause
+    response = httpx.post(
+        f"{mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "teal"}
+    )
+    assert response.status_code == 202, response.text
+    ended = wait_ended(mesh.url, session_id)
+    assert ended["status"] == "completed", ended
+    records = log_of(mesh.url, session_id)
+    _check_answered_log(records, "teal")
+    assert kinds(records).count("SessionRecovered") == 1
+
+
+def test_an_async_job_in_flight_at_shutdown_finishes_after_the_restart(mesh: Mesh) -> None:
+    agent = definition("job")
+    agent["model"]["turns"][0]["tool_calls"][0]["args"]["seconds"] = 3
+    session_id = start(mesh.url, "nap", agent)
+    wait_until(
+        mesh.url, session_id, lambda v: v["agents"][0]["phase"] == "waiting", "waited for its job"
+    )
+    mesh.daemon.stop()
+    mesh.daemon.start()
+    ended = wait_ended(mesh.url, session_id)
+    assert ended["status"] == "completed", ended
+    assert ended["output"] == "slept"
+    records = log_of(mesh.url, session_id)
+    names = kinds(records)
+    assert names.count("AsyncJobStarted") == names.count("AsyncJobFinished") == 1, names
+    # The job the first daemon started was taken up again by the second, which logged its end.
+    assert names.index("SessionRecovered") < names.index("AsyncJobFinished")
+    assert records[names.index("AsyncJobFinished")].event["result"] == "slept 3 s"
