@@ -359,6 +359,6 @@ def example_events() -> list[Event]:
         AgentResuming(agent="root/0", reason="worker lost", worker="w-2", snapshot_id=7, epoch=4),
         AgentResumed(agent="root/0", epoch=4),
         SessionRecovered(path="operator", checkpoint_index=2, incarnation="daemon-2"),
-        OperatorAction(action="migrate_pin", by="bob", detail={"plugin": "x", "to": "2.0"}),
+        OperatorAction(action="migrate_pin", by="bob", detail={"pins": {"x": "2.0"}}),
         SessionEnded(status="failed", output=None, reason="budget exhausted"),
     ]

@@ -209,16 +209,22 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 def cmd_recover(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "list":
-        table = Table("session", "goal", "reason", "side effects", "last event")
+        table = Table("session", "goal", "category", "reason", "side effects", "last event")
         for r in client.list_recoverable():
-            table.add_row(r.session_id, r.goal, r.reason, str(r.side_effects), _when(r.last_event_at))
+            table.add_row(r.session_id, r.goal, r.category, r.reason, str(r.side_effects), _when(r.last_event_at))
         console.print(table)
         return 0
     if not args.id:
         err.print("a session id is needed")
         return 2
+    migrate: dict[str, str] = {}
+    for pin in args.migrate_pin or []:
+        name, sep, version = pin.partition("=")
+        if not sep or not name.strip() or not version.strip():
+            err.print(f"--migrate-pin wants NAME=VERSION, not {pin!r}")
+            return 2
+        migrate[name.strip()] = version.strip()
     preview = client.recovery_preview(args.id)
-    migrate = dict(p.split("=", 1) for p in args.migrate_pin or [])
     if preview.unknown_outcomes:
         console.print("[yellow]side effects whose outcome is unknown (they will not be run again):[/]")
         for u in preview.unknown_outcomes:
@@ -227,11 +233,15 @@ def cmd_recover(args: argparse.Namespace) -> int:
         console.print("[yellow]pins that differ from what is installed:[/]")
         for d in preview.pin_diff:
             console.print(f"  {d.name}: {d.old} -> {d.new or 'not installed'}")
-    if migrate:
-        console.print(f"migrating pins: {migrate}")
-    if not args.yes and sys.stdin.isatty():
-        if console.input("resume? [y/N] ").strip().lower() not in ("y", "yes"):
-            return 1
+    for name, version in migrate.items():
+        old = next((d.old for d in preview.pin_diff if d.name == name), "?")
+        console.print(f"migrating pin {name}: {old} -> {version}")
+    if (
+        not args.yes
+        and sys.stdin.isatty()
+        and console.input("resume? [y/N] ").strip().lower() not in ("y", "yes")
+    ):
+        return 1
     client.resume(args.id, migrate_pins=migrate or None, confirm=True)
     console.print(f"resumed {args.id}")
     return 0
@@ -249,14 +259,25 @@ def cmd_skills(args: argparse.Namespace) -> int:
         if not args.name or not args.file:
             err.print("usage: apomesh skills put NAME FILE")
             return 2
-        view = client.put_skill(args.name, Path(args.file).read_text(encoding="utf-8"))
+        # Decoded from bytes: a text-mode read would turn CRLF into LF and store other bytes.
+        view = client.put_skill(args.name, Path(args.file).read_bytes().decode("utf-8"))
         console.print(f"skill {view.name} revision {view.revision} digest {view.digest[:12]}")
-    elif args.action == "get":
-        console.print(client.get_skill(args.name).body, markup=False)
     elif args.action == "list":
         table = Table("skill", "revision", "digest")
         for s in client.list_skills():
             table.add_row(s.name, str(s.revision), s.digest[:12])
+        console.print(table)
+    elif not args.name:
+        err.print(f"usage: apomesh skills {args.action} NAME")
+        return 2
+    elif args.action == "get":
+        # The exact body, byte for byte: no markup, no wrapping, no added newline.
+        sys.stdout.write(client.get_skill(args.name).body)
+        sys.stdout.flush()
+    elif args.action == "history":
+        table = Table("skill", "revision", "digest", "first line")
+        for s in client.skill_history(args.name):
+            table.add_row(s.name, str(s.revision), s.digest[:12], s.body.partition("\n")[0][:60])
         console.print(table)
     elif args.action == "rm":
         client.delete_skill(args.name)
@@ -266,6 +287,9 @@ def cmd_skills(args: argparse.Namespace) -> int:
 
 def cmd_agents(args: argparse.Namespace) -> int:
     client = _client(args)
+    if args.action in ("publish", "show") and not args.target:
+        err.print(f"usage: apomesh agents {args.action} {'FILE' if args.action == 'publish' else 'NAME[@VERSION]'}")
+        return 2
     if args.action == "publish":
         created, record = client.publish_agent(_load_definition(args.target))
         console.print(f"{'published' if created else 'already published (same content)'} {record.name}@{record.version}")
@@ -397,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_hitl)
 
     p = sub.add_parser("skills", help="the skill catalog")
-    p.add_argument("action", choices=["put", "get", "list", "rm"])
+    p.add_argument("action", choices=["put", "get", "list", "history", "rm"])
     p.add_argument("name", nargs="?")
     p.add_argument("file", nargs="?")
     _remote(p)

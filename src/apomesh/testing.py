@@ -19,6 +19,12 @@ Daemons and workers (real processes):
     ``DaemonProcess``, ``WorkerProcess``  the same parts, to build other shapes (a cluster,
                            a leaf node)
 
+Plugin packages:
+    ``install_plugin_package(project_dir)``  installs a plugin package (editable, no
+                           dependencies) unless it is installed at its version already, so a
+                           plugin's own session-scoped fixture lets ``python -m pytest`` run in a
+                           fresh environment; the daemon and worker processes then load it
+
 Importing this module stays cheap (pytest loads it in every run where apomesh is installed): the
 server machinery is imported inside the fixtures.
 """
@@ -40,6 +46,7 @@ __all__ = [
     "Mesh",
     "WorkerProcess",
     "fresh_nats_server",
+    "install_plugin_package",
     "mesh",
     "nats_cluster",
     "nats_hub_leaf",
@@ -363,3 +370,59 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     finally:
         system.close()
         server.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Plugin packages
+
+
+def install_plugin_package(project_dir: Any) -> str:
+    """Install the plugin package in ``project_dir`` (a directory with a ``pyproject.toml``) into
+    this Python environment, editable and without dependencies, unless its distribution is
+    installed at the project's version already; answer the distribution name.
+
+    Its ``src`` directory is also put on this process's ``sys.path``: an editable install is
+    picked up by new processes (the ``mesh`` daemon and workers), not by the running one.
+    Concurrent calls from several test runs are serialised by a lock file.
+    """
+    import fcntl
+    import importlib
+    import subprocess
+    import sys
+    import tempfile
+    import tomllib
+    from importlib import metadata
+    from pathlib import Path
+
+    project = Path(project_dir).resolve()
+    meta = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    name, version = str(meta["name"]), str(meta["version"])
+
+    def installed() -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    lock_path = Path(tempfile.gettempdir()) / "apomesh-plugin-install.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if installed() != version:
+            pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+            # Without build isolation when the environment can build (fast, offline); otherwise
+            # pip fetches the build backend.
+            attempts = [[*pip, "--no-build-isolation", "-e", str(project)], [*pip, "-e", str(project)]]
+            failures = []
+            for command in attempts:
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                if done.returncode == 0:
+                    break
+                failures.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
+            else:
+                raise RuntimeError(f"cannot install {project}:\n" + "\n".join(failures))
+            importlib.invalidate_caches()
+    src = project / "src"
+    if src.is_dir() and str(src) not in sys.path:
+        sys.path.insert(0, str(src))
+        importlib.invalidate_caches()
+    return name

@@ -383,6 +383,9 @@ class FakeService:
         self._check_broken()
         return [self.skills[name] for name in sorted(self.skills)]
 
+    async def skill_history(self, name: str) -> list[SkillView]:
+        return [await self.get_skill(name)]
+
     async def delete_skill(self, name: str) -> None:
         self._check_broken()
         if self.skills.pop(name, None) is None:

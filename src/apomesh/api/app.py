@@ -320,6 +320,9 @@ class _Api:
     async def get_skill(self, request: Request, who: Identity) -> Response:
         return JSONResponse(await self.service.get_skill(request.path_params["name"]))
 
+    async def skill_history(self, request: Request, who: Identity) -> Response:
+        return JSONResponse(SkillList(skills=await self.service.skill_history(request.path_params["name"])))
+
     async def delete_skill(self, request: Request, who: Identity) -> Response:
         await self.service.delete_skill(request.path_params["name"])
         return Response(status_code=204)

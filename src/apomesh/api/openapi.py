@@ -319,6 +319,16 @@ ROUTES: tuple[RouteSpec, ...] = (
         tags=("catalog",),
     ),
     RouteSpec(
+        "GET",
+        "/v1/skills/{name}/history",
+        "skill_history",
+        "A skill's kept revisions, oldest first (also after it was deleted)",
+        "read",
+        {200: SkillList},
+        errors=(404,),
+        tags=("catalog",),
+    ),
+    RouteSpec(
         "DELETE",
         "/v1/skills/{name}",
         "delete_skill",

@@ -119,6 +119,11 @@ class DaemonService(Protocol):
 
     async def list_skills(self) -> list[SkillView]: ...
 
+    async def skill_history(self, name: str) -> list[SkillView]:
+        """The kept revisions of a skill, oldest first, including those from before it was
+        deleted. ``NotFound`` when the catalog never held the name."""
+        ...
+
     async def delete_skill(self, name: str) -> None:
         """``NotFound`` for an unknown skill."""
         ...

@@ -63,8 +63,9 @@ class DirectorySkillResolver:
 
 
 def _read_text(path: Path) -> str:
+    # Bytes, then decoded: a text-mode read would turn CRLF into LF and pin other bytes.
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise DefinitionError("a skill file must be UTF-8 text", where=str(path)) from None
 

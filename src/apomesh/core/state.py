@@ -5,7 +5,9 @@ folds a whole log. Folding is O(events): each event touches only the entries it 
 every envelope must be exactly the next one (``IndexGap``/``DuplicateIndex`` otherwise), and facts
 that contradict the log so far raise ``InvalidLog``, so a log is never folded from a partial or
 inconsistent picture. Everything here is derived: spawn-tree edges from lifecycle parents,
-terminal-ness from the terminal event, in-flight jobs and pauses from unmatched start/finish pairs.
+terminal-ness from the terminal event, in-flight jobs and pauses from unmatched start/finish pairs,
+and the effective plugin pins from ``SessionStarted`` with every ``migrate_pin`` operator action
+applied over them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from apomesh.core.events import (
     HitlAnswered,
     HitlPaused,
     OperatorAction,
+    PluginPin,
     SessionEnded,
     SessionRecovered,
     SessionShape,
@@ -113,6 +116,7 @@ class SessionState:
     terminal: bool = False
     ended: SessionEnded | None = None
     operator_actions: list[OperatorAction] = field(default_factory=list)
+    pin_overrides: dict[str, str] = field(default_factory=dict)
     recoveries: int = 0
     resumes: int = 0
 
@@ -131,6 +135,17 @@ class SessionState:
             return self.ended.output
         root = self.agents.get(self.root) if self.root else None
         return root.output if root and root.phase == "completed" else None
+
+    @property
+    def plugin_pins(self) -> list[PluginPin]:
+        """The plugins this session runs on now: the pins of ``SessionStarted``, each moved to the
+        version an operator migrated it to (``OperatorAction(action="migrate_pin")``)."""
+        if self.bootstrap is None:
+            return []
+        return [
+            PluginPin(pin.name, self.pin_overrides.get(pin.name, pin.version))
+            for pin in self.bootstrap.shape.plugins
+        ]
 
     @property
     def has_side_effects(self) -> bool:
@@ -347,8 +362,16 @@ def _on_recovered(state: SessionState, env: Envelope) -> None:
 
 
 def _on_operator(state: SessionState, env: Envelope) -> None:
-    assert isinstance(env.event, OperatorAction)
-    state.operator_actions.append(env.event)
+    ev = env.event
+    assert isinstance(ev, OperatorAction)
+    if ev.action == "migrate_pin":
+        pins = ev.detail.get("pins")
+        if not isinstance(pins, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in pins.items()
+        ):
+            raise _invalid(state, env, "a pin migration needs `pins`: a map of name to version")
+        state.pin_overrides.update(pins)
+    state.operator_actions.append(ev)
 
 
 def _on_ended(state: SessionState, env: Envelope) -> None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from apomesh.core.errors import ApomeshError, Fenced
+from apomesh.builtin.skills import skill_digest
+from apomesh.core.errors import ApomeshError, CorruptPin, Fenced
 from apomesh.core.journal import call_key, pause_key
 from apomesh.plugins.api import (
     Message,
@@ -165,6 +166,11 @@ async def run_agent(
         return done(
             "failed", reason=f"model provider {run.config.model.provider!r} is not on this worker"
         )
+    for skill in run.config.skills:
+        # The body reaches the model only if it is byte for byte the one pinned at start.
+        if skill_digest(skill.body) != skill.digest:
+            corrupt = CorruptPin("the pinned body does not match its digest", pin=f"skill {skill.name}")
+            return done("failed", reason=corrupt.message)
     model: Model = provider.create(run.config.model)
     allowed = [n for n in run.config.tools]
     for skill in run.config.skills:

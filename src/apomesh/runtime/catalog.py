@@ -6,11 +6,16 @@ and embedded), the coordination kind with its folded parameters and every plugin
 immutable ``name@version`` in the create-only ``APOMESH_AGENTS`` bucket: the same content again is
 a no-op, other content is a ``PublishConflict``. A session started from a published agent reads
 only the sealed bundle; one started from the catalog freezes the skill bodies it resolved.
+
+A skill name is resolved, in this order, by the catalog, then the resolvers the runtime builds
+from its configuration (the ``[skills] directory``), then the skill-resolver plugins in load
+order; the first that knows the name answers its exact body and the body's sha256 digest.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -19,14 +24,16 @@ from apomesh.core.definition import AgentDefinition, PinnedSkill, parse_definiti
 from apomesh.core.errors import (
     ApomeshError,
     CatalogError,
+    CorruptPin,
     DefinitionError,
     MissingSkill,
     NotFound,
+    PluginError,
     PublishConflict,
 )
 from apomesh.core.events import PluginPin
 from apomesh.core.views import AgentRecordView, SkillView
-from apomesh.plugins.api import ResolvedSkill
+from apomesh.plugins.api import ResolvedSkill, SkillResolver
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.composition import compose_shape
 
@@ -59,6 +66,14 @@ def digest_of(body: str) -> str:
     return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
 
+def skill_names(definition: AgentDefinition) -> list[str]:
+    """Every skill a definition names, at the top level and in its roles, first mention first."""
+    names = list(dict.fromkeys(definition.skills))
+    for _, spec in sorted(definition.roles.items()):
+        names.extend(n for n in spec.skills or [] if n not in names)
+    return names
+
+
 def _version_key(version: str) -> tuple[Any, ...]:
     parts: list[Any] = []
     for piece in version.replace("-", ".").split("."):
@@ -69,9 +84,12 @@ def _version_key(version: str) -> tuple[Any, ...]:
 class Catalog:
     """Skills and published agents over the KV buckets (``apomesh.adapters.kv``)."""
 
-    def __init__(self, kv: Any, plugins: PluginHost) -> None:
+    def __init__(
+        self, kv: Any, plugins: PluginHost, resolvers: Sequence[SkillResolver] = ()
+    ) -> None:
         self.kv = kv
         self.plugins = plugins
+        self.resolvers = list(resolvers)  # configured ones, asked after the catalog
 
     # --- skills --------------------------------------------------------------------------------------
 
@@ -98,8 +116,13 @@ class Catalog:
         return out
 
     async def skill_history(self, name: str) -> list[SkillView]:
+        """The kept revisions of a skill, oldest first (deletions leave no entry of their own).
+        ``NotFound`` when the catalog never held the name."""
+        revisions = await self.kv.skills.history(name)
+        if not revisions:
+            raise NotFound(f"skill {name}")
         out = []
-        for rev in await self.kv.skills.history(name):
+        for rev in revisions:
             if rev.value and not rev.deleted:
                 record = _skill_decoder.decode(rev.value)
                 out.append(SkillView(name=name, body=record.body, digest=digest_of(record.body), revision=rev.revision))
@@ -116,11 +139,17 @@ class Catalog:
         if got is not None:
             record = _skill_decoder.decode(got)
             return PinnedSkill(name, record.body, digest_of(record.body), CATALOG_RESOLVER, list(record.tools))
-        for resolver in self.plugins.skill_resolvers():
+        for resolver in [*self.resolvers, *self.plugins.skill_resolvers()]:
             found: ResolvedSkill | None = await resolver.resolve(name)
             if found is not None:
+                if digest_of(found.body) != found.digest:
+                    raise PluginError(
+                        f"skill resolver {resolver.name!r} answered skill {name!r} with a digest "
+                        "that is not the sha256 of its body"
+                    )
                 return PinnedSkill(name, found.body, found.digest, resolver.name, list(found.tools))
-        raise DefinitionError(f"skill {name!r} was found by no resolver (catalog, then plugins)", where="$.skills")
+        order = ", ".join(["catalog", *(r.name for r in self.resolvers), *(r.name for r in self.plugins.skill_resolvers())])
+        raise DefinitionError(f"skill {name!r} was found by no resolver ({order})", where="$.skills")
 
     async def resolve_skills(self, names: list[str]) -> list[PinnedSkill]:
         return [await self.resolve_skill(n) for n in names]
@@ -132,7 +161,7 @@ class Catalog:
         if not parsed.version:
             raise DefinitionError("publishing needs a `version`", where="$.version")
         _check_name(parsed.name, "agent")
-        skills = await self.resolve_skills(parsed.skills)
+        skills = await self.resolve_skills(skill_names(parsed))
         shape = compose_shape(parsed, host=self.plugins, skills=skills, source="published", agent=f"{parsed.name}@{parsed.version}")
         bundle = AgentBundle(
             name=parsed.name, version=parsed.version, digest=shape.definition_digest,
@@ -163,12 +192,13 @@ class Catalog:
     def bundle_skills(self, bundle: AgentBundle, definition: AgentDefinition) -> list[PinnedSkill]:
         """The bundle's sealed skills; a skill the definition names but the bundle lacks is fatal."""
         sealed = {s.name: s for s in bundle.skills}
-        for name in definition.skills:
+        names = skill_names(definition)
+        for name in names:
             if name not in sealed:
                 raise MissingSkill("the sealed bundle lacks this skill", pin=f"{bundle.name}@{bundle.version} skill {name}")
             if digest_of(sealed[name].body) != sealed[name].digest:
-                raise MissingSkill("the sealed skill body does not match its digest", pin=f"{bundle.name}@{bundle.version} skill {name}")
-        return [sealed[n] for n in definition.skills]
+                raise CorruptPin("the sealed skill body does not match its digest", pin=f"{bundle.name}@{bundle.version} skill {name}")
+        return [sealed[n] for n in names]
 
     async def list_agents(self) -> list[AgentRecordView]:
         out = []

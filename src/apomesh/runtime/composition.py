@@ -85,6 +85,11 @@ def definition_digest(definition: AgentDefinition) -> str:
     return hashlib.sha256(msgspec.json.encode(definition, order="sorted")).hexdigest()
 
 
+def _names_skills(definition: AgentDefinition, role: str) -> bool:
+    spec = definition.roles.get(role)
+    return spec is not None and spec.skills is not None
+
+
 def compose_shape(
     definition: AgentDefinition,
     *,
@@ -110,9 +115,12 @@ def compose_shape(
                 where=where,
             )
     params = kind.fold_params(dict(definition.coordination_params))
-    root = role_config(definition, "root", skills)
+    # ``skills`` holds every skill the definition names, its roles' too; the root and the roles
+    # that name none get the top-level ones only.
+    top_level = [s for s in skills if s.name in definition.skills]
+    root = role_config(definition, "root", top_level)
     roles = {
-        role: role_config(definition, role, skills)
+        role: role_config(definition, role, skills if _names_skills(definition, role) else top_level)
         for role in sorted(set(kind.roles) | set(definition.roles))
     }
     configs = [root, *roles.values()]

@@ -2,7 +2,7 @@
 
 ``Config`` is a tree of frozen ``msgspec`` structs, one per section of the TOML file
 (``[nats]``, ``[daemon]``, ``[http]``, ``[liveness]``, ``[snapshots]``, ``[limits]``, ``[plugins]``,
-``[workers]``, ``[store]``); ``Config()`` is the whole default configuration, and the sample file
+``[workers]``, ``[store]``, ``[skills]``); ``Config()`` is the whole default configuration, and the sample file
 ``apomesh config sample`` prints (``sample_config()``) shows every key at exactly that default.
 ``load_config`` layers, later winning: the TOML file, then environment variables
 ``APOMESH_<SECTION>_<KEY>`` (lists comma-separated, numbers and booleans parsed by the key's type),
@@ -165,6 +165,17 @@ class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sync: bool = True
 
 
+class SkillsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where skills come from besides the catalog: resolved in the order catalog, ``directory``,
+    then the skill-resolver plugins."""
+
+    directory: str = ""
+
+    def directory_path(self) -> Path | None:
+        """``directory`` made absolute, or None when no directory is configured."""
+        return Path(self.directory).expanduser().absolute() if self.directory else None
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The whole daemon configuration; ``Config()`` is every default."""
 
@@ -177,6 +188,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plugins: PluginsConfig = PluginsConfig()
     workers: WorkersConfig = WorkersConfig()
     store: StoreConfig = StoreConfig()
+    skills: SkillsConfig = SkillsConfig()
 
     def nats_store_path(self) -> Path:
         """Where the embedded nats-server keeps JetStream: ``embedded_store_dir`` or
@@ -196,6 +208,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "plugins": PluginsConfig,
     "workers": WorkersConfig,
     "store": StoreConfig,
+    "skills": SkillsConfig,
 }
 
 

@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core import decisions
 from apomesh.core.definition import AgentConfig
-from apomesh.core.errors import ApomeshError, CodecError, FoldError, NotFound
+from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, NotFound
 from apomesh.core.events import (
     AsyncJobFinished,
     AsyncJobStarted,
@@ -38,9 +38,9 @@ from apomesh.core.events import (
 )
 from apomesh.core.state import SessionState, fold
 from apomesh.plugins.manager import PluginHost
-from apomesh.plugins.pins import pin_problem
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.pinning import check_shape, corrupt_bootstrap, plan_migration, shape_problem
 from apomesh.runtime.protocol import (
     BEAT_DECODER,
     CTL_WILDCARD,
@@ -94,6 +94,7 @@ class Recoverable:
     side_effects: int
     last_event_at: float
     state: SessionState | None = None
+    error: ApomeshError | None = None  # why a session without a folded state cannot be resumed
 
 
 class CompletedRecord(msgspec.Struct):
@@ -274,6 +275,15 @@ class Daemon:
                 try:
                     state = fold(await self.log.read(session_id), session_id)
                 except (CodecError, FoldError) as exc:
+                    corrupt = await self._corrupt_bootstrap(session_id) if exc.index in (0, None) else None
+                    if corrupt is not None:
+                        log.error("session %s is stranded by a corrupt pin: %s", session_id, corrupt)
+                        counts["recoverable"] += 1
+                        self.recoverable[session_id] = Recoverable(
+                            session_id, "", f"{decisions.REASON_PIN_MISMATCH}: {corrupt.message}",
+                            "pin_mismatch", 0, 0.0, error=corrupt,
+                        )
+                        return
                     log.error("session %s cannot be decoded whole: %s", session_id, exc)
                     counts["undecodable"] += 1
                     self.recoverable[session_id] = Recoverable(
@@ -303,10 +313,16 @@ class Daemon:
         log.info("boot scan: %s", counts)
         return counts
 
+    async def _corrupt_bootstrap(self, session_id: str) -> CorruptPin | None:
+        """The corrupt pin that makes a session's ``SessionStarted`` undecodable, if that is why."""
+        with contextlib.suppress(Exception):
+            first = await self.log.read_raw(session_id, -1)
+            if first:
+                return corrupt_bootstrap(first[0][1])
+        return None
+
     def classify(self, state: SessionState) -> decisions.Classification:
-        problem = None
-        if state.bootstrap is not None:
-            problem = pin_problem(self.plugins, state.bootstrap.shape.plugins)
+        problem = shape_problem(self.plugins, state) if state.bootstrap is not None else None
         tools = self.plugins.tools()
         for classifier in self.plugins.recovery_classifiers():
             verdict = classifier.classify(state, problem, tools)
@@ -323,16 +339,17 @@ class Daemon:
                 raise ApomeshError(f"session {session_id} is already running")
             raise NotFound(f"recoverable session {session_id}")
         if rec.state is None:
+            if rec.error is not None:
+                raise rec.error
             raise ApomeshError(f"session {session_id} cannot be resumed: {rec.reason}")
         state = rec.state
         if state.bootstrap is None:
             raise ApomeshError(f"session {session_id} has no durable SessionStarted; it cannot be resumed")
-        if migrate_pins:
-            problem = None
-        else:
-            problem = pin_problem(self.plugins, state.bootstrap.shape.plugins)
-        if problem is not None:
-            raise ApomeshError(f"session {session_id} is stranded by pin mismatch: {problem}; migrate its pins to resume")
+        # A pin that cannot be satisfied is a typed error naming it; a migration is checked whole
+        # before anything is logged.
+        moved_from = plan_migration(self.plugins, state, migrate_pins) if migrate_pins else {}
+        if not migrate_pins:
+            check_shape(self.plugins, state)
         del self.recoverable[session_id]
         try:
             runtime = SessionRuntime(self, state, fresh_children=False)
@@ -340,7 +357,9 @@ class Daemon:
                 raise ApomeshError(f"session {session_id} is driven by another daemon")
             self.sessions[session_id] = runtime
             if migrate_pins:
-                await runtime.append(OperatorAction(action="migrate_pin", by=by, detail={"pins": dict(migrate_pins)}))
+                await runtime.append(
+                    OperatorAction(action="migrate_pin", by=by, detail={"pins": dict(migrate_pins), "from": moved_from})
+                )
             await runtime.append(
                 OperatorAction(action="resume", by=by, detail={"unknown_outcomes": len(state.unknown_outcomes), "reason": rec.reason})
             )

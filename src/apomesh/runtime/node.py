@@ -24,6 +24,8 @@ from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, tls_context
 from apomesh.adapters.natsserver import embedded_server
+from apomesh.builtin.skills import DirectorySkillResolver
+from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
@@ -51,6 +53,13 @@ def nats_options(config: Config) -> dict[str, Any]:
     if n.tls_ca or n.tls_cert:
         options["tls"] = tls_context(ca_file=n.tls_ca or None, cert_file=n.tls_cert or None, key_file=n.tls_key or None)
     return options
+
+
+def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
+    """The skill resolvers the configuration names, asked after the catalog and before the
+    resolver plugins: the ``[skills] directory``, when one is set."""
+    directory = config.skills.directory_path()
+    return [DirectorySkillResolver(directory)] if directory is not None else []
 
 
 def make_plugin_host(config: Config) -> PluginHost:
@@ -116,7 +125,7 @@ class Node:
             config, nc=self.nc, log_adapter=log_adapter, heartbeats=heartbeats, kv=kv,
             store=self.store, plugins=plugins, workspace=workspace,
         )
-        self.service = Service(self.daemon, Catalog(kv, plugins))
+        self.service = Service(self.daemon, Catalog(kv, plugins, resolvers=configured_skill_resolvers(config)))
         for i in range(config.daemon.workers):
             self.workers.append(
                 await start_local_worker(self.urls, config, plugins, name=f"local-{os.getpid()}-{i}", workspace=workspace)

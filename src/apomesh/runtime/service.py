@@ -32,7 +32,8 @@ from apomesh.core.views import (
     session_view,
     unknown_outcomes,
 )
-from apomesh.runtime.catalog import Catalog
+from apomesh.plugins.pins import check_pins
+from apomesh.runtime.catalog import Catalog, skill_names
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.daemon import Daemon
 from apomesh.runtime.folds import FoldCache
@@ -66,6 +67,8 @@ class Service:
             bundle = await self.catalog.get_agent_bundle(agent[0], agent[1])
             parsed = parse_definition(bundle.definition, where=f"published agent {bundle.name}@{bundle.version}")
             skills = self.catalog.bundle_skills(bundle, parsed)
+            # The bundle was sealed with these plugins: running it on other code is refused.
+            check_pins(self.daemon.plugins, bundle.plugins)
             shape = compose_shape(
                 parsed, host=self.daemon.plugins, skills=skills, source="published",
                 agent=f"{bundle.name}@{bundle.version}",
@@ -77,7 +80,7 @@ class Service:
                 definition = DEFAULT_AGENT
             _check_size("the agent definition", definition, self.limits.max_definition_bytes)
             parsed = parse_definition(definition)
-            skills = await self.catalog.resolve_skills(parsed.skills)
+            skills = await self.catalog.resolve_skills(skill_names(parsed))
             shape = compose_shape(parsed, host=self.daemon.plugins, skills=skills, source="catalog" if parsed.skills else "inline")
         session_id = uuid.uuid4().hex
         state = new_state(session_id)
@@ -159,7 +162,7 @@ class Service:
             outcomes = unknown_outcomes(rec.state)
             if rec.state.bootstrap is not None:
                 installed = self.daemon.plugins.installed_versions()
-                for pin in rec.state.bootstrap.shape.plugins:
+                for pin in rec.state.plugin_pins:
                     now = installed.get(pin.name)
                     if now != pin.version:
                         diff.append(PinDiff(name=pin.name, old=pin.version, new=now))
@@ -204,6 +207,9 @@ class Service:
 
     async def list_skills(self) -> list[SkillView]:
         return await self.catalog.list_skills()
+
+    async def skill_history(self, name: str) -> list[SkillView]:
+        return await self.catalog.skill_history(name)
 
     async def delete_skill(self, name: str) -> None:
         await self.catalog.delete_skill(name)

@@ -405,6 +405,10 @@ class Client:
     async def list_skills(self) -> list[SkillView]:
         return (await self._get("/v1/skills", _SkillList)).skills
 
+    async def skill_history(self, name: str) -> list[SkillView]:
+        """The kept revisions of a skill, oldest first (also after it was deleted)."""
+        return (await self._get(f"/v1/skills/{quote(name, safe='')}/history", _SkillList)).skills
+
     async def delete_skill(self, name: str) -> None:
         await self._send("DELETE", f"/v1/skills/{quote(name, safe='')}")
 
@@ -544,6 +548,9 @@ class SyncClient:
 
     def list_skills(self) -> list[SkillView]:
         return self._run(self._client.list_skills())
+
+    def skill_history(self, name: str) -> list[SkillView]:
+        return self._run(self._client.skill_history(name))
 
     def delete_skill(self, name: str) -> None:
         self._run(self._client.delete_skill(name))

@@ -1,0 +1,61 @@
+"""Test support: the ``probe`` model provider, the scripted model plus a record of every call.
+
+Each model call appends one JSON line to the file named by the model's ``record`` option: the
+exact instructions the agent loop built for the model (its own instructions and every pinned
+skill body), the purpose, the task, the script position, the worker's process id and the wall time, then the
+call is answered like the ``scripted`` provider would. Tests read the file to see which skill
+bytes a resumed agent really ran with. Installed into the test environment by the e2e tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+from apomesh.builtin.models import SCRIPT_POSITION, ScriptedModel
+from apomesh.core.definition import ModelSpec
+from apomesh.core.errors import DefinitionError
+from apomesh.plugins.api import Model, ModelProvider, ModelRequest, ModelResponse
+from apomesh.plugins.hookspecs import hookimpl
+
+
+class ProbeModel:
+    def __init__(self, scripted: ScriptedModel, record: str) -> None:
+        self.scripted = scripted
+        self.record = record
+
+    async def respond(self, request: ModelRequest) -> ModelResponse:
+        line = json.dumps(
+            {
+                "instructions": request.instructions,
+                "purpose": request.purpose,
+                "task": request.task,
+                "position": request.memory.get(SCRIPT_POSITION, 0),
+                "pid": os.getpid(),
+                "ts": time.time(),
+            }
+        )
+        # One write of one line with O_APPEND: lines from several workers never interleave.
+        fd = os.open(self.record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode("utf-8"))
+        finally:
+            os.close(fd)
+        return await self.scripted.respond(request)
+
+
+class ProbeProvider:
+    name = "probe"
+
+    def create(self, spec: ModelSpec) -> Model:
+        record = spec.options.get("record")
+        if not isinstance(record, str) or not record:
+            raise DefinitionError("the probe model needs a `record` file path", where="probe model")
+        return ProbeModel(ScriptedModel(spec.turns or []), record)
+
+
+@hookimpl
+def register_model_providers(register: Callable[[ModelProvider], None]) -> None:
+    register(ProbeProvider())
