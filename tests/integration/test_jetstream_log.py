@@ -97,7 +97,12 @@ def nats_msgpack(value: Any) -> bytes:
     return msgspec.msgpack.encode(value)
 
 
-async def test_a_retry_with_a_stale_position_never_duplicates(log: JetStreamLog) -> None:
+@pytest.mark.parametrize("atomic_batch_min", [2, 32], ids=["atomic", "chained"])
+async def test_a_retry_with_a_stale_position_never_duplicates(
+    nc: NATS, atomic_batch_min: int
+) -> None:
+    log = JetStreamLog(nc, atomic_batch_min=atomic_batch_min)
+    await log.ensure()
     session = new_session()
     await log.append(session, events(session, 0, 5))
     # Our belief about where the log ends is wrong (older than the truth): re-sending the same

@@ -86,11 +86,16 @@ async def _open_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue
                 ) from None
         stream = f"KV_{bucket}"
         current = (await js.stream_info(stream)).config
+        max_age = config.ttl if config.ttl else current.max_age
+        window = current.duplicate_window
+        if max_age and window and window > max_age:
+            window = max_age  # the server refuses a duplicate window longer than the max age
         wanted = replace(
             current,
             num_replicas=config.replicas,
             max_msgs_per_subject=config.history,
-            max_age=config.ttl if config.ttl else current.max_age,
+            max_age=max_age,
+            duplicate_window=window,
         )
         try:
             await js.update_stream(wanted)

@@ -43,6 +43,7 @@ from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import check_shape, corrupt_bootstrap, plan_migration, shape_problem
 from apomesh.runtime.protocol import (
     BEAT_DECODER,
+    CTL_BOUND_WILDCARD,
     CTL_WILDCARD,
     DISPATCH_ACK_DECODER,
     ENCODER,
@@ -62,7 +63,9 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    beat_subject,
     dispatch_subject,
+    subject_worker,
 )
 from apomesh.runtime.sessions import Held, SessionRuntime, WorkerLost
 from apomesh.runtime.snapshots import SnapshotStore
@@ -83,6 +86,7 @@ class WorkerInfo:
     last_beat_wall: float
     agents: list[str] = field(default_factory=list)
     load: int = 0
+    instance: str = ""
 
 
 @dataclass
@@ -171,7 +175,9 @@ class Daemon:
         await self.log.ensure()
         await self.heartbeats.ensure()
         self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER, cb=self._on_register))
+        self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
         self._subs.append(await self.nc.subscribe(CTL_WILDCARD, cb=self._on_report))
+        self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
         self._subs.append(await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat))
         self._spawn(self._liveness_forever())
         self._spawn(self._lease_renewal_forever())
@@ -402,6 +408,11 @@ class Daemon:
         except Exception as exc:
             await _reply(msg, RegisterReply(False, reason=f"undecodable registration: {exc}"))
             return
+        sender = subject_worker(msg.subject)
+        if sender is not None and sender != reg.worker_id:
+            log.warning("refused a registration as %s sent by worker %s", reg.worker_id, sender)
+            await _reply(msg, RegisterReply(False, reason=f"worker {sender} cannot register as {reg.worker_id}"))
+            return
         allowed_tools = set(self.config.workers.allowed_tools)
         allowed_providers = set(self.config.workers.allowed_providers)
         bad = [t for t in reg.tools if allowed_tools and t not in allowed_tools]
@@ -410,11 +421,15 @@ class Daemon:
             log.warning("refused worker %s: not allowed: %s", reg.worker_id, ", ".join(bad))
             await _reply(msg, RegisterReply(False, reason=f"not allowed by the daemon's config: {', '.join(bad)}"))
             return
-        now = time.monotonic()
         known = self.workers.get(reg.worker_id)
+        if known is not None and known.instance and reg.instance and known.instance != reg.instance:
+            # The same identity from a new process: whatever the old one ran died with it.
+            await self.worker_lost(reg.worker_id, "it registered again from a new process")
+            known = None
+        now = time.monotonic()
         self.workers[reg.worker_id] = WorkerInfo(
             reg.worker_id, reg.name, reg.tools, reg.providers, now, time.time(),
-            load=known.load if known else 0,
+            load=known.load if known else 0, instance=reg.instance,
         )
         self.lost_workers.pop(reg.worker_id, None)
         log.info("worker %s (%s) registered", reg.worker_id, reg.name)
@@ -425,6 +440,9 @@ class Daemon:
         try:
             beat = BEAT_DECODER.decode(msg.data)
         except Exception:
+            return
+        if msg.subject != beat_subject(beat.worker_id):
+            log.warning("ignored a beat naming worker %s on %s", beat.worker_id, msg.subject)
             return
         self.metrics.heartbeats_received.inc()
         worker = self.workers.get(beat.worker_id)
@@ -447,9 +465,11 @@ class Daemon:
     async def pick_worker(self, config: AgentConfig, prefer: str | None = None) -> str:
         """A live registered worker that has the agent's model provider and tools (waits for one)."""
         while True:
+            fresh = time.monotonic() - self.threshold
             candidates = [
                 w for w in self.workers.values()
-                if config.model.provider in w.providers and all(t in w.tools for t in config.tools)
+                if w.last_seen >= fresh
+                and config.model.provider in w.providers and all(t in w.tools for t in config.tools)
             ]
             if candidates:
                 if config.affinity == "sticky" and prefer and prefer in self.workers and prefer in [w.worker_id for w in candidates]:
@@ -527,14 +547,26 @@ class Daemon:
     async def _on_report(self, msg: Msg) -> None:
         # nats-py runs one subscription's callbacks one after another: hand each report to its own
         # task so sessions proceed concurrently (one agent's reports are sequential requests anyway).
-        if msg.subject != SUBJECT_REGISTER:
+        if msg.subject != SUBJECT_REGISTER and not msg.subject.startswith(SUBJECT_REGISTER + "."):
             self._spawn(self._process_report(msg))
 
     async def _process_report(self, msg: Msg) -> None:
+        limits = self.config.limits
+        ceiling = max(limits.max_snapshot_bytes, limits.max_event_bytes, limits.max_tool_args_bytes) + 4096
+        if len(msg.data) > ceiling:
+            log.warning("refused a report of %d bytes on %s (limit %d)", len(msg.data), msg.subject, ceiling)
+            await _reply(msg, Reply("error", message=f"payload_too_large: a report of {len(msg.data)} bytes is over the limit of {ceiling}"))
+            return
         try:
             report = REPORT_DECODER.decode(msg.data)
         except Exception as exc:
             await _reply(msg, Reply("error", message=f"undecodable report: {exc}"))
+            return
+        sender = subject_worker(msg.subject)
+        if sender is not None and sender != report.worker_id:
+            self.fenced_total.inc()
+            log.warning("fenced %s naming worker %s sent by worker %s", type(report).__name__, report.worker_id, sender)
+            await _reply(msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}"))
             return
         try:
             reply = await self._handle(report)
