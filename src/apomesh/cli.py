@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from apomesh.adapters.nats_connect import connect
+    from apomesh.runtime.nats_permissions import credential_identity
     from apomesh.runtime.node import make_plugin_host, nats_options
+    from apomesh.runtime.protocol import check_worker_id, worker_inbox_prefix
     from apomesh.runtime.worker import Worker
 
-    config = _config(args, {"nats": {"urls": args.nats.split(",")}})
+    config = _config(args, {"nats": {"urls": args.nats.split(",") if args.nats else None}})
     _setup_logging(config.daemon.log_level)
+    if not config.nats.urls:
+        err.print("a worker needs NATS: --nats URL, [nats] urls or APOMESH_NATS_URLS")
+        return 2
     workspace = Path(args.workspace or "workspace").absolute()
+    # The id comes from the credentials unless given: NATS permissions name it, so a worker can
+    # only beat, report and take dispatches as the identity it authenticated as.
+    worker_id = args.id or credential_identity(config.nats)
+    if worker_id is not None:
+        try:
+            check_worker_id(worker_id)
+        except ValueError as exc:
+            err.print(f"[red]error[/]: {exc}; give a usable one with --id")
+            return 2
+    connect_options = nats_options(config)
+    if worker_id is not None:
+        connect_options["inbox_prefix"] = worker_inbox_prefix(worker_id)
 
     async def work() -> None:
         stop = asyncio.Event()
@@ -94,11 +112,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         plugins = make_plugin_host(config)
-        nc = await connect(config.nats.urls, name=f"apomesh-worker-{args.name or ''}", **nats_options(config))
+        nc = await connect(
+            config.nats.urls, name=f"apomesh-worker-{worker_id or args.name or ''}", **connect_options
+        )
         worker = Worker(
             nc, tools=plugins.tools(), providers=plugins.model_providers(),
             supervisors=list(plugins.supervisor_policies().values()), workspace=workspace,
-            name=args.name, heartbeat_interval=config.liveness.heartbeat_interval,
+            name=args.name or worker_id, worker_id=worker_id,
+            heartbeat_interval=config.liveness.heartbeat_interval,
         )
         await worker.start()
         console.print(f"worker {worker.worker_id} on {', '.join(config.nats.urls)}, workspace {workspace}")
@@ -325,21 +346,56 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_tokens(args: argparse.Namespace) -> int:
     from apomesh.api.tokens import TokenStore
 
-    data = Path(args.data or os.environ.get("APOMESH_DAEMON_DATA_DIR", ".apomesh")).absolute()
+    if args.data:
+        data = Path(args.data).absolute()
+    else:
+        data = _config(args, {}).daemon.data_path()
     store = TokenStore.in_dir(data)
     if args.action == "create":
-        token_id, secret = store.create(args.role, args.name or args.role)
-        console.print(f"token {token_id} ({args.role}); shown once:")
+        try:
+            lifetime = _duration(args.expires_in) if args.expires_in else None
+        except ValueError as exc:
+            err.print(f"[red]error[/]: --expires-in: {exc}")
+            return 2
+        token_id, secret = store.create(args.role, args.name or args.role, expires_in=lifetime)
+        until = f", expires {_when(time.time() + lifetime)}" if lifetime else ""
+        console.print(f"token {token_id} ({args.role}{until}); shown once:")
         print(secret)
     elif args.action == "list":
-        table = Table("id", "name", "role", "created")
+        table = Table("id", "name", "role", "created", "expires")
+        now = time.time()
         for t in store.list():
-            table.add_row(t.token_id, t.name, t.role, _when(t.created_at))
+            expires = _when(t.expires_at) if t.expires_at else "never"
+            if t.expired(now):
+                expires += " (expired)"
+            table.add_row(t.token_id, t.name, t.role, _when(t.created_at), expires)
         console.print(table)
     elif args.action == "revoke":
-        store.revoke(args.id)
+        if not args.id:
+            err.print("usage: apomesh tokens revoke ID (see `apomesh tokens list`)")
+            return 2
+        if not store.revoke(args.id):
+            err.print(f"[red]error[/]: no token {args.id} in {store.path}")
+            return 1
         console.print(f"revoked {args.id}")
     return 0
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h`` or ``30d`` in seconds."""
+    value = text.strip().lower()
+    unit = _DURATION_UNITS.get(value[-1:], 0)
+    number = value[:-1] if unit else value
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h or 30d") from None
+    if seconds <= 0:
+        raise ValueError(f"{text!r} is not a positive duration")
+    return seconds
 
 
 def _when(ts: float) -> str:
@@ -378,10 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run a worker that connects to NATS")
-    p.add_argument("--nats", required=True, help="NATS URL(s), comma-separated")
+    p.add_argument("--nats", help="NATS URL(s), comma-separated (or [nats] urls in --config)")
     p.add_argument("--name", help="a name shown in `GET /v1/workers`")
+    p.add_argument(
+        "--id",
+        help="the worker id (default: the NATS user, NKey or creds name it authenticates as,"
+        " else NAME-<random>); NATS permissions bind it to the credentials",
+    )
     p.add_argument("--workspace", help="the directory file tools are confined to")
-    p.add_argument("--config", help="config file (credentials, TLS)")
+    p.add_argument(
+        "--config",
+        help="config file (credentials, TLS); secrets also come from APOMESH_NATS_* variables,"
+        " never from the command line",
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("demo", help="run a self-contained demo: a worker is killed mid-run and resumed")
@@ -446,7 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", nargs="?")
     p.add_argument("--role", choices=["read", "operator"], default="read")
     p.add_argument("--name")
-    p.add_argument("--data", help="the daemon's data directory")
+    p.add_argument("--expires-in", metavar="DURATION", help="lifetime of a new token: 90s, 15m, 12h, 30d (default: until revoked)")
+    p.add_argument("--data", help="the daemon's data directory (default: [daemon] data_dir of --config)")
+    p.add_argument("--config", help="the daemon's config file, to find its data directory")
     p.set_defaults(func=cmd_tokens)
     return parser
 

@@ -1,9 +1,12 @@
 """Opening apomesh's NATS connection, and the raw JetStream requests the adapters share.
 
-``connect`` opens one nats-py connection from a list of server URLs with optional credentials,
-token, user/password or TLS. Once connected it reconnects forever (a daemon outlives server
-restarts), but the first connection is bounded: a server that cannot be reached within
-``connect_timeout`` seconds is a ``LogUnavailable``, never a hang. ``unavailable_as_log_error``
+``connect`` opens one nats-py connection from a list of server URLs with optional credentials (a
+``.creds`` file, an NKey seed file, user/password or a token) and TLS. Once connected it reconnects
+forever (a daemon outlives server restarts), but the first connection is bounded: a server that
+cannot be reached within ``connect_timeout`` seconds is a ``LogUnavailable``, never a hang, and a
+server that refuses who we say we are (``NatsAuthError``) or a TLS handshake that fails
+(``NatsTlsError``) is said as such, naming the credentials or certificates involved, never their
+secrets. A permissions violation the server reports on a live connection is logged as an error. ``unavailable_as_log_error``
 maps the nats-py failures that mean "NATS cannot be reached right now" to ``LogUnavailable``;
 ``direct_get_batch`` runs one batched direct-get request and collects its messages up to the
 end-of-batch status; ``api_request`` runs one raw ``$JS.API`` request.
@@ -26,11 +29,13 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from apomesh.core.errors import LogError, LogUnavailable
+from apomesh.core.errors import ApomeshError, LogError, LogUnavailable
 
 __all__ = [
     "NATS",
     "DirectGetPage",
+    "NatsAuthError",
+    "NatsTlsError",
     "api_request",
     "close_quietly",
     "connect",
@@ -57,6 +62,57 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     nats.js.errors.ServiceUnavailableError,
 )
 """nats-py failures that say the server (or its JetStream) is out of reach, not that we erred."""
+
+
+class NatsAuthError(ApomeshError):
+    """The NATS server refused the credentials presented (or their absence)."""
+
+    code = "nats_auth_failed"
+    retryable = False
+
+
+class NatsTlsError(ApomeshError):
+    """TLS between apomesh and a NATS server could not be set up."""
+
+    code = "nats_tls_failed"
+    retryable = False
+
+
+def describe_credentials(
+    *,
+    credentials: str | None = None,
+    nkey_seed_file: str | None = None,
+    token: str | None = None,
+    user: str | None = None,
+) -> str:
+    """What a connection presents, in words an operator can act on, without any secret."""
+    if credentials:
+        return f"the creds file {credentials}"
+    if nkey_seed_file:
+        return f"the NKey seed file {nkey_seed_file}"
+    if user:
+        return f"user {user!r} with its password"
+    if token:
+        return "a token"
+    return (
+        "no credentials (set [nats] user and password, creds_file, nkey_seed_file or token in"
+        " the config file, or the APOMESH_NATS_* environment variables)"
+    )
+
+
+def _is_auth_refusal(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return (
+        isinstance(exc, nats.errors.AuthorizationError)
+        or "authorization violation" in text
+        or ("authentication" in text and "expired" in text)
+    )
+
+
+def _is_tls_failure(exc: BaseException) -> bool:
+    return isinstance(
+        exc, (ssl.SSLError, ssl.CertificateError, nats.errors.SecureConnRequiredError)
+    )
 
 
 def split_urls(urls: str | Sequence[str]) -> list[str]:
@@ -89,22 +145,39 @@ async def connect(
     *,
     name: str | None = None,
     credentials: str | None = None,
+    nkey_seed_file: str | None = None,
     token: str | None = None,
     user: str | None = None,
     password: str | None = None,
     tls: ssl.SSLContext | None = None,
     connect_timeout: float = 10.0,
     reconnect_wait: float = 0.5,
+    inbox_prefix: str | None = None,
 ) -> NATS:
     """Open a connection that reconnects forever once it is up.
 
-    ``credentials`` is the path of a ``.creds`` file (JWT + nkey seed). Raises ``LogUnavailable``
-    naming the URLs and the last error when no server answers within ``connect_timeout`` seconds.
+    ``credentials`` is the path of a ``.creds`` file (JWT + NKey seed), ``nkey_seed_file`` that of
+    an NKey user seed (it needs the ``nkeys`` package); ``inbox_prefix`` replaces ``_INBOX`` for
+    this connection's reply subjects. Raises ``NatsAuthError`` when the server refuses the
+    credentials, ``NatsTlsError`` when the TLS handshake fails, and ``LogUnavailable`` naming the
+    URLs and the last error when no server answers within ``connect_timeout`` seconds.
     """
     servers = split_urls(urls)
     client = NATS()
+    failures: list[BaseException] = []
+    # Set when the first connection meets a refusal that trying again cannot fix (credentials,
+    # certificates): it ends the attempt at once instead of at the timeout.
+    hopeless = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
+        if "permissions violation" in str(exc).lower():
+            # A subject this identity may not use: a deployment error worth seeing.
+            _log.error("NATS refused: %s", exc)
+            return
+        if len(failures) < 50:
+            failures.append(exc)
+        if not client.is_connected and (_is_auth_refusal(exc) or _is_tls_failure(exc)):
+            hopeless.set()
         _log.debug("nats connection error: %r", exc)
 
     async def on_disconnected() -> None:
@@ -129,6 +202,17 @@ async def connect(
     }
     if credentials is not None:
         options["user_credentials"] = credentials
+    if nkey_seed_file is not None:
+        try:
+            import nkeys  # noqa: F401  (nats-py signs the server's nonce with it)
+        except ImportError:
+            raise NatsAuthError(
+                f"the NKey seed file {nkey_seed_file} needs the nkeys package:"
+                " pip install 'apomesh[nkeys]'"
+            ) from None
+        options["nkeys_seed"] = nkey_seed_file
+    if inbox_prefix is not None:
+        options["inbox_prefix"] = inbox_prefix
     if token is not None:
         options["token"] = token
     if user is not None:
@@ -137,15 +221,71 @@ async def connect(
     if tls is not None:
         options["tls"] = tls
     try:
-        await asyncio.wait_for(client.connect(**options), timeout=connect_timeout)
+        await _first_connection(client, options, hopeless, connect_timeout)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         last = client.last_error or exc
         await close_quietly(client)
+        seen = [*failures, last, exc]
+        refusal = next((e for e in seen if _is_auth_refusal(e)), None)
+        if refusal is not None:
+            presented = describe_credentials(
+                credentials=credentials, nkey_seed_file=nkey_seed_file, token=token, user=user
+            )
+            raise NatsAuthError(
+                f"NATS at {', '.join(servers)} refused the connection (authorization violation)"
+                f" for {presented}: check that the server knows these credentials"
+            ) from None
+        tls_failure = next((e for e in seen if _is_tls_failure(e)), None)
+        if tls_failure is not None:
+            raise NatsTlsError(
+                f"TLS with NATS at {', '.join(servers)} failed: {_tls_reason(tls_failure)}"
+                f" ({_describe_tls(tls)})"
+            ) from None
         raise LogUnavailable(
             f"cannot reach NATS at {', '.join(servers)} within {connect_timeout:g} s"
             f" (last error: {last!r})"
         ) from None
     return client
+
+
+async def _first_connection(
+    client: NATS, options: dict[str, Any], hopeless: asyncio.Event, timeout: float
+) -> None:
+    """``client.connect``, ended early by ``hopeless`` and at ``timeout`` seconds."""
+    connecting = asyncio.ensure_future(client.connect(**options))
+    refused = asyncio.ensure_future(hopeless.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {connecting, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        refused.cancel()
+    if connecting in done:
+        connecting.result()
+        return
+    connecting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await connecting
+    raise TimeoutError("refused" if refused in done else "no server answered")
+
+
+def _tls_reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"the server's certificate was not accepted: {exc.verify_message}"
+    if isinstance(exc, nats.errors.SecureConnRequiredError):
+        return "the server requires TLS and none is configured ([nats] tls_ca, tls_cert, tls_key)"
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        reason = exc.reason.replace("_", " ").lower()
+        if "certificate required" in reason or "handshake failure" in reason:
+            return f"{reason}: the server wants a client certificate ([nats] tls_cert, tls_key)"
+        return reason
+    return str(exc)
+
+
+def _describe_tls(tls: ssl.SSLContext | None) -> str:
+    if tls is None:
+        return "no TLS configured, but the server requires it: set [nats] tls_ca to the CA of its certificate"
+    return "TLS configured from [nats] tls_ca / tls_cert / tls_key"
 
 
 async def close_quietly(client: NATS) -> None:

@@ -12,6 +12,13 @@ the pid file there) is stopped before a new one starts. ``start_cluster`` starts
 ``wait_jetstream_ready`` waits until JetStream answers (and can place replicated streams), and
 ``embedded_server`` builds the single node ``apomesh serve`` runs when it is given no NATS URL.
 
+Security. ``ServerSpec`` can also carry accounts with users (user/password or NKey public keys)
+and their subject ``Permissions``, TLS for the client, cluster and leaf-node listeners
+(``TlsConfig``; ``verify`` asks clients for a certificate signed by the CA), users that leaf
+nodes log in as, and leaf remotes with credentials and TLS (``LeafRemote``). ``render_config``
+writes them as nats-server's ``accounts``, ``tls`` and ``authorization`` blocks; what each apomesh
+role may do is decided in ``apomesh.runtime.nats_permissions``, not here.
+
 Topology notes. Every server binds 127.0.0.1 only. In ``hub_and_leaf`` the hub runs JetStream (in
 JetStream domain ``hub``) and the leaf runs none: workers behind a leaf speak core NATS only, and
 plain publishes, subscriptions and request/reply cross a leaf-node link in both directions, while
@@ -34,13 +41,14 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Final, Protocol, TypeVar
+from typing import IO, Any, Final, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -55,11 +63,16 @@ from apomesh.core.errors import ApomeshError
 __all__ = [
     "BINARY_ENV",
     "DEFAULT_MAX_PAYLOAD",
+    "Account",
+    "LeafRemote",
     "NatsCluster",
     "NatsServer",
     "NatsServerError",
     "NatsServerNotFound",
+    "NatsUser",
+    "Permissions",
     "ServerSpec",
+    "TlsConfig",
     "cluster",
     "embedded_server",
     "find_nats_server",
@@ -181,6 +194,69 @@ def free_ports(count: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Permissions:
+    """What one user may publish and subscribe to (nats-server subject patterns).
+
+    Empty allow lists mean "everything not denied"; ``allow_responses`` lets the user answer the
+    requests it receives (one reply each to their reply subjects) without a publish grant.
+    """
+
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    publish_deny: tuple[str, ...] = ()
+    subscribe_deny: tuple[str, ...] = ()
+    allow_responses: bool = False
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    """A user of an account, or a login for leaf nodes: ``user`` + ``password``, or ``nkey``
+    (a public key ``U...``; the client proves it holds the seed). ``account`` binds a leaf-node
+    login to an account and is ignored inside ``Account.users``."""
+
+    user: str = ""
+    password: str = ""
+    nkey: str = ""
+    permissions: Permissions | None = None
+    account: str = ""
+
+
+@dataclass(frozen=True)
+class Account:
+    """An account: its users share one subject space (and its JetStream, when enabled)."""
+
+    name: str
+    users: tuple[NatsUser, ...] = ()
+    jetstream: bool = True
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS of a listener (server side: ``cert``/``key`` it presents, ``ca`` it trusts clients'
+    certificates from, ``verify`` to require one) or of an outgoing leaf link (client side: the
+    certificate it presents and the CA it trusts the hub with)."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    verify: bool = False
+    timeout: float = 2.0
+
+
+@dataclass(frozen=True)
+class LeafRemote:
+    """A hub this server links to as a leaf node, with the login and TLS that link uses, and the
+    local account the link carries (every account of a server with accounts needs naming)."""
+
+    urls: tuple[str, ...]
+    account: str = ""
+    user: str = ""
+    password: str = ""
+    credentials: Path | None = None
+    tls: TlsConfig | None = None
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     """One nats-server: its listeners, its store dir and the links it makes.
 
@@ -190,7 +266,12 @@ class ServerSpec:
     ``leaf_remotes`` makes it a leaf of those URLs. ``sync_interval`` is JetStream's fsync
     interval: ``None`` for the server's default (every 2 minutes), ``"always"`` to fsync every
     write before acknowledging it, or a duration such as ``"10s"``. ``extra`` is raw config text
-    appended at the end (accounts, TLS, authorization).
+    appended at the end (anything the fields below do not say).
+
+    Security, all optional: ``accounts`` with their users and permissions (a server with
+    accounts admits only their users), ``tls`` on the client listener, ``cluster_tls`` on routes,
+    ``leafnode_tls`` and ``leafnode_users`` on the leaf-node listener of a hub, ``remotes`` for
+    a leaf's authenticated links (next to the plain ``leaf_remotes`` URLs).
     """
 
     name: str
@@ -208,11 +289,18 @@ class ServerSpec:
     max_payload: int = DEFAULT_MAX_PAYLOAD
     sync_interval: str | None = None
     extra: str = ""
+    accounts: tuple[Account, ...] = ()
+    tls: TlsConfig | None = None
+    cluster_tls: TlsConfig | None = None
+    leafnode_tls: TlsConfig | None = None
+    leafnode_users: tuple[NatsUser, ...] = ()
+    remotes: tuple[LeafRemote, ...] = ()
 
     @property
     def url(self) -> str:
-        """The client URL, ``nats://127.0.0.1:<port>``."""
-        return f"nats://{self.host}:{self.port}"
+        """The client URL, ``nats://127.0.0.1:<port>`` (``tls://`` when the listener has TLS)."""
+        scheme = "tls" if self.tls is not None else "nats"
+        return f"{scheme}://{self.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -251,6 +339,102 @@ def _quoted(value: str | Path) -> str:
     return json.dumps(str(value))
 
 
+def _render_list(key: str, items: Iterable[str], indent: str) -> list[str]:
+    values = ", ".join(_quoted(item) for item in items)
+    return [f"{indent}{key}: [{values}]"]
+
+
+def _render_permissions(permissions: Permissions, indent: str) -> list[str]:
+    lines = [f"{indent}permissions: {{"]
+    inner = indent + "  "
+    for key, allow, deny in (
+        ("publish", permissions.publish, permissions.publish_deny),
+        ("subscribe", permissions.subscribe, permissions.subscribe_deny),
+    ):
+        if not allow and not deny:
+            continue
+        lines.append(f"{inner}{key}: {{")
+        if allow:
+            lines += _render_list("allow", allow, inner + "  ")
+        if deny:
+            lines += _render_list("deny", deny, inner + "  ")
+        lines.append(f"{inner}}}")
+    if permissions.allow_responses:
+        lines.append(f"{inner}allow_responses: true")
+    lines.append(f"{indent}}}")
+    return lines
+
+
+def _render_user(user: NatsUser, indent: str, *, with_account: bool = False) -> list[str]:
+    lines = [f"{indent}{{"]
+    inner = indent + "  "
+    if user.nkey:
+        lines.append(f"{inner}nkey: {_quoted(user.nkey)}")
+    else:
+        lines.append(f"{inner}user: {_quoted(user.user)}")
+        lines.append(f"{inner}password: {_quoted(user.password)}")
+    if with_account and user.account:
+        lines.append(f"{inner}account: {_quoted(user.account)}")
+    if user.permissions is not None:
+        lines += _render_permissions(user.permissions, inner)
+    lines.append(f"{indent}}}")
+    return lines
+
+
+def _render_tls(tls: TlsConfig, indent: str) -> list[str]:
+    inner = indent + "  "
+    lines = [f"{indent}tls {{"]
+    if tls.cert is not None:
+        lines.append(f"{inner}cert_file: {_quoted(tls.cert)}")
+    if tls.key is not None:
+        lines.append(f"{inner}key_file: {_quoted(tls.key)}")
+    if tls.ca is not None:
+        lines.append(f"{inner}ca_file: {_quoted(tls.ca)}")
+    if tls.verify:
+        lines.append(f"{inner}verify: true")
+    lines.append(f"{inner}timeout: {tls.timeout:g}")
+    lines.append(f"{indent}}}")
+    return lines
+
+
+def _render_remote(remote: LeafRemote, indent: str) -> list[str]:
+    inner = indent + "  "
+    urls = []
+    for url in remote.urls:
+        if remote.user:
+            scheme, sep, rest = url.partition("://")
+            credentials = f"{urllib.parse.quote(remote.user, safe='')}:" + urllib.parse.quote(
+                remote.password, safe=""
+            )
+            url = f"{scheme}{sep}{credentials}@{rest}" if sep else f"{credentials}@{url}"
+        urls.append(url)
+    lines = [f"{indent}{{"]
+    lines += _render_list("urls", urls, inner)
+    if remote.account:
+        lines.append(f"{inner}account: {_quoted(remote.account)}")
+    if remote.credentials is not None:
+        lines.append(f"{inner}credentials: {_quoted(remote.credentials)}")
+    if remote.tls is not None:
+        lines += _render_tls(remote.tls, inner)
+    lines.append(f"{indent}}}")
+    return lines
+
+
+def _render_accounts(accounts: Sequence[Account]) -> list[str]:
+    lines = ["accounts {"]
+    for account in accounts:
+        lines.append(f"  {_quoted(account.name)}: {{")
+        if account.jetstream:
+            lines.append("    jetstream: enabled")
+        lines.append("    users: [")
+        for user in account.users:
+            lines += _render_user(user, "      ")
+        lines.append("    ]")
+        lines.append("  }")
+    lines.append("}")
+    return lines
+
+
 def render_config(spec: ServerSpec) -> str:
     """nats-server config file text for ``spec``."""
     lines = [
@@ -277,20 +461,35 @@ def render_config(spec: ServerSpec) -> str:
         if spec.cluster_name:
             lines.append(f"  name: {_quoted(spec.cluster_name)}")
         lines.append(f"  listen: {_quoted(f'{spec.host}:{spec.cluster_port}')}")
+        if spec.cluster_tls is not None:
+            lines += _render_tls(spec.cluster_tls, "  ")
         if spec.routes:
             lines.append("  routes: [")
             lines += [f"    {_quoted(route)}" for route in spec.routes]
             lines.append("  ]")
         lines.append("}")
-    if spec.leafnode_port is not None or spec.leaf_remotes:
+    if spec.leafnode_port is not None or spec.leaf_remotes or spec.remotes:
         lines.append("leafnodes {")
         if spec.leafnode_port is not None:
             lines.append(f"  listen: {_quoted(f'{spec.host}:{spec.leafnode_port}')}")
-        if spec.leaf_remotes:
+            if spec.leafnode_tls is not None:
+                lines += _render_tls(spec.leafnode_tls, "  ")
+            if spec.leafnode_users:
+                lines += ["  authorization {", "    users: ["]
+                for user in spec.leafnode_users:
+                    lines += _render_user(user, "      ", with_account=True)
+                lines += ["    ]", "  }"]
+        if spec.leaf_remotes or spec.remotes:
             lines.append("  remotes: [")
             lines += [f"    {{ url: {_quoted(remote)} }}" for remote in spec.leaf_remotes]
+            for remote in spec.remotes:
+                lines += _render_remote(remote, "    ")
             lines.append("  ]")
         lines.append("}")
+    if spec.tls is not None:
+        lines += _render_tls(spec.tls, "")
+    if spec.accounts:
+        lines += _render_accounts(spec.accounts)
     if spec.extra:
         lines.append(spec.extra.rstrip("\n"))
     return "\n".join(lines) + "\n"
@@ -769,12 +968,18 @@ def start_cluster(
 
 
 async def wait_jetstream_ready(
-    url: str | Sequence[str], timeout: float = CLUSTER_READY_TIMEOUT, *, replicas: int = 1
+    url: str | Sequence[str],
+    timeout: float = CLUSTER_READY_TIMEOUT,
+    *,
+    replicas: int = 1,
+    **connect_options: Any,
 ) -> None:
     """Wait until JetStream at ``url`` answers account info and, when ``replicas`` > 1, until it
     places a stream of that many replicas (a fresh cluster elects its meta leader first).
 
-    Raises ``NatsServerError`` with the last failure after ``timeout`` seconds.
+    ``connect_options`` go to ``nats.connect`` as they are (``user``, ``password``, ``tls``,
+    ``nkeys_seed``, ...) for servers that ask who connects. Raises ``NatsServerError`` with the
+    last failure after ``timeout`` seconds.
     """
     servers = [url] if isinstance(url, str) else list(url)
     probe = f"APOMESH_READY_{uuid.uuid4().hex[:12]}"
@@ -792,6 +997,7 @@ async def wait_jetstream_ready(
                 allow_reconnect=False,
                 connect_timeout=1,
                 error_cb=quiet,
+                **connect_options,
             )
             jsm = client.jsm(timeout=2.0)
             await jsm.account_info()

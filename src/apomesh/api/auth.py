@@ -96,9 +96,10 @@ class Authenticator:
                 429, "too_many_requests", "too many failed authentications", retry_after=retry
             )
         token = _bearer(authorization)
-        info = self.settings.token_store.identify(token) if token else None
+        info, reason = (
+            self.settings.token_store.check(token) if token else (None, "no bearer token")
+        )
         if info is None:
-            reason = "no bearer token" if not token else "unknown or revoked token"
             recent.append(now)
             log.warning("authentication failed from %s: %s", client, reason)
             raise AuthFailure(401, "unauthorized", "a valid bearer token is required")

@@ -1,8 +1,9 @@
 """API tokens: creation, listing, revocation and verification against a JSON file of hashes.
 
 A token reads ``apm_<id>_<secret>``. The file (``tokens.json`` in the daemon's data dir, mode 0600)
-keeps, per token, its id, a name, its role (``read`` or ``operator``), when it was made and the
-sha256 of its secret: the secret itself is shown once, at creation, and stored nowhere. The id is
+keeps, per token, its id, a name, its role (``read`` or ``operator``), when it was made, when it
+expires (never, unless made with an expiry) and the sha256 of its secret: the secret itself is
+shown once, at creation, and stored nowhere. An expired token is refused like a revoked one. The id is
 not secret; it lets an operator list and revoke tokens. Verification compares digests in constant
 time. The file is re-read when it changes on disk, so tokens made or revoked with the command line
 take effect in a running daemon.
@@ -35,10 +36,14 @@ class TokenInfo(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     created_at: float
     secret_sha256: str
+    expires_at: float | None = None
 
     @property
     def token_id(self) -> str:
         return self.id
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 class _TokenFile(msgspec.Struct, kw_only=True):
@@ -79,10 +84,13 @@ class TokenStore:
         """The store of a daemon's data dir (``<data>/tokens.json``)."""
         return cls(Path(data_dir) / TOKENS_FILE)
 
-    def create(self, role: str, name: str) -> tuple[str, str]:
-        """Make a token; returns (token_id, the full secret token) — the only time it is shown."""
+    def create(self, role: str, name: str, *, expires_in: float | None = None) -> tuple[str, str]:
+        """Make a token, valid for ``expires_in`` seconds when given (else until revoked); returns
+        (token_id, the full secret token) — the only time it is shown."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if expires_in is not None and expires_in <= 0:
+            raise ValueError("a token's lifetime must be positive")
         checked: Role = "operator" if role == "operator" else "read"
         with self._lock:
             self._load()
@@ -90,12 +98,14 @@ class TokenStore:
             while token_id in self._tokens:
                 token_id = secrets.token_hex(6)
             secret = secrets.token_urlsafe(32)
+            now = time.time()
             info = TokenInfo(
                 id=token_id,
                 name=name,
                 role=checked,
-                created_at=time.time(),
+                created_at=now,
                 secret_sha256=_digest(secret),
+                expires_at=now + expires_in if expires_in is not None else None,
             )
             self._tokens[token_id] = info
             self._save()
@@ -116,7 +126,21 @@ class TokenStore:
             return True
 
     def identify(self, token: str) -> TokenInfo | None:
-        """The stored token a presented one matches, or None."""
+        """The stored, unexpired token a presented one matches, or None."""
+        info, _ = self.check(token)
+        return info
+
+    def check(self, token: str) -> tuple[TokenInfo | None, str]:
+        """(the stored token a presented one matches, "") or (None, why it is refused:
+        ``"unknown or revoked token"`` or ``"expired token"``)."""
+        info = self._match(token)
+        if info is None:
+            return None, "unknown or revoked token"
+        if info.expired(time.time()):
+            return None, "expired token"
+        return info, ""
+
+    def _match(self, token: str) -> TokenInfo | None:
         parts = split_token(token)
         with self._lock:
             self._load()

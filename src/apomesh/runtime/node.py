@@ -43,9 +43,11 @@ HttpStarter = Callable[[Service, Config], Awaitable[Any]]
 def nats_options(config: Config) -> dict[str, Any]:
     """Connection options from the ``[nats]`` section (credentials never come from argv)."""
     n = config.nats
-    options: dict[str, Any] = {"connect_timeout": n.connect_timeout}
+    options: dict[str, Any] = {"connect_timeout": n.connect_timeout, "reconnect_wait": n.reconnect_wait}
     if n.creds_file:
         options["credentials"] = n.creds_file
+    if n.nkey_seed_file:
+        options["nkey_seed_file"] = n.nkey_seed_file
     if n.user:
         options["user"], options["password"] = n.user, n.password
     if n.token:
@@ -114,7 +116,10 @@ class Node:
         self.nc = await connect(self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config))
         js = self.nc.jetstream()
         replicas = config.nats.replicas
-        log_adapter = JetStreamLog(self.nc, replicas=replicas, sync_always=config.nats.sync_interval == "always")
+        log_adapter = JetStreamLog(
+            self.nc, replicas=replicas, sync_always=config.nats.sync_interval == "always",
+            max_event_bytes=config.limits.max_event_bytes,
+        )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
         kv = await KvBuckets.open(js, replicas)
         self.store = AsyncStore(LmdbStore(data / "lmdb", map_size=config.store.map_size, sync=config.store.sync))

@@ -1,8 +1,12 @@
 """The control plane between the daemon and its workers, over core NATS only.
 
-Workers never touch JetStream: they register (``apomesh.ctl.register``), beat on
+Workers never touch JetStream: they register (``apomesh.ctl.register.<worker_id>``), beat on
 ``apomesh.hb.<worker_id>``, take dispatches on ``apomesh.dispatch.<worker_id>`` and report back with
-requests on ``apomesh.ctl.<verb>``. Every report names the agent and carries the fencing epoch of
+requests on ``apomesh.ctl.<verb>.<worker_id>``; their request inboxes are under
+``_INBOX.worker.<worker_id>``. Every subject a worker uses names it, so NATS permissions can bind a
+worker id to the credentials it connects with, and the daemon refuses a message whose payload names
+another worker than its subject (the bare ``apomesh.ctl.<verb>`` subjects are still answered, for
+deployments without per-worker permissions). Every report names the agent and carries the fencing epoch of
 the dispatch it belongs to; the daemon answers ``Fenced`` to a stale epoch and appends nothing.
 Workers never send events: they send facts (a node's new messages, a journal step, an outcome) and
 the daemon decides which events to append. All messages are msgpack-encoded msgspec Structs.
@@ -24,8 +28,12 @@ SUBJECT_HITL = "apomesh.ctl.hitl"
 SUBJECT_JOB = "apomesh.ctl.job"
 SUBJECT_DONE = "apomesh.ctl.done"
 CTL_WILDCARD = "apomesh.ctl.*"
+CTL_BOUND_WILDCARD = "apomesh.ctl.*.*"
+"""Control subjects that end in the sending worker's id."""
+CTL_PREFIX = "apomesh.ctl."
 HB_PREFIX = "apomesh.hb."
 DISPATCH_PREFIX = "apomesh.dispatch."
+WORKER_INBOX_PREFIX = "_INBOX.worker."
 
 
 def dispatch_subject(worker_id: str) -> str:
@@ -34,6 +42,32 @@ def dispatch_subject(worker_id: str) -> str:
 
 def beat_subject(worker_id: str) -> str:
     return f"{HB_PREFIX}{worker_id}"
+
+
+def bound_subject(subject: str, worker_id: str) -> str:
+    """A control subject (``SUBJECT_NODE``, ``SUBJECT_REGISTER``, ...) bound to ``worker_id``."""
+    return f"{subject}.{worker_id}"
+
+
+def worker_inbox_prefix(worker_id: str) -> str:
+    """The inbox prefix of a worker's NATS connection, so permissions can give each worker its
+    own replies and nobody else's."""
+    return f"{WORKER_INBOX_PREFIX}{worker_id}"
+
+
+def subject_worker(subject: str) -> str | None:
+    """The worker id a bound control subject names, or ``None`` for a bare one."""
+    tokens = subject.split(".")
+    return tokens[3] if len(tokens) == 4 else None
+
+
+def check_worker_id(worker_id: str) -> str:
+    """``worker_id`` when it can be one subject token; ``ValueError`` otherwise."""
+    if not worker_id or any(c in worker_id for c in ".*> \t\r\n") or not worker_id.isprintable():
+        raise ValueError(
+            f"worker id {worker_id!r} cannot be a NATS subject token (no dots, wildcards or spaces)"
+        )
+    return worker_id
 
 
 class BudgetState(msgspec.Struct):
@@ -66,6 +100,9 @@ class Register(msgspec.Struct, tag=True):
     providers: list[str]
     incarnation_seen: str = ""
     pid: int = 0
+    instance: str = ""
+    """Random per worker process: the same id registering with another instance is a restarted
+    worker, whose predecessor's dispatches are lost."""
 
 
 class RegisterReply(msgspec.Struct):

@@ -8,6 +8,7 @@ composes the pinned shape and makes ``SessionStarted`` durable before answering.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -88,10 +89,17 @@ class Service:
             raise ApomeshError(f"session {session_id} is already driven elsewhere")
         runtime = SessionRuntime(self.daemon, state)
         self.daemon.sessions[session_id] = runtime
-        await runtime.append(
-            SessionStarted(goal=goal, root="root", shape=shape),
-            AgentLifecycle("root", "born", config=shape.root, task=goal, task_index=0),
-        )
+        try:
+            await runtime.append(
+                SessionStarted(goal=goal, root="root", shape=shape),
+                AgentLifecycle("root", "born", config=shape.root, task=goal, task_index=0),
+            )
+        except BaseException:
+            # Nothing was written (an event over the limit, say): no session is left behind.
+            self.daemon.sessions.pop(session_id, None)
+            with contextlib.suppress(Exception):
+                await self.daemon.kv.leases.release(session_id, self.daemon.daemon_id)
+            raise
         runtime.start()
         return session_id
 

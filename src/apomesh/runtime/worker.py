@@ -52,6 +52,8 @@ from apomesh.runtime.protocol import (
     Reregister,
     Run,
     beat_subject,
+    bound_subject,
+    check_worker_id,
     dispatch_subject,
 )
 
@@ -89,7 +91,8 @@ class Worker:
         self.supervisors = supervisors or []
         self.workspace = workspace
         self.name = name or socket.gethostname()
-        self.worker_id = worker_id or f"{_safe(self.name)}-{uuid.uuid4().hex[:8]}"
+        self.worker_id = check_worker_id(worker_id or f"{_safe(self.name)}-{uuid.uuid4().hex[:8]}")
+        self.instance = uuid.uuid4().hex[:12]
         self.heartbeat_interval = heartbeat_interval
         self.request_timeout = request_timeout
         self.incarnation = ""
@@ -144,10 +147,13 @@ class Worker:
                     sorted(self.providers),
                     incarnation_seen=self.incarnation,
                     pid=os.getpid(),
+                    instance=self.instance,
                 )
                 try:
                     msg = await self.nc.request(
-                        SUBJECT_REGISTER, ENCODER.encode(request), timeout=self.request_timeout
+                        bound_subject(SUBJECT_REGISTER, self.worker_id),
+                        ENCODER.encode(request),
+                        timeout=self.request_timeout,
                     )
                     reply = REGISTER_REPLY_DECODER.decode(msg.data)
                 except (TimeoutError, NatsTimeout, NoRespondersError):
@@ -267,7 +273,7 @@ class Worker:
 
     async def send(self, report: Report) -> Reply:
         """Send a report, retrying while the daemon is away; the daemon dedupes retries."""
-        subject = _SUBJECTS[type(report)]
+        subject = bound_subject(_SUBJECTS[type(report)], self.worker_id)
         data = ENCODER.encode(report)
         delay = 0.1
         while True:

@@ -1,0 +1,173 @@
+"""Who may do what on NATS: the subject permissions of apomesh's three identities, and the worker
+id a worker's credentials bind it to.
+
+``daemon_permissions`` is what ``apomesh serve`` needs and nothing more: the JetStream API, KV
+writes, the log, and the control, heartbeat and dispatch subjects (its in-process workers share
+its connection). ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat
+and its own bound control subjects (``apomesh.ctl.<verb>.<worker_id>``), answer the dispatches it
+receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
+the log and the KV buckets are denied outright. ``operator_permissions`` is for people inspecting
+a deployment and taking stream backups: read-only JetStream requests, never a write to the log.
+``apomesh_account`` puts users of the three roles into one account, the shape the sample configs
+in ``conf/nats/`` and the tests use. ``credential_identity`` reads, from the ``[nats]`` settings,
+the name a worker's credentials carry (user name, NKey public key or the creds file's JWT name),
+which a worker takes as its id so that the permissions above apply to it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from apomesh.adapters.jetstream_log import LOG_STREAM, LOG_SUBJECT_PREFIX
+from apomesh.adapters.natsserver import Account, NatsUser, Permissions
+from apomesh.runtime.config import NatsConfig
+from apomesh.runtime.protocol import (
+    CTL_PREFIX,
+    DISPATCH_PREFIX,
+    HB_PREFIX,
+    beat_subject,
+    check_worker_id,
+    dispatch_subject,
+    worker_inbox_prefix,
+)
+
+__all__ = [
+    "ACCOUNT",
+    "apomesh_account",
+    "credential_identity",
+    "daemon_permissions",
+    "operator_permissions",
+    "worker_permissions",
+]
+
+ACCOUNT = "APOMESH"
+"""The account name the samples and tests use."""
+
+JS_API = "$JS.API.>"
+KV_ALL = "$KV.>"
+LOG_ALL = f"{LOG_SUBJECT_PREFIX}.>"
+FORBIDDEN_TO_WORKERS = (JS_API, "$JS.>", KV_ALL, LOG_ALL)
+
+
+def daemon_permissions() -> Permissions:
+    """The daemon: JetStream (log, heartbeat stream, KV), the control plane, its own inboxes."""
+    return Permissions(
+        publish=(
+            JS_API,
+            "$JS.ACK.>",
+            "$JS.FC.>",
+            KV_ALL,
+            "apomesh.>",
+            "_INBOX.>",
+        ),
+        subscribe=("apomesh.>", "_INBOX.>"),
+        allow_responses=True,
+    )
+
+
+def worker_permissions(worker_id: str) -> Permissions:
+    """One worker: its own heartbeat, dispatch, control subjects and inboxes, and nothing of
+    JetStream, the log or the KV buckets."""
+    check_worker_id(worker_id)
+    return Permissions(
+        publish=(beat_subject(worker_id), f"{CTL_PREFIX}*.{worker_id}"),
+        subscribe=(dispatch_subject(worker_id), f"{worker_inbox_prefix(worker_id)}.>"),
+        publish_deny=FORBIDDEN_TO_WORKERS,
+        subscribe_deny=FORBIDDEN_TO_WORKERS,
+        allow_responses=True,
+    )
+
+
+def operator_permissions() -> Permissions:
+    """A person's read-only view: stream and consumer info, direct gets of the log, stream
+    snapshots (backups), live heartbeats. No writes to the log, KV or the control plane."""
+    return Permissions(
+        publish=(
+            "$JS.API.INFO",
+            "$JS.API.STREAM.NAMES",
+            "$JS.API.STREAM.LIST",
+            "$JS.API.STREAM.INFO.*",
+            "$JS.API.CONSUMER.NAMES.*",
+            "$JS.API.CONSUMER.LIST.*",
+            "$JS.API.CONSUMER.INFO.*.*",
+            f"$JS.API.DIRECT.GET.{LOG_STREAM}",
+            f"$JS.API.DIRECT.GET.{LOG_STREAM}.>",
+            "$JS.API.STREAM.MSG.GET.*",
+            "$JS.API.STREAM.SNAPSHOT.*",
+            "$JS.SNAPSHOT.ACK.>",
+        ),
+        subscribe=("_INBOX.>", f"{HB_PREFIX}>"),
+        publish_deny=(LOG_ALL, KV_ALL, f"{CTL_PREFIX}>", f"{DISPATCH_PREFIX}>"),
+    )
+
+
+def apomesh_account(
+    *,
+    daemon: NatsUser,
+    workers: Mapping[str, NatsUser],
+    operators: Iterable[NatsUser] = (),
+    name: str = ACCOUNT,
+) -> Account:
+    """One JetStream-enabled account holding the daemon, each worker (keyed by worker id) and the
+    operators, each user given its role's permissions (any permissions on the users passed in
+    are replaced)."""
+    users = [_with(daemon, daemon_permissions())]
+    users += [_with(user, worker_permissions(worker_id)) for worker_id, user in workers.items()]
+    users += [_with(user, operator_permissions()) for user in operators]
+    return Account(name=name, users=tuple(users))
+
+
+def _with(user: NatsUser, permissions: Permissions) -> NatsUser:
+    return NatsUser(user=user.user, password=user.password, nkey=user.nkey, permissions=permissions)
+
+
+# --------------------------------------------------------------------------------------------
+# The identity a worker's credentials carry
+
+
+def credential_identity(settings: NatsConfig) -> str | None:
+    """The name the configured credentials give this connection: the user name, the public key
+    of an NKey seed (needs the ``nkeys`` package), or the ``name`` of a creds file's JWT; ``None``
+    without credentials that name anyone."""
+    if settings.user:
+        return settings.user
+    if settings.nkey_seed_file:
+        return _nkey_public_key(Path(settings.nkey_seed_file))
+    if settings.creds_file:
+        return _creds_name(Path(settings.creds_file))
+    return None
+
+
+def _nkey_public_key(seed_file: Path) -> str | None:
+    try:
+        import nkeys
+    except ImportError:
+        return None
+    seed = bytearray(seed_file.read_bytes().strip())
+    key_pair = nkeys.from_seed(seed)
+    try:
+        public: bytes = key_pair.public_key
+        return public.decode()
+    finally:
+        key_pair.wipe()
+
+
+def _creds_name(creds_file: Path) -> str | None:
+    lines = creds_file.read_text(encoding="utf-8").splitlines()
+    for index, line in enumerate(lines):
+        if "BEGIN NATS USER JWT" in line and index + 1 < len(lines):
+            token = lines[index + 1].strip()
+            parts = token.split(".")
+            if len(parts) != 3:
+                return None
+            payload = parts[1] + "=" * (-len(parts[1]) % 4)
+            try:
+                claims = json.loads(base64.urlsafe_b64decode(payload))
+            except ValueError:
+                return None
+            name = claims.get("name") if isinstance(claims, dict) else None
+            return name if isinstance(name, str) and name else None
+    return None

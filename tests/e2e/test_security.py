@@ -1,0 +1,503 @@
+"""Security of a production-shaped deployment (``tests/e2e/secure_system.py``): a 3-node cluster
+with accounts, per-role permissions and mutual TLS, an authenticated leaf node, the daemon on
+HTTPS with bearer tokens, and workers holding their own credentials.
+
+The session runs end to end over all of it; a worker's credentials cannot append to or read the
+log, touch KV, impersonate another worker's heartbeat or reports, or take another worker's
+dispatch — each refused by the server itself; the daemon refuses a worker whose tools are not
+allowed and fences a report that names another worker; wrong or missing NATS credentials and
+certificates fail with an error saying what is wrong; API tokens expire, are revoked and are
+rate-limited; and no secret, token or skill body reaches any log file or command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from tests.e2e.secure_system import SecureSystem, create_token
+
+from apomesh.adapters.nats_connect import NatsAuthError, NatsTlsError, connect, tls_context
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.demo import DEMO_AGENT
+from apomesh.runtime.protocol import (
+    ENCODER,
+    REGISTER_REPLY_DECODER,
+    REPLY_DECODER,
+    SUBJECT_NODE,
+    SUBJECT_REGISTER,
+    BudgetState,
+    NodeReport,
+    Register,
+    bound_subject,
+    worker_inbox_prefix,
+)
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 90.0
+SKILL_MARKER = f"house-style-{secrets.token_hex(8)}"
+BUILTIN = PluginHost()
+ALLOWED_TOOLS = sorted(BUILTIN.tools())
+ALLOWED_PROVIDERS = sorted(BUILTIN.model_providers())
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureSystem]:
+    deployment = SecureSystem.build(
+        tmp_path_factory.mktemp("secure"),
+        daemon_env={
+            "APOMESH_WORKERS_ALLOWED_TOOLS": ",".join(ALLOWED_TOOLS),
+            "APOMESH_WORKERS_ALLOWED_PROVIDERS": ",".join(ALLOWED_PROVIDERS),
+        },
+    )
+    try:
+        deployment.worker("worker-a")
+        deployment.worker("edge-1", on_leaf=True)
+        deployment.wait_workers({"worker-a", deployment.logins["edge-1"].identity})
+        yield deployment
+    finally:
+        deployment.close()
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def wait_status(system: SecureSystem, session_id: str, statuses: tuple[str, ...]) -> dict[str, Any]:
+    deadline = time.monotonic() + TIMEOUT
+    view: dict[str, Any] = {}
+    with system.http() as client:
+        while time.monotonic() < deadline:
+            view = client.get(f"/v1/sessions/{session_id}").json()
+            if view.get("status") in statuses:
+                return view
+            time.sleep(0.1)
+    raise AssertionError(f"session {session_id} never reached {statuses}: {view}")
+
+
+def find_event(
+    system: SecureSystem, session_id: str, predicate: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """The first event of the session (live, from its SSE stream) that ``predicate`` accepts."""
+    with (
+        system.http() as client,
+        client.stream("GET", f"/v1/sessions/{session_id}/events") as stream,
+    ):
+        for line in stream.iter_lines():
+            if line.startswith("data:"):
+                record: dict[str, Any] = json.loads(line[5:])
+                if predicate(record):
+                    return record
+    raise AssertionError(f"no such event in session {session_id}")
+
+
+def events(system: SecureSystem, session_id: str) -> list[dict[str, Any]]:
+    """Every event of an ended session."""
+    found: list[dict[str, Any]] = []
+    with (
+        system.http() as client,
+        client.stream("GET", f"/v1/sessions/{session_id}/events") as stream,
+    ):
+        for line in stream.iter_lines():
+            if line.startswith("data:"):
+                found.append(json.loads(line[5:]))
+    return found
+
+
+class Probe:
+    """A raw nats-py connection as one login, collecting what the server refuses."""
+
+    def __init__(self, nc: nats.NATS, refusals: list[str]) -> None:
+        self.nc = nc
+        self.refusals = refusals
+
+    @classmethod
+    async def open(cls, system: SecureSystem, login: str, *, on_leaf: bool = False) -> Probe:
+        refusals: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            refusals.append(str(exc))
+
+        who = system.logins[login]
+        options = who.connect_options(system.pki)
+        auth: dict[str, Any] = {}
+        if "nkey_seed_file" in options:
+            auth["nkeys_seed"] = options["nkey_seed_file"]
+        else:
+            auth["user"], auth["password"] = options["user"], options["password"]
+        nc = await nats.connect(
+            [system.leaf.url] if on_leaf else system.cluster.urls,
+            tls=options["tls"],
+            error_cb=on_error,
+            allow_reconnect=False,
+            inbox_prefix=worker_inbox_prefix(who.identity),
+            **auth,
+        )
+        return cls(nc, refusals)
+
+    async def refused(self, subject: str, kind: str = "Publish") -> str:
+        """Wait for the server's permissions violation naming ``subject``, and return it."""
+        wanted = f'Permissions Violation for {kind} to "{subject}"'
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for refusal in self.refusals:
+                if wanted.lower() in refusal.lower():
+                    return refusal
+            await self.nc.flush()
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"the server did not refuse {kind} to {subject}: {self.refusals}")
+
+    async def subscribe_refused(self, subject: str) -> str:
+        await self.nc.subscribe(subject)
+        return await self.refused(subject, "Subscription")
+
+    async def publish_refused(self, subject: str, data: bytes = b"{}") -> str:
+        await self.nc.publish(subject, data)
+        return await self.refused(subject)
+
+    async def aclose(self) -> None:
+        await self.nc.close()
+
+
+def start_session(system: SecureSystem, definition: dict[str, Any], goal: str = "write") -> str:
+    with system.http() as client:
+        response = client.post("/v1/sessions", json={"goal": goal, "definition": definition})
+    assert response.status_code == 201, response.text
+    return str(response.json()["session_id"])
+
+
+# --------------------------------------------------------------------------------------------
+# the session runs with everything on
+
+
+def test_a_session_runs_end_to_end_with_auth_and_tls_on_cluster_and_leaf(
+    system: SecureSystem,
+) -> None:
+    with system.http() as client:
+        put = client.put("/v1/skills/house-style", json={"body": f"Write plainly. {SKILL_MARKER}"})
+        assert put.status_code in (200, 201), put.text
+    definition = {**DEMO_AGENT, "skills": ["house-style"]}
+    session_id = start_session(system, definition, "write three chapters")
+    view = wait_status(system, session_id, ("completed", "failed"))
+    assert view["status"] == "completed", view
+    dispatched_to = {
+        record["event"]["worker"]
+        for record in events(system, session_id)
+        if record["kind"] == "AgentLifecycle" and record["event"]["phase"] == "dispatched"
+    }
+    # Sub-agents ran on the cluster's worker and on the edge worker behind the leaf node.
+    assert dispatched_to == {"worker-a", system.logins["edge-1"].identity}
+    rows = system.wait_workers(set(dispatched_to))
+    assert {row["name"] for row in rows} >= {"worker-a", "edge-1"}
+
+
+# --------------------------------------------------------------------------------------------
+# what a worker's credentials cannot do, refused by the server
+
+
+async def test_a_worker_cannot_append_to_a_session_log_or_use_jetstream(
+    system: SecureSystem,
+) -> None:
+    session_id = start_session(
+        system,
+        {
+            "name": "echo",
+            "version": "1",
+            "model": {"provider": "scripted", "turns": [{"final": "ok"}]},
+        },
+    )
+    before = wait_status(system, session_id, ("completed",))["last_index"]
+    probe = await Probe.open(system, "worker-c")
+    try:
+        await probe.publish_refused(f"apomesh.log.{session_id}", b"forged event")
+        js = probe.nc.jetstream(timeout=1.0)
+        with pytest.raises(nats.errors.Error):
+            await js.publish(f"apomesh.log.{session_id}", b"forged event")
+        await probe.publish_refused("$JS.API.STREAM.INFO.APOMESH_LOG")
+        await probe.publish_refused("$JS.API.STREAM.DELETE.APOMESH_LOG")
+        await probe.publish_refused("$KV.apomesh-skills.house-style", b"forged skill")
+    finally:
+        await probe.aclose()
+    with system.http() as client:
+        assert client.get(f"/v1/sessions/{session_id}").json()["last_index"] == before
+
+
+async def test_a_worker_cannot_read_another_session(system: SecureSystem) -> None:
+    session_id = start_session(
+        system,
+        {
+            "name": "echo",
+            "version": "1",
+            "model": {"provider": "scripted", "turns": [{"final": "secret output"}]},
+        },
+    )
+    wait_status(system, session_id, ("completed",))
+    probe = await Probe.open(system, "worker-c")
+    try:
+        await probe.subscribe_refused(f"apomesh.log.{session_id}")
+        await probe.subscribe_refused("apomesh.log.>")
+        await probe.publish_refused(f"$JS.API.DIRECT.GET.APOMESH_LOG.apomesh.log.{session_id}")
+        await probe.subscribe_refused("$KV.>")
+        # Nor the replies others get: the daemon's, or another worker's.
+        await probe.subscribe_refused("_INBOX.>")
+        await probe.subscribe_refused(f"{worker_inbox_prefix('worker-a')}.>")
+    finally:
+        await probe.aclose()
+
+
+async def test_a_worker_cannot_impersonate_another_workers_heartbeat_or_reports(
+    system: SecureSystem,
+) -> None:
+    probe = await Probe.open(system, "worker-c")
+    try:
+        await probe.publish_refused("apomesh.hb.worker-a")
+        await probe.publish_refused(bound_subject(SUBJECT_NODE, "worker-a"))
+        await probe.publish_refused(bound_subject(SUBJECT_REGISTER, "worker-a"))
+    finally:
+        await probe.aclose()
+    edge = await Probe.open(system, "edge-1", on_leaf=True)
+    try:  # behind the leaf node, the edge worker is held to the same rules
+        await edge.publish_refused("apomesh.hb.worker-a")
+        await edge.publish_refused("$JS.API.STREAM.INFO.APOMESH_LOG")
+    finally:
+        await edge.aclose()
+
+
+async def test_a_worker_cannot_receive_another_workers_dispatch(system: SecureSystem) -> None:
+    probe = await Probe.open(system, "worker-c")
+    try:
+        await probe.subscribe_refused("apomesh.dispatch.worker-a")
+        await probe.subscribe_refused("apomesh.dispatch.>")
+        await probe.subscribe_refused("apomesh.ctl.>")
+    finally:
+        await probe.aclose()
+
+
+# --------------------------------------------------------------------------------------------
+# admitted, not trusted
+
+
+async def test_the_daemon_refuses_a_worker_with_tools_it_does_not_allow(
+    system: SecureSystem,
+) -> None:
+    probe = await Probe.open(system, "worker-c")
+    try:
+        registration = Register(
+            "worker-c", "worker-c", [*ALLOWED_TOOLS, "shell.exec"], ALLOWED_PROVIDERS, instance="x"
+        )
+        reply = await probe.nc.request(
+            bound_subject(SUBJECT_REGISTER, "worker-c"), ENCODER.encode(registration), timeout=10
+        )
+        answer = REGISTER_REPLY_DECODER.decode(reply.data)
+        assert not answer.ok
+        assert "shell.exec" in answer.reason
+        # Registering under another worker's id from its own subject is refused too.
+        impostor = Register("worker-a", "worker-a", ALLOWED_TOOLS, ALLOWED_PROVIDERS)
+        reply = await probe.nc.request(
+            bound_subject(SUBJECT_REGISTER, "worker-c"), ENCODER.encode(impostor), timeout=10
+        )
+        answer = REGISTER_REPLY_DECODER.decode(reply.data)
+        assert not answer.ok and "cannot register as worker-a" in answer.reason
+    finally:
+        await probe.aclose()
+    # Refused workers never become candidates for a dispatch.
+    with system.http() as client:
+        ids = {row["id"] for row in client.get("/v1/workers").json()["workers"]}
+    assert "worker-c" not in ids
+
+
+async def test_a_report_naming_another_worker_is_fenced(system: SecureSystem) -> None:
+    slow = {
+        "name": "slow",
+        "version": "1",
+        "tools": ["fs.list"],
+        "model": {
+            "provider": "scripted",
+            "turns": [
+                {"delay": 30, "tool_calls": [{"tool": "fs.list", "args": {"path": "."}}]},
+                {"final": "done"},
+            ],
+        },
+    }
+    session_id = start_session(system, slow)
+    dispatch = find_event(
+        system,
+        session_id,
+        lambda r: r["kind"] == "AgentLifecycle" and r["event"]["phase"] == "dispatched",
+    )["event"]
+    owner = dispatch["worker"]
+    probe = await Probe.open(system, "worker-c")
+    try:
+        for claimed in (owner, "worker-c"):
+            report = NodeReport(
+                claimed, session_id, dispatch["agent"], dispatch["epoch"], step=1,
+                new_messages=[], model={}, budget=BudgetState(),
+            )  # fmt: skip
+            reply = await probe.nc.request(
+                bound_subject(SUBJECT_NODE, "worker-c"), ENCODER.encode(report), timeout=10
+            )
+            answer = REPLY_DECODER.decode(reply.data)
+            # Naming the real owner: not who sent it. Naming itself: not whose dispatch it is.
+            assert answer.status == "fenced", answer
+    finally:
+        await probe.aclose()
+    with system.http() as client:
+        assert client.post(f"/v1/sessions/{session_id}/cancel", json={}).status_code == 202
+        metrics = client.get("/metrics").text
+    assert "apomesh_fenced_reports_total" in metrics
+
+
+# --------------------------------------------------------------------------------------------
+# wrong or missing credentials say what is wrong
+
+
+def test_a_worker_with_a_wrong_password_fails_naming_the_user(system: SecureSystem) -> None:
+    login = system.logins["worker-a"]
+    env = {
+        **login.env(system.pki, "worker-a"),
+        "APOMESH_NATS_PASSWORD": "not-the-password",
+        "APOMESH_NATS_CONNECT_TIMEOUT": "20",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "apomesh", "worker", "--nats", ",".join(system.cluster.urls),
+         "--workspace", str(system.base / "wrong-password")],
+        capture_output=True, text=True, timeout=60, env={**_environ(), **env},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    message = " ".join(result.stderr.split())
+    assert "nats_auth_failed" in message
+    assert "authorization violation" in message and "user 'worker-a'" in message
+    assert "not-the-password" not in result.stderr + result.stdout
+
+
+async def test_missing_credentials_and_certificates_fail_clearly(system: SecureSystem) -> None:
+    pki = system.pki
+    client_cert = pki.client("probe")
+    with_cert = tls_context(
+        ca_file=str(pki.ca), cert_file=str(client_cert.cert), key_file=str(client_cert.key)
+    )
+    with pytest.raises(NatsAuthError, match="no credentials"):
+        await connect(system.cluster.urls, tls=with_cert, connect_timeout=20)
+    nkey = system.logins["edge-1"].seed_file
+    assert nkey is not None
+    with pytest.raises(NatsAuthError, match="NKey seed file"):
+        # A seed the cluster does not know (the edge worker is known to the leaf node only).
+        await connect(
+            system.cluster.urls, tls=with_cert, nkey_seed_file=str(nkey), connect_timeout=20
+        )
+    login = system.logins["worker-c"]
+    without_cert = tls_context(ca_file=str(pki.ca))
+    with pytest.raises(NatsTlsError, match=r"client certificate|certificate required"):
+        await connect(
+            system.cluster.urls, tls=without_cert, user=login.name, password=login.password,
+            connect_timeout=20,
+        )  # fmt: skip
+    untrusting = tls_context()  # the system's CAs: the test CA is not among them
+    with pytest.raises(NatsTlsError, match="certificate was not accepted"):
+        await connect(
+            system.cluster.urls, tls=untrusting, user=login.name, password=login.password,
+            connect_timeout=20,
+        )  # fmt: skip
+    nc = await connect(system.cluster.urls, **login.connect_options(pki))
+    await nc.close()
+
+
+# --------------------------------------------------------------------------------------------
+# API tokens
+
+
+def test_api_tokens_roles_and_https(system: SecureSystem) -> None:
+    assert system.daemon.url.startswith("https://")
+    with system.http(None) as anonymous:
+        refused = anonymous.get("/v1/sessions")
+        assert refused.status_code == 401
+        assert refused.json()["error"] == "unauthorized"
+        assert anonymous.get("/healthz").status_code == 200
+    with system.http("read") as reader:
+        assert reader.get("/v1/sessions").status_code == 200
+        assert reader.post("/v1/sessions", json={"goal": "x"}).status_code == 403
+
+
+def test_a_revoked_or_expired_token_gets_401(system: SecureSystem) -> None:
+    data = system.daemon.data_dir
+    revocable = create_token(data, "read", "short-lived-reader")
+    expiring = create_token(data, "read", "expiring-reader", "--expires-in", "2s")
+    lasting = create_token(data, "read", "lasting-reader", "--expires-in", "1h")
+    system.secrets += [revocable, expiring, lasting]
+    tokens = json.loads((data / "tokens.json").read_text())["tokens"]
+    expires_at = {t["name"]: t.get("expires_at") for t in tokens}
+    assert expires_at["short-lived-reader"] is None
+    assert expires_at["lasting-reader"] is not None
+    for secret in (revocable, expiring, lasting):
+        assert secret.rsplit("_", 1)[1] not in json.dumps(tokens)  # stored hashed
+    system.tokens.update(revocable=revocable, expiring=expiring, lasting=lasting)
+    with system.http("revocable") as client:
+        assert client.get("/v1/sessions").status_code == 200
+    token_id = revocable.split("_")[1]
+    subprocess.run(
+        [sys.executable, "-m", "apomesh", "tokens", "revoke", token_id, "--data", str(data)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    with system.http("revocable") as client:
+        assert client.get("/v1/sessions").status_code == 401
+    while time.time() <= expires_at["expiring-reader"]:
+        time.sleep(0.1)
+    with system.http("expiring") as client:
+        assert client.get("/v1/sessions").status_code == 401
+    with system.http("lasting") as client:
+        assert client.get("/v1/sessions").status_code == 200
+    log = system.daemon.log_file.read_text()
+    assert "authentication failed from 127.0.0.1: expired token" in log
+    assert "authentication failed from 127.0.0.1: unknown or revoked token" in log
+
+
+def test_failed_authentication_is_rate_limited(system: SecureSystem) -> None:
+    # Last of the API tests: after this, 127.0.0.1 is locked out for the failure window.
+    statuses = []
+    with system.http(None) as client:
+        for attempt in range(15):
+            headers = {"Authorization": f"Bearer apm_guess{attempt}_{secrets.token_hex(8)}"}
+            statuses.append(client.get("/v1/sessions", headers=headers).status_code)
+        assert statuses[0] == 401
+        assert statuses[-1] == 429
+        locked = client.get(
+            "/v1/sessions", headers={"Authorization": f"Bearer {system.tokens['operator']}"}
+        )
+    assert locked.status_code == 429 and "Retry-After" in locked.headers
+
+
+# --------------------------------------------------------------------------------------------
+# nothing secret in any log or command line
+
+
+def test_no_secret_token_or_skill_body_in_any_log_or_command_line(system: SecureSystem) -> None:
+    files = system.log_files()
+    names = {path.name for path in files}
+    assert {"serve.log", "worker-worker-a.log", "worker-edge-1.log", "nats-server.log"} <= names
+    secrets_to_find = [*system.secrets, SKILL_MARKER]
+    for path in files:
+        text = path.read_text(errors="replace")
+        for secret in secrets_to_find:
+            assert secret not in text, f"a secret is in {path}"
+    for process in [system.daemon.proc, *(w.proc for w in system.workers)]:
+        if process is None or process.poll() is not None:
+            continue
+        command = Path(f"/proc/{process.pid}/cmdline").read_bytes().decode(errors="replace")
+        for secret in system.secrets:
+            assert secret not in command
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("APOMESH_")}
