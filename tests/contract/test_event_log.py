@@ -81,6 +81,8 @@ async def subject_log(request: pytest.FixtureRequest) -> AsyncIterator[LogUnderT
         # Steps go as chained publishes by default; this variant sends every step of two or more
         # events as an atomic batch, so both append paths meet the same contract.
         "atomic_batch_min": 2 if request.param == "jetstream-atomic" else 32,
+        # Small read pages there too, so reads of every size cross page boundaries.
+        "read_page": 7 if request.param == "jetstream-atomic" else 5000,
     }
     log = JetStreamLog(nc, **options)
     await log.ensure()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -30,13 +31,6 @@ from apomesh.core.errors import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-def cluster_urls(cluster: Any) -> list[str]:
-    urls = getattr(cluster, "urls", None)
-    if urls:
-        return list(urls)
-    return [server.url for server in cluster.servers]
 
 
 @pytest.fixture
@@ -122,6 +116,33 @@ async def test_a_retry_with_a_stale_position_never_duplicates(
     with pytest.raises(AppendConflict):
         await log.append(session, events(session, 6, 3, tag="other"))
     assert await log.read(session) == events(session, 0, 8)
+
+
+async def test_a_read_that_a_lagging_replica_cut_short_is_completed_from_the_leader(
+    log: JetStreamLog,
+) -> None:
+    session = new_session()
+    await log.append(session, events(session, 0, 12))
+    read_direct = log._read_direct
+
+    async def lagging(*args: Any) -> Any:
+        run = await read_direct(*args)
+        run.payloads[5:] = []  # a replica that has not applied the last seven events yet
+        return run
+
+    log._read_direct = lagging  # type: ignore[method-assign]
+    assert await log.read(session) == events(session, 0, 12)
+    assert await log.read(session, after=3) == events(session, 4, 8)
+
+
+async def test_a_position_note_ahead_of_the_log_does_not_stall_reads(log: JetStreamLog) -> None:
+    session = new_session()
+    await log.append(session, events(session, 0, 5))
+    log._positions[session] = _Position(40, 10**9)  # as if the session was purged and rewritten
+    with anyio.fail_after(10):
+        assert await log.read(session) == events(session, 0, 5)
+    await log.append(session, events(session, 5, 2))
+    assert await log.read(session) == events(session, 0, 7)
 
 
 async def test_reusing_a_deleted_sessions_id_inside_the_duplicate_window_is_refused(
@@ -248,7 +269,7 @@ async def test_ensure_refuses_replicas_a_single_server_cannot_give(nc: NATS) -> 
 
 
 async def test_an_r3_stream_on_a_cluster_appends_reads_and_tails(nats_cluster: Any) -> None:
-    urls = cluster_urls(nats_cluster)
+    urls = list(nats_cluster.urls)
     client = await connect(urls)
     reader_client = await connect(list(reversed(urls)))
     try:
@@ -268,6 +289,16 @@ async def test_an_r3_stream_on_a_cluster_appends_reads_and_tails(nats_cluster: A
         assert session in await reader.list_sessions()
         await log.append(session, events(session, 8, 5))  # overlapping retry
         assert await reader.read(session) == events(session, 0, 13)
+        tailed: list[Any] = []
+        with anyio.fail_after(10):
+            async with aclosing(reader.tail(session, after=10)) as stream:
+                async for envelope in stream:
+                    tailed.append(envelope)
+                    if len(tailed) == 1:
+                        await log.append(session, events(session, 13, 2))
+                    if len(tailed) == 4:
+                        break
+        assert tailed == events(session, 11, 4)
         heartbeats = HeartbeatStream(client, 3)
         await heartbeats.ensure()
         await client.publish(beat_subject("w-r3"), b"alive")
