@@ -675,7 +675,17 @@ class JetStreamLog:
         deadline = time.monotonic() + self._timeout
         start_seq = await self._start_seq_after(session_id, after, deadline)
         if start_seq is None:
-            start_seq = (await self._last_direct(session_id, deadline)).seq + 1
+            # Nothing after ``after`` was stored a moment ago: start just past the last stored
+            # event, unless one was appended since (then look its sequence up, or the consumer
+            # would start after it and the tail would skip it).
+            last = await self._last_direct(session_id, deadline)
+            if last.index <= after:
+                start_seq = last.seq + 1
+            else:
+                found = await self._start_seq_after(session_id, after, deadline)
+                if found is None:
+                    raise LogError(f"session {session_id}: event {after + 1} vanished from the log")
+                start_seq = found
         with unavailable_as_log_error(f"tail session {session_id}"):
             subscription = await self._subscribe_from(subject, start_seq)
         expected = max(after, -1) + 1

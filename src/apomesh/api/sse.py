@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -50,10 +51,24 @@ def envelope_json(env: Envelope) -> bytes:
     )
 
 
+FRAME_CACHE_SIZE = 4096
+_frames: OrderedDict[tuple[str, int, str], bytes] = OrderedDict()
+
+
 def frame(env: Envelope) -> bytes:
-    """One SSE frame for an envelope."""
+    """One SSE frame for an envelope. Encoded once for all the streams that send it (a hundred
+    clients following one session get the same envelope each), from a small recent-frames cache
+    keyed by the envelope's identity in the log."""
+    key = (env.session_id, env.index, env.event_id)
+    cached = _frames.get(key)
+    if cached is not None:
+        return cached
     name = event_name(env.event).encode()
-    return b"id: %d\nevent: %s\ndata: %s\n\n" % (env.index, name, envelope_json(env))
+    encoded = b"id: %d\nevent: %s\ndata: %s\n\n" % (env.index, name, envelope_json(env))
+    _frames[key] = encoded
+    if len(_frames) > FRAME_CACHE_SIZE:
+        _frames.popitem(last=False)
+    return encoded
 
 
 class InvalidStart(ValueError):

@@ -19,7 +19,7 @@ import msgspec
 from apomesh.core.definition import parse_definition
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import ApomeshError, NotFound, PayloadTooLarge
-from apomesh.core.events import AgentLifecycle, SessionEnded, SessionStarted
+from apomesh.core.events import AgentLifecycle, SessionStarted
 from apomesh.core.state import new_state
 from apomesh.core.views import (
     AgentRecordView,
@@ -39,6 +39,7 @@ from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.daemon import Daemon
 from apomesh.runtime.folds import FoldCache
 from apomesh.runtime.sessions import SessionRuntime
+from apomesh.runtime.tails import SessionTails
 
 
 def _check_size(what: str, data: Any, limit: int) -> None:
@@ -57,6 +58,8 @@ class Service:
         # Sessions this daemon does not drive (ended ones above all) are read through this cache,
         # so a request folds only what was appended since the last one, not the whole log.
         self.folds = FoldCache(daemon.log.read)
+        # Every event-stream reader of a session shares one tail of its log.
+        self.tails = SessionTails(daemon.log)
 
     # --- sessions ------------------------------------------------------------------------------------
 
@@ -143,10 +146,8 @@ class Service:
         return envelopes
 
     async def tail_events(self, session_id: str, after: int) -> AsyncIterator[Envelope]:
-        async for env in self.daemon.log.tail(session_id, after):
+        async for env in self.tails.follow(session_id, after):
             yield env
-            if isinstance(env.event, SessionEnded):
-                return
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
         await self.daemon.answer_hitl(session_id, pause_id, answer, by=by)
