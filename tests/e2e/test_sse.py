@@ -167,6 +167,7 @@ async def test_ids_continue_without_gap_or_repeat_when_the_daemon_restarts_mid_s
     assert "SessionRecovered" in kinds[cut_at:]
     recovered = records[kinds.index("SessionRecovered")]
     assert recovered.event["path"] == "auto"
+    assert 'apomesh_resumes_total{path="auto"} 1' in httpx.get(f"{mesh.url}/metrics").text
     # What the iterator saw is exactly the log, as a fresh reader sees it after the fact.
     replay = frames(mesh.url, session_id)
     assert [f.data["event_id"] for f in replay if f.data] == [r.event_id for r in records]

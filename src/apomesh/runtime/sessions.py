@@ -241,7 +241,9 @@ class SessionRuntime:
                             epoch=epoch,
                         )
                     )
-                    self.daemon.metrics.resumes.labels(_path_label(resume_reason)).inc()
+                    if _path_label(resume_reason) == "worker_lost":
+                        # Agents re-dispatched by a session's own recovery are counted with it.
+                        self.daemon.metrics.resumes.labels("worker_lost").inc()
                     resuming = True
                     resume_reason = None
                 await self.append(
@@ -332,6 +334,7 @@ class SessionRuntime:
                         incarnation=self.daemon.incarnation,
                     )
                 )
+                self.daemon.metrics.resumes.labels(recovered).inc()
             for job in list(self.state.jobs_in_flight.values()):
                 self.daemon.start_job(self, job)
             kind = self.daemon.plugins.coordination_kinds()[shape.coordination]
@@ -388,7 +391,7 @@ def _answer(root: AgentView) -> RootAnswer:
 
 def _path_label(reason: str) -> str:
     if reason.startswith("daemon restart"):
-        return "restart"
+        return "auto"
     if reason.startswith("operator"):
         return "operator"
     return "worker_lost"
