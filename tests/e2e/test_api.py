@@ -9,10 +9,12 @@ import hashlib
 import re
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from tests.e2e.api_support import (
@@ -600,3 +602,66 @@ def test_resume_needs_the_preview_confirmed_after_a_daemon_restart(mesh: Mesh) -
     assert metrics["apomesh_resumes_total"]['{path="operator"}'] >= 1
     events = httpx.get(f"{mesh.url}/v1/sessions/{session_id}/events").text
     assert '"action":"resume"' in events and "event: SessionRecovered" in events
+
+
+@pytest.mark.anyio
+async def test_the_preview_shows_a_side_effect_whose_outcome_is_unknown(mesh: Mesh) -> None:
+    """A session whose log ends with a side effect's intent and no result (its daemon died in
+    between), written straight to the log while the daemon is down: after the boot scan it waits
+    on the recoverable list, the preview names the call, and resuming never runs it again."""
+    from apomesh.adapters.jetstream_log import JetStreamLog
+    from apomesh.adapters.nats_connect import connect
+    from apomesh.core import envelope
+    from apomesh.core.definition import parse_definition
+    from apomesh.core.events import AgentLifecycle, SessionStarted, ToolCallIntent
+    from apomesh.core.journal import call_key
+    from apomesh.plugins.manager import PluginHost
+    from apomesh.runtime.composition import compose_shape
+
+    definition = appender("unknown.txt", lines=3, delay=0.1)
+    shape = compose_shape(
+        parse_definition(definition), host=PluginHost(), skills=[], source="inline"
+    )
+    args = {"path": "unknown.txt", "line": "line 1"}
+    key = call_key("fs.append", args)
+    session_id = uuid.uuid4().hex
+    events = [
+        SessionStarted(goal="append three lines", root="root", shape=shape),
+        AgentLifecycle("root", "born", config=shape.root, task="append three lines", task_index=0),
+        AgentLifecycle("root", "dispatched", worker="w-gone", epoch=1),
+        AgentLifecycle("root", "running", worker="w-gone"),
+        ToolCallIntent("root", key, "fs.append", args),
+    ]
+    await anyio.to_thread.run_sync(mesh.daemon.kill)
+    nc = await connect([mesh.nats_url])
+    try:
+        log = JetStreamLog(nc)
+        await log.append(
+            session_id,
+            [
+                envelope.make(session_id, i, time.time(), uuid.uuid4().hex, e)
+                for i, e in enumerate(events)
+            ],
+        )
+    finally:
+        await nc.close()
+    await anyio.to_thread.run_sync(mesh.daemon.start)
+
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as http:
+        preview = (await http.get(f"/v1/recoverable/{session_id}")).json()
+        unknown = [{"agent": "root", "tool": "fs.append", "key": key, "args": args}]
+        assert preview["unknown_outcomes"] == unknown
+        assert preview["side_effects"] == 1
+        state = (await http.get(f"/v1/sessions/{session_id}")).json()
+        assert state["status"] == "recoverable" and state["unknown_outcomes"] == unknown
+        refused = await http.post(f"/v1/sessions/{session_id}/resume", json={})
+        assert refused.status_code == 409
+        assert refused.json()["preview"]["unknown_outcomes"] == unknown
+        accepted = await http.post(f"/v1/sessions/{session_id}/resume", json={"confirm": True})
+        assert accepted.status_code == 202, accepted.text
+    done = await anyio.to_thread.run_sync(lambda: wait_status(mesh.url, session_id, timeout=60))
+    assert done["status"] == "completed", done
+    # The call in doubt was not run again: its line is missing, the others are there once.
+    assert journal_lines(mesh.daemon.workspace, "unknown.txt") == ["line 2", "line 3"]
+    events_text = httpx.get(f"{mesh.url}/v1/sessions/{session_id}/events").text
+    assert '"outcome":"unknown"' in events_text
