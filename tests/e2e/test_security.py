@@ -122,7 +122,9 @@ class Probe:
         self.refusals = refusals
 
     @classmethod
-    async def open(cls, system: SecureSystem, login: str, *, on_leaf: bool = False) -> Probe:
+    async def open(
+        cls, system: SecureSystem, login: str, *, on_leaf: bool = False, worker: bool = True
+    ) -> Probe:
         refusals: list[str] = []
 
         async def on_error(exc: Exception) -> None:
@@ -140,7 +142,7 @@ class Probe:
             tls=options["tls"],
             error_cb=on_error,
             allow_reconnect=False,
-            inbox_prefix=worker_inbox_prefix(who.identity),
+            inbox_prefix=worker_inbox_prefix(who.identity) if worker else "_INBOX",
             **auth,
         )
         return cls(nc, refusals)
@@ -225,7 +227,7 @@ async def test_a_worker_cannot_append_to_a_session_log_or_use_jetstream(
             await js.publish(f"apomesh.log.{session_id}", b"forged event")
         await probe.publish_refused("$JS.API.STREAM.INFO.APOMESH_LOG")
         await probe.publish_refused("$JS.API.STREAM.DELETE.APOMESH_LOG")
-        await probe.publish_refused("$KV.apomesh-skills.house-style", b"forged skill")
+        await probe.publish_refused("$KV.APOMESH_SKILLS.house-style", b"forged skill")
     finally:
         await probe.aclose()
     with system.http() as client:
@@ -281,6 +283,82 @@ async def test_a_worker_cannot_receive_another_workers_dispatch(system: SecureSy
         await probe.subscribe_refused("apomesh.ctl.>")
     finally:
         await probe.aclose()
+
+
+async def test_an_operator_reads_the_log_but_cannot_write_it(system: SecureSystem) -> None:
+    session_id = start_session(
+        system,
+        {
+            "name": "echo",
+            "version": "1",
+            "model": {"provider": "scripted", "turns": [{"final": "ok"}]},
+        },
+    )
+    last = wait_status(system, session_id, ("completed",))["last_index"]
+    probe = await Probe.open(system, "operator", worker=False)
+    try:
+        js = probe.nc.jetstream(timeout=10.0)
+        info = await js.stream_info("APOMESH_LOG", subjects_filter=f"apomesh.log.{session_id}")
+        assert info.state.subjects == {f"apomesh.log.{session_id}": last + 1}
+        first = await js.get_msg(
+            "APOMESH_LOG", subject=f"apomesh.log.{session_id}", next=True, seq=1
+        )
+        assert first.data
+        await probe.publish_refused(f"apomesh.log.{session_id}", b"forged")
+        await probe.publish_refused("$JS.API.STREAM.PURGE.APOMESH_LOG")
+        await probe.publish_refused("apomesh.dispatch.worker-a")
+    finally:
+        await probe.aclose()
+
+
+def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_path: Path) -> None:
+    from tests.e2e.certs import make_pki
+
+    from apomesh.adapters.natsserver import find_nats_server
+    from apomesh.runtime.nats_permissions import (
+        daemon_permissions,
+        operator_permissions,
+        worker_permissions,
+    )
+
+    samples = Path(__file__).parents[2] / "conf" / "nats"
+    pki = make_pki(tmp_path / "tls")
+    for name in ("route", "edge-server", "leaf"):
+        pki.client(name)
+    (tmp_path / "tls" / "routes-ca.crt").write_bytes(pki.ca.read_bytes())
+    configs = tmp_path / "conf"
+    configs.mkdir()
+    for sample in samples.glob("*.conf"):
+        text = sample.read_text()
+        text = text.replace("/etc/nats/tls/", f"{tmp_path / 'tls'}/")
+        text = text.replace("/var/lib/nats/jetstream", str(tmp_path / "js"))
+        (configs / sample.name).write_text(text)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "NATS_SERVER_NAME": "nats-1",
+        "APOMESH_DAEMON_PASSWORD": "d",
+        "APOMESH_OPERATOR_PASSWORD": "o",
+        "APOMESH_WORKER_1_PASSWORD": "w",
+        "APOMESH_LEAF_PASSWORD": "l",
+        "APOMESH_EDGE_2_PASSWORD": "e",
+    }
+    for name in ("cluster-node.conf", "leaf.conf"):
+        result = subprocess.run(
+            [str(find_nats_server()), "-t", "-c", str(configs / name)],
+            capture_output=True, text=True, env=env, timeout=30,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
+    accounts = (samples / "accounts.conf").read_text() + (samples / "leaf.conf").read_text()
+    roles = [daemon_permissions(), operator_permissions(), worker_permissions("worker-1")]
+    roles.append(worker_permissions("edge-2"))
+    for permissions in roles:
+        for subject in (
+            *permissions.publish,
+            *permissions.subscribe,
+            *permissions.publish_deny,
+            *permissions.subscribe_deny,
+        ):
+            assert f'"{subject}"' in accounts, subject
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,6 +433,31 @@ async def test_a_report_naming_another_worker_is_fenced(system: SecureSystem) ->
         assert client.post(f"/v1/sessions/{session_id}/cancel", json={}).status_code == 202
         metrics = client.get("/metrics").text
     assert "apomesh_fenced_reports_total" in metrics
+
+
+async def test_a_worker_registering_again_from_a_new_process_replaces_its_predecessor(
+    system: SecureSystem,
+) -> None:
+    probe = await Probe.open(system, "worker-c")
+    try:
+        for instance in ("first-process", "second-process"):
+            registration = Register(
+                "worker-c", "worker-c", ALLOWED_TOOLS, ALLOWED_PROVIDERS, instance=instance
+            )
+            reply = await probe.nc.request(
+                bound_subject(SUBJECT_REGISTER, "worker-c"),
+                ENCODER.encode(registration),
+                timeout=10,
+            )
+            assert REGISTER_REPLY_DECODER.decode(reply.data).ok
+    finally:
+        await probe.aclose()
+    # What the first process ran died with it: the daemon declared it lost at once.
+    deadline = time.monotonic() + TIMEOUT
+    wanted = "worker worker-c lost: it registered again from a new process"
+    while wanted not in system.daemon.output_tail(1_000_000):
+        assert time.monotonic() < deadline, system.daemon.output_tail()
+        await asyncio.sleep(0.05)
 
 
 # --------------------------------------------------------------------------------------------
@@ -459,6 +562,32 @@ def test_a_revoked_or_expired_token_gets_401(system: SecureSystem) -> None:
     log = system.daemon.log_file.read_text()
     assert "authentication failed from 127.0.0.1: expired token" in log
     assert "authentication failed from 127.0.0.1: unknown or revoked token" in log
+
+
+def test_a_first_start_with_auth_on_writes_an_operator_token_and_a_configured_one_works(
+    tmp_path: Path,
+) -> None:
+    from apomesh.api.server import FIRST_TOKEN_FILE, _auth_settings
+    from apomesh.runtime.config import load_config
+
+    beyond_loopback = {"http": {"listen": "0.0.0.0:8750"}, "daemon": {"data_dir": str(tmp_path)}}
+    settings = _auth_settings(load_config(None, env={}, overrides=beyond_loopback))
+    assert settings.enabled and settings.token_store is not None
+    written = tmp_path / FIRST_TOKEN_FILE
+    assert written.stat().st_mode & 0o777 == 0o600
+    first = written.read_text().strip()
+    assert settings.token_store.verify(first) == "operator"
+    assert first.rsplit("_", 1)[1] not in (tmp_path / "tokens.json").read_text()
+    # A second start keeps the tokens it has and makes no other.
+    _auth_settings(load_config(None, env={}, overrides=beyond_loopback))
+    assert written.read_text().strip() == first
+    configured = secrets.token_urlsafe(24)
+    env = {"APOMESH_HTTP_TOKEN": configured}
+    again = _auth_settings(load_config(None, env=env, overrides=beyond_loopback))
+    assert again.token_store is not None
+    assert again.token_store.verify(configured) == "operator"
+    assert again.token_store.verify(configured + "x") is None
+    assert configured not in (tmp_path / "tokens.json").read_text()
 
 
 def test_failed_authentication_is_rate_limited(system: SecureSystem) -> None:

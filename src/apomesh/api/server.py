@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from apomesh.api.auth import AuthSettings
 from apomesh.api.service import DaemonService
 from apomesh.api.tokens import TokenStore
 from apomesh.runtime.config import Config
+
+log = logging.getLogger("apomesh.api")
 
 
 @dataclass
@@ -29,15 +32,34 @@ class HttpEndpoint:
             await asyncio.wait_for(self.task, 10.0)
 
 
+FIRST_TOKEN_FILE = "http.token"
+
+
+def _auth_settings(config: Config) -> AuthSettings:
+    """Auth as configured: off on loopback unless asked for; on, the tokens of the data dir plus
+    ``[http] token``, or, on a first start without either, an operator token written to
+    ``<data_dir>/http.token`` (its path is logged, never the token)."""
+    http = config.http
+    if not http.auth_required():
+        return AuthSettings.off()
+    data = config.daemon.data_path()
+    store = TokenStore.in_dir(data)
+    if http.token:
+        store.add_static(http.token, "[http] token")
+    elif store.ensure_first_token(data / FIRST_TOKEN_FILE):
+        log.warning(
+            "API auth is on and no token existed: an operator token was written to %s"
+            " (manage tokens with `apomesh tokens create|list|revoke`)",
+            data / FIRST_TOKEN_FILE,
+        )
+    return AuthSettings(enabled=True, token_store=store)
+
+
 async def serve_api(service: DaemonService, config: Config) -> HttpEndpoint:
     """Start the HTTP API; answers once it listens."""
     http = config.http
     host, port = http.host_port()
-    auth = (
-        AuthSettings(enabled=True, token_store=TokenStore.in_dir(config.daemon.data_path()))
-        if http.auth_required()
-        else AuthSettings.off()
-    )
+    auth = _auth_settings(config)
     app = create_app(
         service,
         auth=auth,

@@ -7,6 +7,11 @@ shown once, at creation, and stored nowhere. An expired token is refused like a 
 not secret; it lets an operator list and revoke tokens. Verification compares digests in constant
 time. The file is re-read when it changes on disk, so tokens made or revoked with the command line
 take effect in a running daemon.
+
+Two more ways in, for a daemon's first start: ``add_static`` accepts a token given in the
+configuration (``[http] token``, any text, kept only as a digest in memory) as an operator token,
+and ``ensure_first_token`` makes an operator token when the store has none and writes it, mode
+0600, to a file in the data dir, so a daemon that turns auth on never locks its operator out.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class TokenStore:
         self._lock = threading.Lock()
         self._tokens: dict[str, TokenInfo] = {}
         self._stamp: tuple[int, int] | None = None
+        self._static: list[TokenInfo] = []
 
     @classmethod
     def in_dir(cls, data_dir: str | os.PathLike[str]) -> TokenStore:
@@ -140,7 +146,43 @@ class TokenStore:
             return None, "expired token"
         return info, ""
 
+    def add_static(self, token: str, name: str, role: str = "operator") -> None:
+        """Accept ``token`` (any text, e.g. ``[http] token``) with ``role`` until the process
+        ends; only its digest is kept."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        checked: Role = "operator" if role == "operator" else "read"
+        info = TokenInfo(
+            id=f"static-{len(self._static)}",
+            name=name,
+            role=checked,
+            created_at=time.time(),
+            secret_sha256=_digest(token),
+        )
+        with self._lock:
+            self._static.append(info)
+
+    def ensure_first_token(self, secret_file: str | os.PathLike[str]) -> bool:
+        """When the store holds no token, make an operator token and write it to ``secret_file``
+        (mode 0600; the only copy of the secret). True when one was made."""
+        if self.list():
+            return False
+        _, token = self.create("operator", "first-start")
+        path = Path(secret_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(token + "\n")
+        return True
+
     def _match(self, token: str) -> TokenInfo | None:
+        presented_digest = _digest(token)
+        with self._lock:
+            static = list(self._static)
+        for configured in static:
+            if hmac.compare_digest(configured.secret_sha256, presented_digest):
+                return configured
         parts = split_token(token)
         with self._lock:
             self._load()

@@ -49,7 +49,7 @@ ACCOUNT = "APOMESH"
 JS_API = "$JS.API.>"
 KV_ALL = "$KV.>"
 LOG_ALL = f"{LOG_SUBJECT_PREFIX}.>"
-FORBIDDEN_TO_WORKERS = (JS_API, "$JS.>", KV_ALL, LOG_ALL)
+FORBIDDEN_TO_WORKERS = ("$JS.>", KV_ALL, LOG_ALL)
 
 
 def daemon_permissions() -> Permissions:
