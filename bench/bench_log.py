@@ -359,13 +359,13 @@ async def bench_read_paths(nc: NATS, log: JetStreamLog, sizes: list[int], runs: 
         subject = log.subject(session)
         for _ in range(runs):
             started = time.perf_counter()
-            got = await log._read_direct(subject, session, 1, time.monotonic() + 60)
+            run = await log._read_direct(subject, session, 0, 1, time.monotonic() + 60)
             direct.append(time.perf_counter() - started)
-            assert len(got) == size
+            assert len(run.payloads) == size
             started = time.perf_counter()
-            got = await log._read_by_consumer(subject, session, 1, size, time.monotonic() + 60)
+            run = await log._read_by_consumer(subject, session, 0, 1, size, time.monotonic() + 60)
             consumer.append(time.perf_counter() - started)
-            assert len(got) == size
+            assert len(run.payloads) == size
         d, c = statistics.median(direct), statistics.median(consumer)
         print(
             f"    {size:>7,} events: direct {d * 1e3:8.2f}   consumer {c * 1e3:8.2f}   direct/consumer {d / c:.2f}"

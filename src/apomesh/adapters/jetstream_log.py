@@ -39,11 +39,13 @@ power cut can lose the last ones unless it runs with ``sync_interval: always`` (
 records which promise the deployment makes; the embedded server is started accordingly), or the
 stream is replicated (R3), where an acknowledgement means a majority of servers hold the event.
 
-Reads use batched direct gets (one request per page of up to ``read_page`` messages), which
-measured faster than an ordered consumer at every session size we tried (see bench/bench_log.py).
-If a direct get answers with less than this process already knows is stored (a lagging replica
-of an R3 stream may answer direct gets), the read is redone through an ordered consumer, which
-the stream leader serves. ``tail`` reads through an ordered consumer that starts at the stream
+Reads use batched direct gets without headers (one request per page of up to ``read_page``
+messages), which measured two to three times faster than an ordered consumer at every session
+size tried, 10 to 50k events (bench/bench_log.py), so there is no size past which a consumer
+takes over. If a direct get answers with less than this process knows is stored (a lagging
+replica of an R3 stream may answer direct gets), the leader says where the log ends and the rest
+is read through an ordered consumer, which the leader serves. Appends look the session's end up
+from the leader too (message get, not direct get), so a lagging replica never misleads a retry. ``tail`` reads through an ordered consumer that starts at the stream
 sequence of the first wanted index, so nothing is missed or repeated between history and live.
 """
 
