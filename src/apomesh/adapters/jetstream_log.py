@@ -20,10 +20,12 @@ the stream sequence of event k, known only once k is acknowledged. Three ways we
   per event on loopback, and concurrent sessions proceed in parallel.
 
 So steps of fewer than ``atomic_batch_min`` events (32 by default; nearly every step) are chained
-and larger ones go as atomic batches, which is where bench/bench_log.py measured each to win
-(chained: ~4.4k events/s for one session sending steps of 10, ~15k/s over eight sessions;
-atomic: ~15k/s for steps of 50, ~24k/s for steps of 100). A step cut short by a crash leaves its
-first events stored; the retry after it settles what is stored and sends only the rest.
+and larger ones go as atomic batches. bench/bench_log.py compares the two by step size: chained
+runs at 3-5k events/s for one session and 8-14k/s over eight, whatever the step size; atomic
+batches manage 0.7-4k/s for steps of 2 to 10, but 5-16k/s for one session's steps of 50 and
+5-24k/s for steps of 100 (the low ends on a disk busy with other work, which hurts the staged
+batches most). A step cut short by a crash leaves its first events stored; the retry after it
+settles what is stored and sends only the rest.
 
 Retries: a timeout or disconnect resends the same batch with the same expected sequence and
 message ids. If the first try was stored, the resend is refused (wrong last sequence, or a
