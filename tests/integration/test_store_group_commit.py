@@ -4,8 +4,10 @@ when its call returns, and one bad batch fails only its own caller."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -95,12 +97,12 @@ async def test_stores_without_write_batches_are_written_batch_by_batch() -> None
 @pytest.mark.anyio
 async def test_a_caller_cancelled_while_queued_takes_its_write_back(tmp_path: Path) -> None:
     facade = AsyncStore(LmdbStore(tmp_path / "db"))
-    release = anyio.Event()
+    release = threading.Event()
     original = facade._commit_group
 
-    def slow_commit(group: list[object]) -> None:
-        anyio.from_thread.run(release.wait)
-        original(group)  # type: ignore[arg-type]
+    def slow_commit(group: list[Any]) -> None:
+        release.wait(10)
+        original(group)
 
     facade._commit_group = slow_commit  # type: ignore[method-assign]
     async with anyio.create_task_group() as group:
@@ -115,3 +117,15 @@ async def test_a_caller_cancelled_while_queued_takes_its_write_back(tmp_path: Pa
     await facade.put_journal("s/a", "after", b"3")  # the queue is not stuck
     assert await facade.get_journal("s/a", "after") == b"3"
     await facade.aclose()
+
+
+@pytest.mark.anyio
+async def test_closing_commits_what_is_queued_first(tmp_path: Path) -> None:
+    facade = AsyncStore(LmdbStore(tmp_path / "db"))
+    async with anyio.create_task_group() as group:
+        for i in range(30):
+            group.start_soon(facade.put_journal, "s/a", f"c{i}", b"j")
+        await anyio.sleep(0)
+    await facade.aclose()
+    with LmdbStore(tmp_path / "db") as reopened:
+        assert len(reopened.scan("journal", "s/a")) == 30

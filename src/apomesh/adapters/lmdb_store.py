@@ -9,12 +9,16 @@ a half-written record. A full map surfaces as ``StoreFull`` naming the data dir 
 ``[store] map_size`` setting; every other LMDB failure as ``StoreError``. The key helpers
 (``snapshot_key``, ``journal_key``) are the layout the in-memory twin uses too, so callers can build
 ``write_batch`` records that either store understands. ``AsyncStore`` runs any ``StateStore`` off
-the event loop, queueing writes on one thread at a time.
+the event loop; its writes are group-committed by one writer thread (the writes that queue while
+one transaction commits share the next, and its fsync).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -343,37 +347,97 @@ class LmdbStore:
 class _QueuedWrite:
     """One caller's ``write_batch`` waiting for the group commit that carries it."""
 
-    __slots__ = ("deletes", "done", "error", "puts")
+    __slots__ = ("abandoned", "deletes", "error", "future", "puts")
 
     def __init__(
-        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]]
+        self,
+        puts: Sequence[tuple[str, str, bytes]],
+        deletes: Sequence[tuple[str, str]],
+        future: asyncio.Future[None],
     ) -> None:
         self.puts = puts
         self.deletes = deletes
-        self.done = False
+        self.future = future
         self.error: BaseException | None = None
+        self.abandoned = False  # its caller was cancelled before the writer took it
+
+
+class _GroupWriter:
+    """The thread that commits queued writes: everything queued while it commits one group goes
+    in the next, which it starts at once (never waiting for the event loop to come round), and it
+    wakes each group's callers with one call into their loop."""
+
+    def __init__(self, commit: Callable[[list[_QueuedWrite]], None]) -> None:
+        self._commit = commit
+        self._queue: queue.SimpleQueue[_QueuedWrite | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="apomesh-store-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, entry: _QueuedWrite) -> None:
+        self._queue.put(entry)
+
+    def stop(self) -> None:
+        """Commit what is queued, then end the thread (blocks until it has)."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            group: list[_QueuedWrite] = []
+            item = self._queue.get()
+            while True:
+                if item is None:
+                    stopping = True
+                elif not item.abandoned:
+                    group.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if not group:
+                continue
+            try:
+                self._commit(group)
+            except BaseException as exc:  # never leave a caller waiting
+                for entry in group:
+                    entry.error = entry.error or exc
+            loops: dict[asyncio.AbstractEventLoop, list[_QueuedWrite]] = {}
+            for entry in group:
+                loops.setdefault(entry.future.get_loop(), []).append(entry)
+            for loop, entries in loops.items():
+                with contextlib.suppress(RuntimeError):  # a loop closed meanwhile: nobody waits
+                    loop.call_soon_threadsafe(_settle, entries)
+
+
+def _settle(entries: list[_QueuedWrite]) -> None:
+    for entry in entries:
+        if entry.future.done():  # its caller was cancelled while the write ran
+            continue
+        if entry.error is not None:
+            entry.future.set_exception(entry.error)
+        else:
+            entry.future.set_result(None)
 
 
 class AsyncStore:
     """Any ``StateStore`` called from async code: each call runs in a worker thread.
 
-    Reads run concurrently on anyio's default thread limiter. Writes are group-committed: a write
-    that arrives while another transaction is being committed waits for it, and then all the
-    writes that queued meanwhile go in the next transaction together (``write_batches`` when the
-    store has it), so a burst of writes from many sessions costs one fsync and one thread hop per
-    group instead of one per write, and never parks a thread per write on LMDB's write lock. Each
-    caller's batch is still all-or-nothing and is durable when its call returns; if a group's
-    transaction fails, its batches are retried one by one so one bad batch fails only its caller.
-    A cancelled caller whose batch has not been picked up yet takes it back; one already being
-    committed still finishes (never half-applied).
+    Reads run concurrently on anyio's default thread limiter. Writes are group-committed by one
+    writer thread: writes that arrive while it commits a transaction all go in the next one
+    together (``write_batches`` when the store has it), so a burst of writes from many sessions
+    costs one fsync per group instead of one per write, and never parks a thread per write on
+    LMDB's write lock. Each caller's batch is still all-or-nothing and durable when its call
+    returns; if a group's transaction fails, its batches are retried one by one so one bad batch
+    fails only its caller. A cancelled caller whose batch the writer has not taken yet takes it
+    back; one already being committed still finishes (never half-applied). Outside asyncio (the
+    writer wakes callers through their asyncio loop) each write is its own transaction.
     """
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._write_limiter: anyio.CapacityLimiter | None = None
-        self._queued: list[_QueuedWrite] = []
-        self._committing = False
-        self._committed: anyio.Event | None = None
+        self._writer: _GroupWriter | None = None
 
     def _writes(self) -> anyio.CapacityLimiter:
         # Created on first use so the facade can be built outside a running event loop.
@@ -384,35 +448,22 @@ class AsyncStore:
     async def _group_write(
         self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
     ) -> None:
-        entry = _QueuedWrite(puts, deletes)
-        self._queued.append(entry)
-        while not entry.done:
-            if self._committing:
-                if self._committed is None:
-                    self._committed = anyio.Event()
-                try:
-                    await self._committed.wait()
-                except BaseException:
-                    if entry in self._queued:
-                        self._queued.remove(entry)
-                    raise
-                continue
-            group, self._queued = self._queued, []
-            self._committing = True
-            try:
-                await anyio.to_thread.run_sync(self._commit_group, group, limiter=self._writes())
-            except BaseException as exc:
-                for queued in group:
-                    if not queued.done:  # the thread never got to it: fail it, never leave it
-                        queued.error, queued.done = exc, True
-                raise
-            finally:
-                self._committing = False
-                committed, self._committed = self._committed, None
-                if committed is not None:
-                    committed.set()
-        if entry.error is not None:
-            raise entry.error
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            await anyio.to_thread.run_sync(
+                self.store.write_batch, puts, deletes, limiter=self._writes()
+            )
+            return
+        if self._writer is None:
+            self._writer = _GroupWriter(self._commit_group)
+        entry = _QueuedWrite(puts, deletes, loop.create_future())
+        self._writer.submit(entry)
+        try:
+            await entry.future
+        except asyncio.CancelledError:
+            entry.abandoned = True
+            raise
 
     def _commit_group(self, group: list[_QueuedWrite]) -> None:
         """Runs in the writer thread: the group in one transaction when the store can."""
@@ -423,15 +474,12 @@ class AsyncStore:
             except Exception:
                 pass  # apply them one by one below, so the error reaches only its own caller
             else:
-                for entry in group:
-                    entry.done = True
                 return
         for entry in group:
             try:
                 self.store.write_batch(entry.puts, entry.deletes)
             except Exception as exc:
                 entry.error = exc
-            entry.done = True
 
     async def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
         await self._group_write([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
@@ -475,6 +523,9 @@ class AsyncStore:
 
     async def aclose(self) -> None:
         """Close the wrapped store after every queued write has run."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            await anyio.to_thread.run_sync(writer.stop)
         await anyio.to_thread.run_sync(self.store.close, limiter=self._writes())
 
     async def __aenter__(self) -> AsyncStore:

@@ -32,6 +32,7 @@ from apomesh.plugins.api import (
 from apomesh.runtime.protocol import (
     AgentMemory,
     BudgetState,
+    CallResult,
     Done,
     HitlAsk,
     JobStart,
@@ -178,8 +179,10 @@ async def run_agent(
     schemas = _tool_schemas(tools, allowed)
     started = time.monotonic()
 
+    finished: list[CallResult] = []  # the node's last journaled call, reported with the node
+
     async def report(source: str, reset: bool = False) -> None:
-        nonlocal pending
+        nonlocal pending, finished
         budget.seconds = memory.budget.seconds + (time.monotonic() - started)
         await _checked(
             send(
@@ -196,10 +199,12 @@ async def run_agent(
                     reset=reset,
                     prompt=prompt,
                     call_counts=call_counts,
+                    results=finished,
                 )
             )
         )
         pending = []
+        finished = []
 
     try:
         while True:
@@ -240,9 +245,18 @@ async def run_agent(
                     role="assistant", content=response.text, tool_calls=list(response.tool_calls)
                 )
             )
+            last_call = len(response.tool_calls) - 1
             for i, call in enumerate(response.tool_calls):
                 budget.tool_calls += 1
-                result = await _call_tool(ctx, tools, allowed, call.tool, call.args, call_counts)
+                result = await _call_tool(
+                    ctx,
+                    tools,
+                    allowed,
+                    call.tool,
+                    call.args,
+                    call_counts,
+                    defer=finished if i == last_call else None,
+                )
                 pending.append(
                     Message(role="tool", content=result, tool_call_id=f"{step}.{i}", name=call.tool)
                 )
@@ -272,7 +286,10 @@ async def _call_tool(
     name: str,
     args: dict[str, Any],
     call_counts: dict[str, int],
+    defer: list[CallResult] | None = None,
 ) -> str:
+    """Run one tool call. A journaled call's result goes to ``defer`` when given (the node
+    report carries it, right after this call), else in its own ``JournalFinish``."""
     tool = tools.get(name)
     if tool is None or name not in allowed:
         return f"error: tool {name!r} is not available to this agent"
@@ -326,6 +343,9 @@ async def _call_tool(
         result, outcome = exc.message, "error"
     except Exception as exc:
         result, outcome = f"{type(exc).__name__}: {exc}", "error"
+    if defer is not None:
+        defer.append(CallResult(key=key, tool=name, outcome=outcome, result=result))
+        return result if outcome == "ok" else f"error: {result}"
     await _checked(
         ctx.send(
             JournalFinish(

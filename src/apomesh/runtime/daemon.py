@@ -156,6 +156,7 @@ class Daemon:
         self.lost_workers: dict[str, WorkerInfo] = {}
         self._subs: list[Any] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
         self._reregister_sent: dict[str, float] = {}
         self._reconnected_at = time.monotonic()
         self._was_connected = True
@@ -620,13 +621,36 @@ class Daemon:
         size = len(ENCODER.encode(report))
         if size > self.config.limits.max_snapshot_bytes:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {self.config.limits.max_snapshot_bytes}")
-        snapshot_id, written = await self.snapshots.write(f"{runtime.session_id}/{report.agent}", agent.config, report)
+        agent_key = f"{runtime.session_id}/{report.agent}"
+        recorded: list[ToolCallRecorded] = []
+        for call in report.results:
+            entry = runtime.state.journal.get((report.agent, call.key))
+            if entry is None:
+                return Reply("error", message="a result with no intent")
+            if entry.outcome not in ("ok", "error"):
+                recorded.append(ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result))
+        snapshot = self.snapshots.write(agent_key, agent.config, report)
+        if recorded:
+            # The node's results and its snapshot bytes do not depend on each other: log the one
+            # while LMDB takes the other. The pointer waits for the bytes.
+            (snapshot_id, written), _ = await asyncio.gather(snapshot, runtime.append(*recorded))
+        else:
+            snapshot_id, written = await snapshot
         events: list[Any] = []
         if not slot.running_logged:
             slot.running_logged = True
             events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
         events.append(AgentSnapshotted(report.agent, snapshot_id=snapshot_id, source=report.source, step=report.step, size=written))
-        await runtime.append(*events)
+
+        async def copy_results() -> None:
+            # LMDB's journal copy of a result follows the log's (so it goes with the pointer) and
+            # replaces the copy of its intent (so it waits for that one).
+            await self._journal_copies_written(agent_key)
+            for r in recorded:
+                record = {"tool": r.tool, "outcome": r.outcome, "result": r.result}
+                await self.store.put_journal(agent_key, r.key, msgspec.msgpack.encode(record))
+
+        await asyncio.gather(runtime.append(*events), copy_results())
         self.snapshot_bytes.inc(written)
         return Reply("ok")
 
@@ -660,8 +684,30 @@ class Daemon:
             return Reply("error", message=f"tool arguments of {size} bytes are over the limit of {self.config.limits.max_tool_args_bytes}")
         await runtime.append(ToolCallIntent(report.agent, report.key, report.tool, report.args, idempotent=report.idempotent))
         slot.intents.add(report.key)
-        await self.store.put_journal(agent_key, report.key, msgspec.msgpack.encode({"tool": report.tool, "args": report.args}))
+        self._copy_to_journal(agent_key, report.key, {"tool": report.tool, "args": report.args})
         return Reply("ok", decision="run")
+
+    def _copy_to_journal(self, agent_key: str, call_key: str, record: dict[str, Any]) -> None:
+        """Write LMDB's copy of a journal entry the log already holds. The effect does not wait
+        for it (the log is what makes the intent durable; nothing decides from the copy), the
+        agent's next node report does, so the copy is on disk by the node boundary."""
+        task = self._spawn(self.store.put_journal(agent_key, call_key, msgspec.msgpack.encode(record)))
+        pending = self._journal_copies.setdefault(agent_key, set())
+        pending.add(task)
+
+        def written(done: asyncio.Task[Any]) -> None:
+            pending.discard(done)
+            if not pending and self._journal_copies.get(agent_key) is pending:
+                del self._journal_copies[agent_key]
+            if not done.cancelled() and done.exception() is not None:
+                log.error("journal copy of %s %s not written: %s", agent_key, call_key[:12], done.exception())
+
+        task.add_done_callback(written)
+
+    async def _journal_copies_written(self, agent_key: str) -> None:
+        pending = self._journal_copies.get(agent_key)
+        if pending:
+            await asyncio.wait(list(pending))
 
     async def _on_journal_finish(self, runtime: SessionRuntime, report: JournalFinish) -> Reply:
         entry = runtime.state.journal.get((report.agent, report.key))
@@ -670,6 +716,7 @@ class Daemon:
         if entry.outcome in ("ok", "error"):
             return Reply("ok")
         await runtime.append(ToolCallRecorded(report.agent, report.key, report.tool, report.outcome, report.result))
+        await self._journal_copies_written(f"{runtime.session_id}/{report.agent}")
         await self.store.put_journal(
             f"{runtime.session_id}/{report.agent}", report.key,
             msgspec.msgpack.encode({"tool": report.tool, "outcome": report.outcome, "result": report.result}),

@@ -127,6 +127,17 @@ class _Report(msgspec.Struct, tag=True):
     epoch: int
 
 
+class CallResult(msgspec.Struct):
+    """The outcome of a journaled call, carried on the ``NodeReport`` of the node that made it
+    instead of in its own ``JournalFinish`` (the node's last call only: the daemon appends its
+    ``ToolCallRecorded`` before the node's snapshot pointer, saving one round trip per step)."""
+
+    key: str
+    tool: str
+    outcome: Literal["ok", "error"]
+    result: str
+
+
 class NodeReport(_Report):
     """A node boundary: what the node added to working memory, and why the snapshot is taken."""
 
@@ -138,6 +149,7 @@ class NodeReport(_Report):
     reset: bool = False
     prompt: str = ""
     call_counts: dict[str, int] = {}
+    results: list[CallResult] = []
 
 
 class JournalBegin(_Report):

@@ -6,6 +6,11 @@ one per node (``segments``); a snapshot record (``snapshots``) names how far int
 reaches plus the small state. Every ``compact_every`` segments the recent small segments are merged
 into one, so the number of keys stays low without ever rewriting the whole conversation. A
 supervisor reset starts a new conversation: the record's ``base_seq`` says where it begins.
+
+The agent's call counts (how many times each journaled call was made, which keys its next repeat)
+grow with every side-effecting call, so they are stored the same way: a segment carries the counts
+its node changed, and a load merges them over every segment up to the record (a reset keeps them).
+A segment without counts is the plain list of messages.
 """
 
 from __future__ import annotations
@@ -30,15 +35,27 @@ class SnapshotRecord(msgspec.Struct):
     source: str
     prompt: str = ""
     call_counts: dict[str, int] = {}
+    """Only in records written before counts moved to the segments: the base they update."""
+
+
+class CountedSegment(msgspec.Struct):
+    """A segment whose node changed the agent's call counts: its messages and those counts."""
+
+    messages: list[Message]
+    call_counts: dict[str, int]
 
 
 _record_decoder = msgspec.msgpack.Decoder(SnapshotRecord)
-_messages_decoder = msgspec.msgpack.Decoder(list[Message])
+_segment_decoder = msgspec.msgpack.Decoder(CountedSegment | list[Message])
 _encoder = msgspec.msgpack.Encoder()
 
 
 def segment_key(agent_key: str, seq: int) -> str:
     return f"{agent_key}\x00{seq:08x}"
+
+
+def _segment(messages: list[Message], counts: dict[str, int]) -> bytes:
+    return _encoder.encode(CountedSegment(messages, counts) if counts else messages)
 
 
 @dataclass
@@ -49,6 +66,10 @@ class _Tail:
     base_seq: int
     next_snapshot: int
     small: list[tuple[int, list[Message]]] = field(default_factory=list)
+    counts: dict[str, int] | None = None
+    """The call counts as stored so far (None until this process wrote them: store them whole)."""
+    small_counts: dict[str, int] = field(default_factory=dict)
+    """The counts the ``small`` segments changed, for the one they are merged into."""
 
 
 class SnapshotStore:
@@ -87,18 +108,31 @@ class SnapshotStore:
         if report.reset:
             tail.base_seq = tail.next_seq
             tail.small = []
-        if report.new_messages:
+            tail.small_counts = {}
+        known = tail.counts
+        changed = {
+            k: v for k, v in report.call_counts.items() if known is None or known.get(k) != v
+        }
+        if report.new_messages or changed:
             seq = tail.next_seq
             tail.next_seq += 1
-            data = _encoder.encode(report.new_messages)
-            puts.append(("segments", segment_key(agent_key, seq), data))
+            puts.append(
+                ("segments", segment_key(agent_key, seq), _segment(report.new_messages, changed))
+            )
             tail.small.append((seq, list(report.new_messages)))
+            tail.small_counts.update(changed)
             if len(tail.small) >= self.compact_every:
                 merged: list[Message] = [m for _, ms in tail.small for m in ms]
                 last = tail.small[-1][0]
-                puts[-1] = ("segments", segment_key(agent_key, last), _encoder.encode(merged))
+                puts[-1] = (
+                    "segments",
+                    segment_key(agent_key, last),
+                    _segment(merged, tail.small_counts),
+                )
                 deletes.extend(("segments", segment_key(agent_key, s)) for s, _ in tail.small[:-1])
                 tail.small = []
+                tail.small_counts = {}
+        tail.counts = dict(report.call_counts)
         record = SnapshotRecord(
             step=report.step,
             base_seq=tail.base_seq,
@@ -107,7 +141,6 @@ class SnapshotStore:
             budget=report.budget,
             source=report.source,
             prompt=report.prompt,
-            call_counts=report.call_counts,
         )
         snapshot_id = tail.next_snapshot
         tail.next_snapshot += 1
@@ -129,17 +162,24 @@ class SnapshotStore:
             raw = got
         record = _record_decoder.decode(raw)
         messages: list[Message] = []
+        counts = dict(record.call_counts)
         for key, value in await self.store.scan("segments", agent_key + "\x00"):
             seq = int(key.rpartition("\x00")[2], 16)
-            if record.base_seq <= seq <= record.last_seq:
-                messages.extend(_messages_decoder.decode(value))
+            if seq > record.last_seq:
+                continue
+            segment = _segment_decoder.decode(value)
+            if isinstance(segment, CountedSegment):
+                counts.update(segment.call_counts)
+                segment = segment.messages
+            if seq >= record.base_seq:
+                messages.extend(segment)
         return AgentMemory(
             messages=messages,
             model=record.model,
             budget=record.budget,
             step=record.step,
             prompt=record.prompt,
-            call_counts=record.call_counts,
+            call_counts=counts,
         )
 
     async def records(self, agent_key: str) -> list[tuple[int, SnapshotRecord]]:

@@ -1,0 +1,74 @@
+"""A node's journaled results travel with its node report: on a real daemon (``Node`` with its
+embedded nats-server, in-process workers, real LMDB), every side-effecting call's intent and
+result are on the log before the snapshot pointer of the node that made it, and LMDB's journal
+copy holds the results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from apomesh.core.events import AgentSnapshotted, ToolCallIntent, ToolCallRecorded
+from apomesh.runtime.config import load_config
+from apomesh.runtime.node import Node
+
+
+def writer(turns: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        "name": "writer",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.write"],
+        "model": {
+            "provider": "scripted",
+            "turns": [{"tool_calls": calls} for calls in turns] + [{"final": "written"}],
+        },
+    }
+
+
+def write(path: str, content: str) -> dict[str, Any]:
+    return {"tool": "fs.write", "args": {"path": path, "content": content}}
+
+
+@pytest.mark.anyio
+async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
+            "plugins": {"allow": ["apomesh"]},
+        },
+    )
+    async with Node(config, http=False) as node:
+        assert node.daemon is not None and node.service is not None
+        for _, worker in node.workers:
+            await worker.wait_registered()
+        agent = writer([[write("a.txt", "one")], [write("b.txt", "two"), write("c.txt", "three")]])
+        session_id = await node.service.create_session("write", agent=None, definition=agent, by="t")
+        runtime = node.daemon.sessions[session_id]
+        assert runtime.task is not None
+        await runtime.task
+        envelopes = await node.daemon.log.read(session_id)
+        journal = await node.daemon.store.scan("journal", f"{session_id}/root\x00")
+
+    assert runtime.state.status == "completed"
+    workspace = config.daemon.workspace_path()
+    assert [(workspace / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == ["one", "two", "three"]
+    events = [e.event for e in envelopes]
+    steps: list[list[str]] = [[]]
+    for ev in events:
+        if isinstance(ev, ToolCallIntent | ToolCallRecorded):
+            steps[-1].append(f"{type(ev).__name__}:{ev.tool}:{ev.outcome if isinstance(ev, ToolCallRecorded) else ''}")
+        elif isinstance(ev, AgentSnapshotted):
+            steps.append([])
+    assert steps[:2] == [
+        ["ToolCallIntent:fs.write:", "ToolCallRecorded:fs.write:ok"],
+        ["ToolCallIntent:fs.write:", "ToolCallRecorded:fs.write:ok"] * 2,
+    ]
+    records = [msgspec.msgpack.decode(value) for _, value in journal]
+    assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]
+    assert runtime.state.side_effects == 3

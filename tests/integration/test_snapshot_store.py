@@ -1,0 +1,104 @@
+"""Agent snapshots on real LMDB: bytes written per node stay flat over a long agent, call counts
+included, and a snapshot loads whole after compaction, a supervisor reset and a daemon restart
+(a fresh ``SnapshotStore`` on the same store)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore, snapshot_key
+from apomesh.plugins.api import Message
+from apomesh.runtime.protocol import BudgetState, NodeReport
+from apomesh.runtime.snapshots import SnapshotRecord, SnapshotStore, segment_key
+
+AGENT = "s1/root"
+
+
+def node(step: int, counts: dict[str, int], *, reset: bool = False) -> NodeReport:
+    return NodeReport(
+        "w1", "s1", "root", 1,
+        step=step,
+        new_messages=[
+            Message(role="assistant", content=f"call {step}"),
+            Message(role="tool", content=f"wrote file {step}", tool_call_id=f"{step}.0", name="fs.write"),
+        ],
+        model={"script_pos": step},
+        budget=BudgetState(steps=step, tool_calls=step),
+        reset=reset,
+        call_counts=dict(counts),
+    )
+
+
+@pytest.mark.anyio
+async def test_bytes_per_node_stay_flat_while_call_counts_grow(tmp_path: Path) -> None:
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    snapshots = SnapshotStore(store, compact_every=16)
+    counts: dict[str, int] = {}
+    sizes: dict[int, int] = {}
+    for step in range(1, 401):
+        counts[f"{step:064x}"] = 1  # a new journaled call every node, like a writing agent
+        _, sizes[step] = await snapshots.write(AGENT, None, node(step, counts))
+
+    def typical(steps: range) -> float:
+        return statistics.median(sizes[s] for s in steps)
+
+    assert typical(range(380, 400)) <= typical(range(2, 22)) + 16
+    memory = await snapshots.load(AGENT)
+    assert memory is not None
+    assert memory.call_counts == counts
+    assert len(memory.messages) == 2 * 400
+    assert memory.messages[-1].content == "wrote file 400"
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_counts_survive_a_reset_and_a_restart(tmp_path: Path) -> None:
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    first = SnapshotStore(store, compact_every=4)
+    counts = {"a": 1}
+    await first.write(AGENT, None, node(1, counts))
+    counts["a"] = 2
+    counts["b"] = 1
+    await first.write(AGENT, None, node(2, counts))
+    await first.write(AGENT, None, node(3, counts, reset=True))
+
+    restarted = SnapshotStore(store, compact_every=4)  # a new daemon on the same data dir
+    memory = await restarted.load(AGENT)
+    assert memory is not None
+    assert memory.call_counts == {"a": 2, "b": 1}
+    assert [m.content for m in memory.messages] == ["call 3", "wrote file 3"]  # after the reset
+    counts["c"] = 1
+    await restarted.write(AGENT, None, node(4, counts))
+    memory = await restarted.load(AGENT)
+    assert memory is not None
+    assert memory.call_counts == {"a": 2, "b": 1, "c": 1}
+    assert memory.step == 4
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_record_that_holds_its_counts_whole_still_loads(tmp_path: Path) -> None:
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    encoder = msgspec.msgpack.Encoder()
+    old_record = SnapshotRecord(
+        step=1, base_seq=0, last_seq=0, model={}, budget=BudgetState(steps=1), source="node",
+        call_counts={"a": 3},
+    )
+    await store.write_batch([
+        ("segments", segment_key(AGENT, 0), encoder.encode([Message(role="user", content="hi")])),
+        ("snapshots", snapshot_key(AGENT, 1), encoder.encode(old_record)),
+    ])
+    snapshots = SnapshotStore(store)
+    memory = await snapshots.load(AGENT)
+    assert memory is not None
+    assert memory.call_counts == {"a": 3}
+    assert [m.content for m in memory.messages] == ["hi"]
+    await snapshots.write(AGENT, None, node(2, {"a": 3, "b": 1}))
+    memory = await snapshots.load(AGENT)
+    assert memory is not None
+    assert memory.call_counts == {"a": 3, "b": 1}
+    await store.aclose()
