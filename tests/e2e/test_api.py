@@ -665,3 +665,31 @@ async def test_the_preview_shows_a_side_effect_whose_outcome_is_unknown(mesh: Me
     assert journal_lines(mesh.daemon.workspace, "unknown.txt") == ["line 2", "line 3"]
     events_text = httpx.get(f"{mesh.url}/v1/sessions/{session_id}/events").text
     assert '"outcome":"unknown"' in events_text
+
+
+def test_while_nats_is_down_health_is_503_and_reads_are_503_not_500(mesh: Mesh) -> None:
+    session_id = start(mesh.url, "before the outage", ECHO)
+    assert wait_status(mesh.url, session_id)["status"] == "completed"
+    unknown = uuid.uuid4().hex
+    mesh.server.kill()
+    try:
+        health = wait_until(
+            lambda: (r := httpx.get(f"{mesh.url}/healthz", timeout=10)).status_code == 503 and r,
+            30,
+            "the daemon noticing NATS is gone",
+        )
+        assert health.json()["ok"] is False
+        # What needs the log cannot be answered now (after the log's own retry timeout): a
+        # retryable 503, never a 500.
+        response = httpx.get(f"{mesh.url}/v1/sessions/{unknown}", timeout=30)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "log_unavailable"
+        # An ended session the daemon already folded is still answered from its cache.
+        assert view(mesh.url, session_id)["status"] == "completed"
+    finally:
+        mesh.server.start()
+    wait_until(
+        lambda: httpx.get(f"{mesh.url}/healthz", timeout=10).status_code == 200, 60, "recovery"
+    )
+    after = start(mesh.url, "after the outage", ECHO)
+    assert wait_status(mesh.url, after)["status"] == "completed"
