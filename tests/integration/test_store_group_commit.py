@@ -97,17 +97,19 @@ async def test_stores_without_write_batches_are_written_batch_by_batch() -> None
 @pytest.mark.anyio
 async def test_a_caller_cancelled_while_queued_takes_its_write_back(tmp_path: Path) -> None:
     facade = AsyncStore(LmdbStore(tmp_path / "db"))
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
     original = facade._commit_group
 
     def slow_commit(group: list[Any]) -> None:
+        entered.set()
         release.wait(10)
         original(group)
 
     facade._commit_group = slow_commit  # type: ignore[method-assign]
     async with anyio.create_task_group() as group:
         group.start_soon(facade.put_journal, "s/a", "first", b"1")
-        await anyio.sleep(0.05)  # the first write is being committed
+        while not entered.is_set():  # the first write is being committed
+            await anyio.sleep(0.01)
         with anyio.move_on_after(0.05):
             await facade.put_journal("s/a", "queued", b"2")  # waits behind it, then gives up
         release.set()
