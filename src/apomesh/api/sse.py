@@ -51,14 +51,17 @@ def envelope_json(env: Envelope) -> bytes:
     )
 
 
-FRAME_CACHE_SIZE = 4096
+FRAME_CACHE_BYTES = 16 * 1024 * 1024
+"""Recently sent frames kept for other streams of the same events (by total size)."""
 _frames: OrderedDict[tuple[str, int, str], bytes] = OrderedDict()
+_frames_bytes = 0
 
 
 def frame(env: Envelope) -> bytes:
     """One SSE frame for an envelope. Encoded once for all the streams that send it (a hundred
     clients following one session get the same envelope each), from a small recent-frames cache
     keyed by the envelope's identity in the log."""
+    global _frames_bytes
     key = (env.session_id, env.index, env.event_id)
     cached = _frames.get(key)
     if cached is not None:
@@ -66,8 +69,9 @@ def frame(env: Envelope) -> bytes:
     name = event_name(env.event).encode()
     encoded = b"id: %d\nevent: %s\ndata: %s\n\n" % (env.index, name, envelope_json(env))
     _frames[key] = encoded
-    if len(_frames) > FRAME_CACHE_SIZE:
-        _frames.popitem(last=False)
+    _frames_bytes += len(encoded)
+    while _frames_bytes > FRAME_CACHE_BYTES and _frames:
+        _frames_bytes -= len(_frames.popitem(last=False)[1])
     return encoded
 
 
