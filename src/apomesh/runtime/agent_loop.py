@@ -239,6 +239,10 @@ async def run_agent(
                 await report("node")
                 if response.plan is not None:
                     return done("plan", plan=list(response.plan))
+                if run.config.affinity == "sticky":
+                    # The agent is done with its worker: record the release point, so a later
+                    # dispatch (another worker) starts from exactly what this one ended with.
+                    await report("affinity_release")
                 return done("final", output=response.final or "")
             pending.append(
                 Message(
