@@ -38,17 +38,36 @@ async def _save(ctx: CoordinatorContext, loop: _Loop) -> None:
     await ctx.save_checkpoint(f"{loop.phase}@{loop.iteration}", msgspec.json.encode(loop))
 
 
+async def _planned(ctx: CoordinatorContext, limit: int | None = None) -> _Loop | str:
+    """The loop as checkpointed, or freshly planned by the root (checkpointed at once); the root's
+    final answer instead when it answers without a plan."""
+    loop = _load(ctx)
+    if loop.phase != "start":
+        return loop
+    answer = await ctx.ask_root("plan", f"Plan sub-tasks for: {ctx.goal}")
+    if answer.plan is None:
+        return answer.final or ""
+    loop = _Loop(phase="planned", iteration=1, plan=answer.plan[:limit])
+    await _save(ctx, loop)
+    return loop
+
+
 def _int_param(params: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
     value = params.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise DefinitionError(f"`{name}` must be an integer from {low} to {high}", where=f"$.coordination_params.{name}")
+        raise DefinitionError(
+            f"`{name}` must be an integer from {low} to {high}",
+            where=f"$.coordination_params.{name}",
+        )
     return value
 
 
 def _only(params: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise DefinitionError(f"unknown parameter(s) {', '.join(unknown)}", where="$.coordination_params")
+        raise DefinitionError(
+            f"unknown parameter(s) {', '.join(unknown)}", where="$.coordination_params"
+        )
 
 
 def _report(results: list[ChildResult]) -> str:
@@ -72,7 +91,9 @@ class Solo:
     async def run(self, ctx: CoordinatorContext) -> str:
         answer = await ctx.ask_root("act", ctx.goal)
         if answer.final is None:
-            raise CoordinationFailed("the root agent answered with a plan; solo needs a final answer")
+            raise CoordinationFailed(
+                "the root agent answered with a plan; solo needs a final answer"
+            )
         return answer.final
 
 
@@ -90,20 +111,21 @@ class Fanout:
         }
 
     async def run(self, ctx: CoordinatorContext) -> str:
-        loop = _load(ctx)
-        if loop.phase == "start":
-            answer = await ctx.ask_root("plan", f"Plan sub-tasks for: {ctx.goal}")
-            if answer.plan is None:
-                return answer.final or ""
-            loop = _Loop(phase="planned", plan=answer.plan[: ctx.params["max_tasks"]])
-            await _save(ctx, loop)
+        loop = await _planned(ctx, limit=ctx.params["max_tasks"])
+        if isinstance(loop, str):
+            return loop
         if loop.phase == "planned":
-            results = await ctx.run_children("fanout", loop.plan, max_parallel=ctx.params["max_parallel"])
+            results = await ctx.run_children(
+                "fanout", loop.plan, max_parallel=ctx.params["max_parallel"]
+            )
             if results and not any(r.ok for r in results):
                 raise CoordinationFailed("every sub-agent failed:\n" + _report(results))
             loop = _Loop(phase="joined", plan=loop.plan, feedback=_report(results))
             await _save(ctx, loop)
-        answer = await ctx.ask_root("synthesize", f"Sub-task results:\n{loop.feedback}\nSynthesize the answer to: {ctx.goal}")
+        answer = await ctx.ask_root(
+            "synthesize",
+            f"Sub-task results:\n{loop.feedback}\nSynthesize the answer to: {ctx.goal}",
+        )
         if answer.final is None:
             raise CoordinationFailed("the root agent did not synthesize a final answer")
         return answer.final
@@ -123,29 +145,38 @@ class Refine:
         }
 
     async def run(self, ctx: CoordinatorContext) -> str:
-        loop = _load(ctx)
-        if loop.phase == "start":
-            answer = await ctx.ask_root("plan", f"Plan sub-tasks for: {ctx.goal}")
-            if answer.plan is None:
-                return answer.final or ""
-            loop = _Loop(phase="planned", iteration=1, plan=answer.plan)
-            await _save(ctx, loop)
+        loop = await _planned(ctx)
+        if isinstance(loop, str):
+            return loop
         while True:
             if loop.phase == "planned":
-                results = await ctx.run_children(f"iter-{loop.iteration}", loop.plan, max_parallel=ctx.params["max_parallel"])
-                loop = _Loop(phase="executed", iteration=loop.iteration, plan=loop.plan, feedback=_report(results))
+                results = await ctx.run_children(
+                    f"iter-{loop.iteration}", loop.plan, max_parallel=ctx.params["max_parallel"]
+                )
+                loop = _Loop(
+                    phase="executed",
+                    iteration=loop.iteration,
+                    plan=loop.plan,
+                    feedback=_report(results),
+                )
                 await _save(ctx, loop)
             last = loop.iteration >= ctx.params["max_iterations"]
             purpose = "synthesize" if last else "critique"
             answer = await ctx.ask_root(
                 purpose,
                 f"Iteration {loop.iteration} results:\n{loop.feedback}\n"
-                + ("Give the final answer." if last else "Give the final answer, or a new plan to iterate."),
+                + (
+                    "Give the final answer."
+                    if last
+                    else "Give the final answer, or a new plan to iterate."
+                ),
             )
             if answer.final is not None:
                 return answer.final
             if last or answer.plan is None:
-                raise CoordinationFailed(f"no final answer within {ctx.params['max_iterations']} iterations")
+                raise CoordinationFailed(
+                    f"no final answer within {ctx.params['max_iterations']} iterations"
+                )
             loop = _Loop(phase="planned", iteration=loop.iteration + 1, plan=answer.plan)
             await _save(ctx, loop)
 
