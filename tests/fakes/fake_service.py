@@ -60,6 +60,8 @@ from apomesh.core.views import (
     SessionSummary,
     SessionView,
     SkillView,
+    VerificationProblem,
+    VerificationView,
     WorkerView,
     session_summary,
     session_view,
@@ -284,6 +286,21 @@ class FakeService:
                     return
         finally:
             await tail.aclose()  # type: ignore[attr-defined]
+
+    async def verify_session(self, session_id: str) -> VerificationView:
+        """The fake stores no snapshots: it folds the log and checks its event ids."""
+        self._check_broken()
+        state = await self._state(session_id)
+        envelopes = await self.log.read(session_id)
+        ids = [env.event_id for env in envelopes]
+        problems = [
+            VerificationProblem(kind="duplicate_event_id", message=f"event id {i} repeated")
+            for i in sorted({i for i in ids if ids.count(i) > 1})
+        ]
+        return VerificationView(
+            session_id=session_id, ok=not problems, status=state.status, events=len(envelopes),
+            last_index=state.last_index, agents=len(state.agents), problems=problems,
+        )
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
         self._check_broken()

@@ -272,6 +272,9 @@ class _Api:
         frames = session_frames(self.service, session_id, after, replay)
         return EventStreamResponse(frames, keepalive=self.keepalive_seconds, streams=self.streams)
 
+    async def verify_session(self, request: Request, who: Identity) -> Response:
+        return JSONResponse(await self.service.verify_session(request.path_params["session_id"]))
+
     async def answer_hitl(self, request: Request, who: Identity) -> Response:
         session_id = request.path_params["session_id"]
         body = await self.decode_body(request, HitlAnswerBody)

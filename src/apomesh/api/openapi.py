@@ -23,6 +23,7 @@ from apomesh.core.views import (
     SessionSummary,
     SessionView,
     SkillView,
+    VerificationView,
     WorkerView,
 )
 
@@ -224,6 +225,17 @@ ROUTES: tuple[RouteSpec, ...] = (
                 "header wins when both are given); -1 replays everything",
             ),
         ),
+    ),
+    RouteSpec(
+        "GET",
+        "/v1/sessions/{session_id}/verify",
+        "verify_session",
+        "Fold a session's log from its start and check it against the stored snapshots, "
+        "journal and completed record",
+        "read",
+        {200: VerificationView},
+        errors=(404,),
+        tags=("sessions",),
     ),
     RouteSpec(
         "POST",

@@ -27,6 +27,7 @@ from apomesh.core.views import (
     SessionSummary,
     SessionView,
     SkillView,
+    VerificationView,
     WorkerView,
 )
 
@@ -76,6 +77,12 @@ class DaemonService(Protocol):
         as they are appended, in order and without gaps, through resumes. It ends after the
         session's terminal event (``SessionEnded``), at once if that is at or before ``after``.
         The caller may stop early (closing the iterator). Raises ``NotFound``."""
+        ...
+
+    async def verify_session(self, session_id: str) -> VerificationView:
+        """Fold the session's log from its start and check it against the stored snapshots,
+        journal and completed-session record; disagreements are reported in the answer, not
+        raised. ``NotFound`` for an unknown session."""
         ...
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:

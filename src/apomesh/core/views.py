@@ -131,6 +131,37 @@ class RecoverableView(msgspec.Struct, frozen=True, kw_only=True):
     pin_diff: list[PinDiff] = []
 
 
+class VerificationProblem(msgspec.Struct, frozen=True, kw_only=True):
+    """One disagreement between a session's log and what the daemon stored about it.
+
+    ``kind`` is a stable code: ``undecodable``, ``duplicate_event_id``, ``snapshot_missing``,
+    ``snapshot_mismatch``, ``snapshot_unreadable``, ``definition_mismatch``, ``journal_mismatch``,
+    ``journal_not_on_log``, ``completed_mismatch`` or ``completed_not_terminal``."""
+
+    kind: str
+    message: str
+    agent: str | None = None
+    index: int | None = None
+
+
+class VerificationView(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /v1/sessions/{id}/verify``: the log folded from its start and checked against the
+    stored snapshots, journal and completed-session record. ``ok`` when nothing disagrees;
+    ``notes`` say what is unusual but not wrong (e.g. a completed record not written yet)."""
+
+    session_id: str
+    ok: bool
+    status: str = ""
+    events: int = 0
+    last_index: int = -1
+    agents: int = 0
+    snapshots_checked: int = 0
+    journal_checked: int = 0
+    completed_record: bool = False
+    problems: list[VerificationProblem] = []
+    notes: list[str] = []
+
+
 class SkillView(msgspec.Struct, frozen=True, kw_only=True):
     """A skill in the mutable catalog; ``revision`` grows on every put."""
 

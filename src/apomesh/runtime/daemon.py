@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core import decisions
 from apomesh.core.definition import AgentConfig
-from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, NotFound
+from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, Fenced, FoldError, NotFound
 from apomesh.core.events import (
     AsyncJobFinished,
     AsyncJobStarted,
@@ -37,6 +37,7 @@ from apomesh.core.events import (
     ToolCallRecorded,
 )
 from apomesh.core.state import SessionState, fold
+from apomesh.core.views import VerificationView
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
@@ -164,22 +165,26 @@ class Daemon:
         self.interval = config.liveness.heartbeat_interval
         self.threshold = config.liveness.heartbeat_interval * config.liveness.missed_beats
         self._closing = False
+        self._dispatch_refused: dict[str, float] = {}
+        self._waiting_for_lease: set[str] = set()
+
+    @property
+    def closing(self) -> bool:
+        """True once ``aclose`` began: nothing waits for the log any more."""
+        return self._closing
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self, *, recover: bool = True) -> None:
-        stored = await self.store.get("meta", "daemon_id")
-        if stored is None:
-            await self.store.write_batch([("meta", "daemon_id", self.daemon_id.encode())])
-        else:
-            self.daemon_id = stored.decode()
+        self.daemon_id = await self._stable_id()
         await self.log.ensure()
         await self.heartbeats.ensure()
         self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER, cb=self._on_register))
         self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
         self._subs.append(await self.nc.subscribe(CTL_WILDCARD, cb=self._on_report))
         self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
-        self._subs.append(await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat))
+        self._beat_sub = await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat)
+        self._subs.append(self._beat_sub)
         self._spawn(self._liveness_forever())
         self._spawn(self._lease_renewal_forever())
         with contextlib.suppress(Exception):
@@ -187,6 +192,24 @@ class Daemon:
                 await self._ask_reregister(worker_id, force=True)
         if recover:
             await self.boot_scan()
+
+    async def _stable_id(self) -> str:
+        """The data dir's daemon identity (the owner name of its session leases). Kept in a file
+        beside LMDB as well as in it, so a lost LMDB does not strand the sessions this daemon
+        leased until their leases expire."""
+        id_file = self.config.daemon.data_path() / "daemon.id"
+        stored = await self.store.get("meta", "daemon_id")
+        from_file = None
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            from_file = id_file.read_text("utf-8").strip() or None
+        daemon_id = from_file or (stored.decode() if stored is not None else self.daemon_id)
+        if stored is None or stored.decode() != daemon_id:
+            await self.store.write_batch([("meta", "daemon_id", daemon_id.encode())])
+        if from_file != daemon_id:
+            with contextlib.suppress(OSError):
+                id_file.parent.mkdir(parents=True, exist_ok=True)
+                id_file.write_text(daemon_id + "\n", "utf-8")
+        return daemon_id
 
     async def aclose(self) -> None:
         self._closing = True
@@ -267,6 +290,13 @@ class Daemon:
             raise NotFound(f"session {session_id}")
         return fold(envelopes, session_id)
 
+    async def verify(self, session_id: str) -> VerificationView:
+        """Fold the session's log from its start and check it against the stored snapshots,
+        journal and completed record (see ``apomesh.runtime.verify``)."""
+        from apomesh.runtime.verify import verify_session
+
+        return await verify_session(self.log, self.store, session_id)
+
     # --- boot scan -----------------------------------------------------------------------------------
 
     async def boot_scan(self) -> dict[str, Any]:
@@ -276,11 +306,14 @@ class Daemon:
         session_ids = [s for s in await self.log.list_sessions() if s not in completed]
         gate = asyncio.Semaphore(32)
         counts: dict[str, float] = {"completed_skipped": len(completed), "terminal": 0, "auto_resume": 0, "recoverable": 0, "undecodable": 0}
+        scanned = await self._fold_in_one_pass(completed)
 
         async def one(session_id: str) -> None:
+            state = scanned.pop(session_id, None)
             async with gate:
                 try:
-                    state = fold(await self.log.read(session_id), session_id)
+                    if state is None:
+                        state = fold(await self.log.read(session_id), session_id)
                 except (CodecError, FoldError) as exc:
                     corrupt = await self._corrupt_bootstrap(session_id) if exc.index in (0, None) else None
                     if corrupt is not None:
@@ -303,11 +336,12 @@ class Daemon:
                 return
             verdict = self.classify(state)
             if verdict.verdict == "auto_resume":
+                counts["auto_resume"] += 1
                 try:
                     await self.adopt(state, recovered="auto", fresh_children=True)
-                    counts["auto_resume"] += 1
                 except ApomeshError as exc:
-                    log.warning("not resuming %s: %s", session_id, exc)
+                    log.warning("session %s not resumed yet: %s; trying again", session_id, exc)
+                    self._spawn(self._adopt_when_free(state))
                 return
             counts["recoverable"] += 1
             self.recoverable[session_id] = Recoverable(
@@ -320,6 +354,26 @@ class Daemon:
         log.info("boot scan: %s", counts)
         return counts
 
+    async def _fold_in_one_pass(self, completed: set[str]) -> dict[str, SessionState]:
+        """Every session folded in one pass over the log stream (``apomesh.runtime.boot``), when
+        the log is JetStream; the sessions the pass cannot vouch for are left out (read one by
+        one)."""
+        stream, prefix = getattr(self.log, "stream", None), getattr(self.log, "subject_prefix", None)
+        if not isinstance(stream, str) or not isinstance(prefix, str):
+            return {}
+        from apomesh.runtime.boot import fold_stream
+
+        try:
+            result = await fold_stream(self.nc, stream, prefix, skip=completed)
+        except ApomeshError as exc:
+            log.warning("boot scan: one pass over the log failed (%s); reading sessions one by one", exc)
+            return {}
+        log.info(
+            "boot scan: %d events folded in one pass (%d pages), %d sessions, %d to read one by one",
+            result.events, result.pages, len(result.states), len(result.suspect),
+        )
+        return result.states
+
     async def _corrupt_bootstrap(self, session_id: str) -> CorruptPin | None:
         """The corrupt pin that makes a session's ``SessionStarted`` undecodable, if that is why."""
         with contextlib.suppress(Exception):
@@ -327,6 +381,23 @@ class Daemon:
             if first:
                 return corrupt_bootstrap(first[0][1])
         return None
+
+    async def _adopt_when_free(self, state: SessionState) -> None:
+        """Auto-resume a session whose lease another owner still holds, once it expires (a
+        daemon that died holding it) or is released."""
+        session_id = state.session_id
+        self._waiting_for_lease.add(session_id)
+        try:
+            while not self._closing and session_id not in self.sessions:
+                await asyncio.sleep(2.0)
+                try:
+                    await self.adopt(state, recovered="auto", fresh_children=True)
+                    log.info("session %s resumed after its lease came free", session_id)
+                    return
+                except ApomeshError as exc:
+                    log.debug("session %s still waits: %s", session_id, exc)
+        finally:
+            self._waiting_for_lease.discard(session_id)
 
     def classify(self, state: SessionState) -> decisions.Classification:
         problem = shape_problem(self.plugins, state) if state.bootstrap is not None else None
@@ -472,6 +543,14 @@ class Daemon:
                 if w.last_seen >= fresh
                 and config.model.provider in w.providers and all(t in w.tools for t in config.tools)
             ]
+            # A worker that just refused or missed a dispatch is passed over while another can
+            # take it (it is not declared lost for that: liveness alone decides).
+            now = time.monotonic()
+            answering = [
+                w for w in candidates
+                if now - self._dispatch_refused.get(w.worker_id, -1e9) > self.threshold
+            ]
+            candidates = answering or candidates
             if candidates:
                 if config.affinity == "sticky" and prefer and prefer in self.workers and prefer in [w.worker_id for w in candidates]:
                     self.workers[prefer].load += 1
@@ -493,20 +572,38 @@ class Daemon:
             ack = DISPATCH_ACK_DECODER.decode(msg.data)
         except Exception as exc:  # an RPC failure is never proof of death; liveness decides that
             log.warning("dispatch of %s/%s to %s not acknowledged: %r", run.session_id, run.agent, worker_id, exc)
+            self._dispatch_refused[worker_id] = time.monotonic()
             return False
         if not ack.ok:
             log.warning("worker %s refused dispatch %s/%s: %s", worker_id, run.session_id, run.agent, ack.reason)
+            self._dispatch_refused[worker_id] = time.monotonic()
             return False
+        self._dispatch_refused.pop(worker_id, None)
         return True
 
     async def send_cancel(self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str) -> None:
         await self.nc.publish(dispatch_subject(worker_id), ENCODER.encode(Cancel(session_id, agent, epoch, reason)))
 
     async def _liveness_forever(self) -> None:
+        tick = min(self.interval / 4, 0.25)
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(min(self.interval / 4, 0.25))
+            await asyncio.sleep(tick)
+            if self._closing:
+                return  # a daemon shutting down judges nobody
             connected = self.nc.is_connected
             now = time.monotonic()
+            stalled = now - last_tick - tick
+            last_tick = now
+            if stalled > self.interval / 2:
+                # Our own event loop was too busy to listen (a boot scan, a burst): the time we
+                # were deaf is nobody's silence.
+                for w in self.workers.values():
+                    w.last_seen += stalled
+                continue
+            beats = getattr(self, "_beat_sub", None)
+            if beats is not None and beats.pending_msgs > 0:
+                continue  # beats we received but have not read yet are not silence
             if not connected:
                 self._was_connected = False
                 continue
@@ -514,8 +611,13 @@ class Daemon:
                 # We were the ones cut off: nobody is judged on silence we could not hear.
                 self._was_connected = True
                 self._reconnected_at = now
+                log.info("reconnected to NATS: workers get %.1f s to be heard again", 2 * self.threshold)
                 for w in self.workers.values():
                     w.last_seen = now
+                continue
+            if now - self._reconnected_at < self.threshold:
+                # Workers reconnect on their own schedule after a server restart: one more
+                # threshold of grace before their silence counts.
                 continue
             for worker in list(self.workers.values()):
                 if now - worker.last_seen > self.threshold:
@@ -573,6 +675,10 @@ class Daemon:
             reply = await self._handle(report)
         except Held as exc:
             reply = Reply("ok", decision="hold", message=str(exc))
+        except Fenced as exc:
+            self.fenced_total.inc()
+            log.warning("fenced %s from %s: %s", type(report).__name__, report.worker_id, exc.message)
+            reply = Reply("fenced", message=exc.message)
         except ApomeshError as exc:
             reply = Reply("error", message=exc.message)
         except Exception as exc:
@@ -597,6 +703,15 @@ class Daemon:
         worker = self.workers.get(report.worker_id)
         if worker is not None:
             worker.last_seen = max(worker.last_seen, time.monotonic() - self.interval)
+        async with slot.lock:
+            if self.sessions.get(report.session_id) is not runtime or runtime.slots.get(report.agent) is not slot:
+                self.fenced_total.inc()
+                log.warning("fenced %s from %s for %s/%s: its dispatch ended while it waited",
+                            type(report).__name__, report.worker_id, report.session_id, report.agent)
+                return Reply("fenced", message=f"epoch {report.epoch} of {report.agent} is not current")
+            return await self._dispatch_report(runtime, slot, report)
+
+    async def _dispatch_report(self, runtime: SessionRuntime, slot: Any, report: Report) -> Reply:
         if isinstance(report, NodeReport):
             return await self._on_node(runtime, slot, report)
         if isinstance(report, JournalBegin):
@@ -616,7 +731,8 @@ class Daemon:
         from apomesh.core.events import AgentLifecycle, AgentSnapshotted
 
         agent = runtime.state.agents[report.agent]
-        if report.step < agent.step or (report.step == agent.step and report.source == "node" and not report.reset and agent.step > 0):
+        node = (report.step, report.source, report.reset)
+        if node in slot.nodes:
             return Reply("ok")  # a retry of a node already stored
         size = len(ENCODER.encode(report))
         if size > self.config.limits.max_snapshot_bytes:
@@ -629,7 +745,7 @@ class Daemon:
                 return Reply("error", message="a result with no intent")
             if entry.outcome not in ("ok", "error"):
                 recorded.append(ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result))
-        snapshot = self.snapshots.write(agent_key, agent.config, report)
+        snapshot = self.snapshots.write(agent_key, agent.config, report, after_id=agent.snapshot_id or 0)
         if recorded:
             # The node's results and its snapshot bytes do not depend on each other: log the one
             # while LMDB takes the other. The pointer waits for the bytes.
@@ -651,6 +767,7 @@ class Daemon:
                 await self.store.put_journal(agent_key, r.key, msgspec.msgpack.encode(record))
 
         await asyncio.gather(runtime.append(*events), copy_results())
+        slot.nodes.add(node)
         self.snapshot_bytes.inc(written)
         return Reply("ok")
 

@@ -28,6 +28,7 @@ from apomesh.core.views import (
     SessionSummary,
     SessionView,
     SkillView,
+    VerificationView,
     WorkerView,
     session_summary,
     session_view,
@@ -148,6 +149,9 @@ class Service:
     async def tail_events(self, session_id: str, after: int) -> AsyncIterator[Envelope]:
         async for env in self.tails.follow(session_id, after):
             yield env
+
+    async def verify_session(self, session_id: str) -> VerificationView:
+        return await self.daemon.verify(session_id)
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
         await self.daemon.answer_hitl(session_id, pause_id, answer, by=by)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from apomesh.core import envelope
+from apomesh.core.errors import Fenced, LogUnavailable
 from apomesh.core.events import (
     AgentLifecycle,
     AgentResumed,
@@ -64,6 +65,10 @@ class DispatchSlot:
     future: asyncio.Future[Done]
     intents: set[str] = field(default_factory=set)
     running_logged: bool = False
+    nodes: set[tuple[int, str, bool]] = field(default_factory=set)
+    """(step, source, reset) of every node report stored for this dispatch (retries are no-ops)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises this dispatch's reports, so a retry never races its first copy."""
 
 
 class SessionRuntime:
@@ -91,7 +96,8 @@ class SessionRuntime:
         index of the last one."""
         async with self._append_lock:
             if self.state.terminal:
-                raise RuntimeError(f"session {self.session_id} is terminal")
+                # A report or request that raced the session's end: refused, never appended.
+                raise Fenced(f"session {self.session_id} has ended; nothing more is appended")
             now = time.time()
             first = self.state.last_index + 1
             envs = [
@@ -99,7 +105,7 @@ class SessionRuntime:
                 for i, ev in enumerate(events)
             ]
             started = time.perf_counter()
-            await self.daemon.log.append(self.session_id, envs)
+            await self._append_durably(envs)
             self.daemon.metrics_appended(
                 len(envs), time.perf_counter() - started, [event_name(e) for e in events]
             )
@@ -108,6 +114,24 @@ class SessionRuntime:
         async with self.changed:
             self.changed.notify_all()
         return self.state.last_index
+
+    async def _append_durably(self, envs: list[envelope.Envelope]) -> None:
+        # While NATS is out of reach (a server restart) the step waits and is sent again, the
+        # same envelopes with the same ids: the log settles a resend, so nothing is written twice.
+        delay = 0.05
+        warned = False
+        while True:
+            try:
+                await self.daemon.log.append(self.session_id, envs)
+                return
+            except LogUnavailable as exc:
+                if self.daemon.closing:
+                    raise
+                if not warned:
+                    log.warning("session %s waits for the log: %s", self.session_id, exc)
+                    warned = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def wait_for(self, predicate: Any, timeout: float | None = None) -> None:
         async with self.changed:
@@ -282,6 +306,8 @@ class SessionRuntime:
                 finally:
                     if self.slots.get(ref) is slot:
                         del self.slots[ref]
+                    if slot.future.done() and not slot.future.cancelled():
+                        slot.future.exception()  # a loss noticed while the dispatch was refused
             finally:
                 self.daemon.release_worker(worker_id)
             if resuming:
@@ -335,6 +361,12 @@ class SessionRuntime:
                     )
                 )
                 self.daemon.metrics.resumes.labels(recovered).inc()
+            root = self.state.root
+            if root is not None and root not in self.state.agents:
+                # A crash between SessionStarted and the root's birth (one step, two appends).
+                await self.append(
+                    AgentLifecycle(root, "born", config=shape.root, task=self.state.goal, task_index=0)
+                )
             for job in list(self.state.jobs_in_flight.values()):
                 self.daemon.start_job(self, job)
             kind = self.daemon.plugins.coordination_kinds()[shape.coordination]

@@ -66,6 +66,7 @@ class _Tail:
     base_seq: int
     next_snapshot: int
     small: list[tuple[int, list[Message]]] = field(default_factory=list)
+    has_definition: bool = False
     counts: dict[str, int] | None = None
     """The call counts as stored so far (None until this process wrote them: store them whole)."""
     small_counts: dict[str, int] = field(default_factory=dict)
@@ -91,20 +92,28 @@ class SnapshotStore:
             else:
                 record = _record_decoder.decode(latest[1])
                 tail = _Tail(
-                    next_seq=next_seq, base_seq=record.base_seq, next_snapshot=latest[0] + 1
+                    next_seq=next_seq,
+                    base_seq=record.base_seq,
+                    next_snapshot=latest[0] + 1,
+                    has_definition=True,
                 )
             self._tails[agent_key] = tail
         return tail
 
     async def write(
-        self, agent_key: str, config: AgentConfig | None, report: NodeReport
+        self, agent_key: str, config: AgentConfig | None, report: NodeReport, *, after_id: int = 0
     ) -> tuple[int, int]:
-        """Store one node's snapshot; answers (snapshot_id, bytes written)."""
+        """Store one node's snapshot; answers (snapshot_id, bytes written).
+
+        ``after_id`` is the latest snapshot id the log points to: new ids continue above it even
+        when the store lost its records, so a pointer on the log never names two snapshots."""
         tail = await self._tail(agent_key)
+        tail.next_snapshot = max(tail.next_snapshot, after_id + 1)
         puts: list[tuple[str, str, bytes]] = []
         deletes: list[tuple[str, str]] = []
-        if tail.next_snapshot == 1 and config is not None:
+        if not tail.has_definition and config is not None:
             puts.append(("defs", agent_key, _encoder.encode(config)))
+            tail.has_definition = True
         if report.reset:
             tail.base_seq = tail.next_seq
             tail.small = []

@@ -97,6 +97,7 @@ class Worker:
         self.request_timeout = request_timeout
         self.incarnation = ""
         self.running: dict[tuple[str, str], tuple[int, asyncio.Task[None]]] = {}
+        self._run_incarnation: dict[tuple[str, str], str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._beat_task: asyncio.Task[None] | None = None
         self._sub: Any = None
@@ -165,7 +166,7 @@ class Worker:
                     await asyncio.sleep(5.0)
                     continue
                 if self.incarnation and reply.incarnation != self.incarnation:
-                    self._abandon_all("a new daemon incarnation took over")
+                    self._abandon_all("a new daemon incarnation took over", keep=reply.incarnation)
                 self.incarnation = reply.incarnation
                 self.heartbeat_interval = reply.heartbeat_interval or self.heartbeat_interval
                 self._registered.set()
@@ -191,11 +192,15 @@ class Worker:
                 await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval)
             self._beat_now.clear()
 
-    def _abandon_all(self, reason: str) -> None:
+    def _abandon_all(self, reason: str, keep: str = "") -> None:
+        """Cancel every dispatch except those the incarnation ``keep`` sent (a new daemon may
+        dispatch to us before our registration with it has been answered)."""
         for key, (_, task) in list(self.running.items()):
+            if keep and self._run_incarnation.get(key) == keep:
+                continue
             log.warning("abandoning %s: %s", key, reason)
             task.cancel()
-        self.running.clear()
+            del self.running[key]
 
     # --- dispatch --------------------------------------------------------------------------------
 
@@ -234,6 +239,7 @@ class Worker:
             self._run(message), name=f"agent-{message.session_id}-{message.agent}"
         )
         self.running[key] = (message.epoch, task)
+        self._run_incarnation[key] = message.incarnation
         await _respond(msg, DispatchAck(True))
 
     async def _run(self, run: Run) -> None:
@@ -270,6 +276,7 @@ class Worker:
             current = self.running.get(key)
             if current is not None and current[0] == run.epoch:
                 self.running.pop(key, None)
+                self._run_incarnation.pop(key, None)
 
     async def send(self, report: Report) -> Reply:
         """Send a report, retrying while the daemon is away; the daemon dedupes retries."""

@@ -338,6 +338,10 @@ class Client:
                             yield record
                             if record.kind == "SessionEnded":
                                 return
+                        # The daemon ends a stream at once when the session ended at or before
+                        # ``after``: that is the end, not a dropped connection.
+                        if await self._ended_by(session_id, last):
+                            return
             except httpx.TransportError as exc:
                 problem = exc
             # The stream ended early or could not start: the daemon stopped, restarted or the
@@ -352,6 +356,15 @@ class Client:
             await anyio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    async def _ended_by(self, session_id: str, index: int) -> bool:
+        """Whether the session is terminal with no event after ``index`` (False when the daemon
+        cannot say right now: the caller reconnects as for a dropped stream)."""
+        try:
+            view = await self.get_session(session_id)
+        except ServerUnavailable:
+            return False
+        return view.terminal and view.last_index <= index
+
     async def wait(self, session_id: str, timeout: float | None = None) -> SessionView:
         """The session's view once it is terminal (``completed``, ``failed`` or ``cancelled``)."""
         scope: AbstractContextManager[Any] = (
@@ -364,6 +377,12 @@ class Client:
             async for _ in self.events(session_id, after=view.last_index):
                 pass
             return await self.get_session(session_id)
+
+    async def verify_session(self, session_id: str) -> dict[str, Any]:
+        """Fold the session's log from its start and check it against the daemon's stored
+        snapshots, journal and completed record: ``{"ok": bool, "problems": [...], ...}``."""
+        path = f"/v1/sessions/{quote(session_id, safe='')}/verify"
+        return await self._get(path, dict[str, Any])
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str) -> None:
         path = f"/v1/sessions/{quote(session_id, safe='')}/hitl/{quote(pause_id, safe='')}"
@@ -519,6 +538,9 @@ class SyncClient:
 
     def wait(self, session_id: str, timeout: float | None = None) -> SessionView:
         return self._run(self._client.wait(session_id, timeout))
+
+    def verify_session(self, session_id: str) -> dict[str, Any]:
+        return self._run(self._client.verify_session(session_id))
 
     def answer_hitl(self, session_id: str, pause_id: str, answer: str) -> None:
         self._run(self._client.answer_hitl(session_id, pause_id, answer))
