@@ -47,7 +47,7 @@ async def test_worker_killed_before_during_and_after_side_effects(mesh: Mesh) ->
     points = ["before", "during", "after"] * (WORKER_RUNS // 3)
     random.Random(7).shuffle(points)
     async with Client(mesh.url) as client:
-        chaos = Chaos(mesh, client, rng=random.Random(11), tally=tally, say=print)
+        chaos = Chaos(mesh, client, rng=random.Random(11), tally=tally)
         for wave in range(0, len(points), CONCURRENT_RUNS):
             async with anyio.create_task_group() as group:
                 for n, point in enumerate(points[wave : wave + CONCURRENT_RUNS]):
@@ -63,7 +63,7 @@ async def test_worker_killed_before_during_and_after_side_effects(mesh: Mesh) ->
 async def test_daemon_killed_at_random_points_and_restarted(mesh: Mesh) -> None:
     tally = Tally()
     async with Client(mesh.url) as client:
-        chaos = Chaos(mesh, client, rng=random.Random(5), tally=tally, say=print)
+        chaos = Chaos(mesh, client, rng=random.Random(5), tally=tally)
         for run in range(DAEMON_RUNS):
             await chaos.daemon_kill_run(f"dk{run}", cli_resume=run % 3 == 0)
     assert tally.daemon_kills == DAEMON_RUNS
