@@ -1,0 +1,61 @@
+"""The identity a worker's credentials carry, and the permissions each role gets (the e2e tests
+in ``tests/e2e/test_security.py`` prove the server enforces them)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from tests.e2e.certs import make_nkey_user
+
+from apomesh.runtime.config import NatsConfig
+from apomesh.runtime.nats_permissions import (
+    credential_identity,
+    daemon_permissions,
+    worker_permissions,
+)
+from apomesh.runtime.protocol import check_worker_id
+
+
+def _jwt(claims: dict[str, object]) -> str:
+    def part(data: dict[str, object]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+    return f"{part({'typ': 'JWT', 'alg': 'ed25519-nkey'})}.{part(claims)}.c2lnbmF0dXJl"
+
+
+def test_a_worker_takes_its_id_from_its_credentials(tmp_path: Path) -> None:
+    assert credential_identity(NatsConfig(user="edge-2", password="x")) == "edge-2"
+    seed_file, public_key = make_nkey_user(tmp_path, "edge-1")
+    assert credential_identity(NatsConfig(nkey_seed_file=str(seed_file))) == public_key
+    creds = tmp_path / "worker.creds"
+    creds.write_text(
+        "-----BEGIN NATS USER JWT-----\n"
+        f"{_jwt({'name': 'edge-3', 'sub': 'U...'})}\n"
+        "------END NATS USER JWT------\n"
+    )
+    assert credential_identity(NatsConfig(creds_file=str(creds))) == "edge-3"
+    assert credential_identity(NatsConfig()) is None
+    assert credential_identity(NatsConfig(token="t")) is None
+
+
+def test_a_worker_id_must_be_one_subject_token() -> None:
+    assert check_worker_id("edge-2") == "edge-2"
+    for bad in ("", "edge.2", "edge*", "edge>", "edge 2"):
+        with pytest.raises(ValueError, match="subject token"):
+            check_worker_id(bad)
+        with pytest.raises(ValueError):
+            worker_permissions(bad)
+
+
+def test_a_worker_may_use_only_subjects_that_name_it() -> None:
+    rules = worker_permissions("edge-2")
+    assert rules.publish == ("apomesh.hb.edge-2", "apomesh.ctl.*.edge-2")
+    assert rules.subscribe == ("apomesh.dispatch.edge-2", "_INBOX.worker.edge-2.>")
+    for forbidden in ("$JS.>", "$KV.>", "apomesh.log.>"):
+        assert forbidden in rules.publish_deny and forbidden in rules.subscribe_deny
+    assert rules.allow_responses
+    daemon = daemon_permissions()
+    assert "$JS.API.>" in daemon.publish and "apomesh.>" in daemon.subscribe
