@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from apomesh._version import __version__
 
-__all__ = ["__version__", "Client", "SyncClient"]
+__all__ = ["Client", "SyncClient", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -113,16 +113,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         plugins = make_plugin_host(config)
         nc = await connect(
-            config.nats.urls, name=f"apomesh-worker-{worker_id or args.name or ''}", **connect_options
+            config.nats.urls,
+            name=f"apomesh-worker-{worker_id or args.name or ''}",
+            **connect_options,
         )
         worker = Worker(
-            nc, tools=plugins.tools(), providers=plugins.model_providers(),
-            supervisors=list(plugins.supervisor_policies().values()), workspace=workspace,
-            name=args.name or worker_id, worker_id=worker_id,
+            nc,
+            tools=plugins.tools(),
+            providers=plugins.model_providers(),
+            supervisors=list(plugins.supervisor_policies().values()),
+            workspace=workspace,
+            name=args.name or worker_id,
+            worker_id=worker_id,
             heartbeat_interval=config.liveness.heartbeat_interval,
         )
         await worker.start()
-        console.print(f"worker {worker.worker_id} on {', '.join(config.nats.urls)}, workspace {workspace}")
+        console.print(
+            f"worker {worker.worker_id} on {', '.join(config.nats.urls)}, workspace {workspace}"
+        )
         await stop.wait()
         await worker.aclose()
         await nc.close()
@@ -206,7 +214,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     if args.action == "list":
         table = Table("session", "status", "goal", "events", "side effects")
         for s in client.list_sessions(status=args.status, query=args.query):
-            table.add_row(s.session_id, s.status, s.goal, str(s.last_index + 1), str(s.side_effects))
+            table.add_row(
+                s.session_id, s.status, s.goal, str(s.last_index + 1), str(s.side_effects)
+            )
         console.print(table)
         return 0
     if not args.id:
@@ -218,7 +228,9 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         return 0
     if args.action == "tail":
         for record in client.events(args.id, after=args.after):
-            console.print(f"{record.index:>5} {record.kind} {json.dumps(record.event, default=str)[:160]}")
+            console.print(
+                f"{record.index:>5} {record.kind} {json.dumps(record.event, default=str)[:160]}"
+            )
         return 0
     if args.action == "verify":
         report = client.verify_session(args.id)
@@ -232,7 +244,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if args.action == "list":
         table = Table("session", "goal", "category", "reason", "side effects", "last event")
         for r in client.list_recoverable():
-            table.add_row(r.session_id, r.goal, r.category, r.reason, str(r.side_effects), _when(r.last_event_at))
+            table.add_row(
+                r.session_id,
+                r.goal,
+                r.category,
+                r.reason,
+                str(r.side_effects),
+                _when(r.last_event_at),
+            )
         console.print(table)
         return 0
     if not args.id:
@@ -247,7 +266,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
         migrate[name.strip()] = version.strip()
     preview = client.recovery_preview(args.id)
     if preview.unknown_outcomes:
-        console.print("[yellow]side effects whose outcome is unknown (they will not be run again):[/]")
+        console.print(
+            "[yellow]side effects whose outcome is unknown (they will not be run again):[/]"
+        )
         for u in preview.unknown_outcomes:
             console.print(f"  {u.agent} {u.tool} {json.dumps(u.args)}")
     if preview.pin_diff:
@@ -309,11 +330,15 @@ def cmd_skills(args: argparse.Namespace) -> int:
 def cmd_agents(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action in ("publish", "show") and not args.target:
-        err.print(f"usage: apomesh agents {args.action} {'FILE' if args.action == 'publish' else 'NAME[@VERSION]'}")
+        err.print(
+            f"usage: apomesh agents {args.action} {'FILE' if args.action == 'publish' else 'NAME[@VERSION]'}"
+        )
         return 2
     if args.action == "publish":
         created, record = client.publish_agent(_load_definition(args.target))
-        console.print(f"{'published' if created else 'already published (same content)'} {record.name}@{record.version}")
+        console.print(
+            f"{'published' if created else 'already published (same content)'} {record.name}@{record.version}"
+        )
     elif args.action == "list":
         table = Table("agent", "version", "digest", "skills")
         for a in client.list_agents():
@@ -346,10 +371,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_tokens(args: argparse.Namespace) -> int:
     from apomesh.api.tokens import TokenStore
 
-    if args.data:
-        data = Path(args.data).absolute()
-    else:
-        data = _config(args, {}).daemon.data_path()
+    data = Path(args.data).absolute() if args.data else _config(args, {}).daemon.data_path()
     store = TokenStore.in_dir(data)
     if args.action == "create":
         try:
@@ -414,12 +436,20 @@ def _builtins(obj: Any) -> Any:
 
 
 def _remote(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("APOMESH_URL", DEFAULT_URL), help="the daemon's HTTP API (env APOMESH_URL)")
-    p.add_argument("--token", default=os.environ.get("APOMESH_TOKEN"), help="an API token (env APOMESH_TOKEN)")
+    p.add_argument(
+        "--url",
+        default=os.environ.get("APOMESH_URL", DEFAULT_URL),
+        help="the daemon's HTTP API (env APOMESH_URL)",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("APOMESH_TOKEN"), help="an API token (env APOMESH_TOKEN)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="apomesh", description="Durable agent sessions on NATS JetStream.")
+    parser = argparse.ArgumentParser(
+        prog="apomesh", description="Durable agent sessions on NATS JetStream."
+    )
     parser.add_argument("--version", action="version", version=f"apomesh {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -449,14 +479,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("demo", help="run a self-contained demo: a worker is killed mid-run and resumed")
+    p = sub.add_parser(
+        "demo", help="run a self-contained demo: a worker is killed mid-run and resumed"
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("run", help="start a session")
     p.add_argument("goal")
     p.add_argument("--agent", help="a published agent NAME[@VERSION]")
     p.add_argument("--definition", help="an agent definition TOML file")
-    p.add_argument("--follow", action="store_true", help="show the spawn tree live until the session ends")
+    p.add_argument(
+        "--follow", action="store_true", help="show the spawn tree live until the session ends"
+    )
     _remote(p)
     p.set_defaults(func=cmd_run)
 
@@ -511,8 +545,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", nargs="?")
     p.add_argument("--role", choices=["read", "operator"], default="read")
     p.add_argument("--name")
-    p.add_argument("--expires-in", metavar="DURATION", help="lifetime of a new token: 90s, 15m, 12h, 30d (default: until revoked)")
-    p.add_argument("--data", help="the daemon's data directory (default: [daemon] data_dir of --config)")
+    p.add_argument(
+        "--expires-in",
+        metavar="DURATION",
+        help="lifetime of a new token: 90s, 15m, 12h, 30d (default: until revoked)",
+    )
+    p.add_argument(
+        "--data", help="the daemon's data directory (default: [daemon] data_dir of --config)"
+    )
     p.add_argument("--config", help="the daemon's config file, to find its data directory")
     p.set_defaults(func=cmd_tokens)
     return parser

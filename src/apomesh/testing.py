@@ -193,9 +193,21 @@ class DaemonProcess:
         import urllib.request
 
         args = [
-            sys.executable, "-m", "apomesh", "serve", "--nats", ",".join(self.nats_urls),
-            "--data", str(self.data_dir), "--workspace", str(self.workspace),
-            "--http", f"127.0.0.1:{self.port}", "--workers", str(self.workers), *self.extra_args,
+            sys.executable,
+            "-m",
+            "apomesh",
+            "serve",
+            "--nats",
+            ",".join(self.nats_urls),
+            "--data",
+            str(self.data_dir),
+            "--workspace",
+            str(self.workspace),
+            "--http",
+            f"127.0.0.1:{self.port}",
+            "--workers",
+            str(self.workers),
+            *self.extra_args,
         ]
         env = {**os.environ, **self.env}
         with open(self.log_file, "ab") as log:
@@ -204,7 +216,9 @@ class DaemonProcess:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"apomesh serve exited {self.proc.returncode}:\n{self.output_tail()}")
+                raise RuntimeError(
+                    f"apomesh serve exited {self.proc.returncode}:\n{self.output_tail()}"
+                )
             try:
                 with opener.open(f"{self.url}/healthz", timeout=1.0) as response:
                     if response.status == 200:
@@ -213,7 +227,9 @@ class DaemonProcess:
                 pass
             time.sleep(0.05)
         self.kill()
-        raise RuntimeError(f"apomesh serve did not answer /healthz within {timeout} s:\n{self.output_tail()}")
+        raise RuntimeError(
+            f"apomesh serve did not answer /healthz within {timeout} s:\n{self.output_tail()}"
+        )
 
     def output_tail(self, chars: int = 4000) -> str:
         try:
@@ -245,7 +261,9 @@ class DaemonProcess:
 class WorkerProcess:
     """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT."""
 
-    def __init__(self, nats_urls: list[str], workspace: Any, name: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, nats_urls: list[str], workspace: Any, name: str, env: dict[str, str] | None = None
+    ) -> None:
         from pathlib import Path
 
         self.nats_urls = list(nats_urls)
@@ -261,10 +279,22 @@ class WorkerProcess:
         import sys
 
         self.workspace.mkdir(parents=True, exist_ok=True)
-        args = [sys.executable, "-m", "apomesh", "worker", "--nats", ",".join(self.nats_urls),
-                "--name", self.name, "--workspace", str(self.workspace)]
+        args = [
+            sys.executable,
+            "-m",
+            "apomesh",
+            "worker",
+            "--nats",
+            ",".join(self.nats_urls),
+            "--name",
+            self.name,
+            "--workspace",
+            str(self.workspace),
+        ]
         with open(self.log_file, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}
+            )
 
     @property
     def pid(self) -> int:
@@ -304,11 +334,20 @@ class Mesh:
     """A whole system for a test: its own nats-server, an ``apomesh serve`` process and worker
     processes. ``worker()`` starts one more; everything stops at teardown."""
 
-    def __init__(self, server: NatsServer, base: Any, *, daemon_workers: int = 0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        server: NatsServer,
+        base: Any,
+        *,
+        daemon_workers: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.server = server
         self.base = base
         self.env = env or {}
-        self.daemon = DaemonProcess([server.url], base / "daemon", workers=daemon_workers, env=self.env)
+        self.daemon = DaemonProcess(
+            [server.url], base / "daemon", workers=daemon_workers, env=self.env
+        )
         self.workers: list[WorkerProcess] = []
 
     @property
@@ -320,7 +359,9 @@ class Mesh:
         return self.server.url
 
     def worker(self, name: str | None = None) -> WorkerProcess:
-        worker = WorkerProcess([self.server.url], self.daemon.workspace, name or f"w{len(self.workers)}", env=self.env)
+        worker = WorkerProcess(
+            [self.server.url], self.daemon.workspace, name or f"w{len(self.workers)}", env=self.env
+        )
         worker.start()
         self.workers.append(worker)
         return worker
@@ -411,7 +452,10 @@ def install_plugin_package(project_dir: Any) -> str:
             pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
             # Without build isolation when the environment can build (fast, offline); otherwise
             # pip fetches the build backend.
-            attempts = [[*pip, "--no-build-isolation", "-e", str(project)], [*pip, "-e", str(project)]]
+            attempts = [
+                [*pip, "--no-build-isolation", "-e", str(project)],
+                [*pip, "-e", str(project)],
+            ]
             failures = []
             for command in attempts:
                 done = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -324,7 +324,9 @@ class _Api:
         return JSONResponse(await self.service.get_skill(request.path_params["name"]))
 
     async def skill_history(self, request: Request, who: Identity) -> Response:
-        return JSONResponse(SkillList(skills=await self.service.skill_history(request.path_params["name"])))
+        return JSONResponse(
+            SkillList(skills=await self.service.skill_history(request.path_params["name"]))
+        )
 
     async def delete_skill(self, request: Request, who: Identity) -> Response:
         await self.service.delete_skill(request.path_params["name"])

@@ -36,7 +36,9 @@ def classify(state: SessionState, pin_problem: str | None = None) -> Classificat
     if state.bootstrap is None:
         return Classification("recoverable", REASON_NO_BOOTSTRAP, "no_bootstrap")
     if pin_problem is not None:
-        return Classification("recoverable", f"{REASON_PIN_MISMATCH}: {pin_problem}", "pin_mismatch")
+        return Classification(
+            "recoverable", f"{REASON_PIN_MISMATCH}: {pin_problem}", "pin_mismatch"
+        )
     if state.has_side_effects:
         return Classification(
             "recoverable", f"{REASON_SIDE_EFFECTS} ({state.side_effects})", "side_effects"

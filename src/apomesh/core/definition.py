@@ -197,9 +197,7 @@ def _check_turn(turn: ScriptTurn, where: str) -> None:
         raise DefinitionError("`delay` must not be negative", where=where)
 
 
-def role_config(
-    definition: AgentDefinition, role: str, skills: list[PinnedSkill]
-) -> AgentConfig:
+def role_config(definition: AgentDefinition, role: str, skills: list[PinnedSkill]) -> AgentConfig:
     """The resolved config for ``role`` ("root" or a key of ``roles``), inheriting unset fields."""
     spec = definition.roles.get(role) if role != "root" else None
     if role != "root" and spec is None:
@@ -221,7 +219,9 @@ def role_config(
         name=f"{definition.name}.{role}",
         version=definition.version,
         role=role,
-        instructions=spec.instructions if spec.instructions is not None else definition.instructions,
+        instructions=spec.instructions
+        if spec.instructions is not None
+        else definition.instructions,
         model=spec.model if spec.model is not None else definition.model,
         tools=list(spec.tools) if spec.tools is not None else list(definition.tools),
         skills=[s for s in skills if s.name in wanted],

@@ -69,7 +69,9 @@ def decode(data: bytes, *, session_id: str | None = None, index: int | None = No
     except msgspec.ValidationError:
         return _decode_slow(data, session_id, index)
     except msgspec.DecodeError as exc:
-        raise MalformedEnvelope(f"not a msgpack envelope ({exc})", session_id=session_id, index=index) from None
+        raise MalformedEnvelope(
+            f"not a msgpack envelope ({exc})", session_id=session_id, index=index
+        ) from None
     if env.v != SCHEMA_VERSION:
         return _decode_slow(data, session_id, index)
     return env
@@ -79,22 +81,35 @@ def _decode_slow(data: bytes, session_id: str | None, index: int | None) -> Enve
     try:
         raw = _raw_decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise MalformedEnvelope(f"not a msgpack envelope ({exc})", session_id=session_id, index=index) from None
+        raise MalformedEnvelope(
+            f"not a msgpack envelope ({exc})", session_id=session_id, index=index
+        ) from None
     if not isinstance(raw, list) or len(raw) != 6:
         raise MalformedEnvelope("an envelope is a 6-item array", session_id=session_id, index=index)
     v, sid, idx, ts, event_id, event = raw
     session_id = sid if isinstance(sid, str) else session_id
     index = idx if isinstance(idx, int) else index
     if not isinstance(v, int) or v < 1 or v > SCHEMA_VERSION:
-        raise MalformedEnvelope(f"unsupported schema version {v!r}", session_id=session_id, index=index)
+        raise MalformedEnvelope(
+            f"unsupported schema version {v!r}", session_id=session_id, index=index
+        )
     if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
         raise MalformedEnvelope("the event has no `kind`", session_id=session_id, index=index)
-    mapping = {"v": v, "session_id": sid, "index": idx, "ts": ts, "event_id": event_id, "event": event}
+    mapping = {
+        "v": v,
+        "session_id": sid,
+        "index": idx,
+        "ts": ts,
+        "event_id": event_id,
+        "event": event,
+    }
     while mapping["v"] < SCHEMA_VERSION:
         upcaster = _UPCASTERS.get(mapping["v"])
         if upcaster is None:
             raise MalformedEnvelope(
-                f"no upcaster from schema version {mapping['v']}", session_id=session_id, index=index
+                f"no upcaster from schema version {mapping['v']}",
+                session_id=session_id,
+                index=index,
             )
         mapping = dict(upcaster(mapping))
         mapping["v"] = int(mapping["v"]) + 1
@@ -103,8 +118,17 @@ def _decode_slow(data: bytes, session_id: str | None, index: int | None) -> Enve
         raise UnknownEventKind(f"unknown event kind {kind!r}", session_id=session_id, index=index)
     try:
         return msgspec.convert(
-            [mapping["v"], mapping["session_id"], mapping["index"], mapping["ts"], mapping["event_id"], mapping["event"]],
+            [
+                mapping["v"],
+                mapping["session_id"],
+                mapping["index"],
+                mapping["ts"],
+                mapping["event_id"],
+                mapping["event"],
+            ],
             Envelope,
         )
     except msgspec.ValidationError as exc:
-        raise MalformedEnvelope(f"bad envelope: {exc}", session_id=session_id, index=index) from None
+        raise MalformedEnvelope(
+            f"bad envelope: {exc}", session_id=session_id, index=index
+        ) from None

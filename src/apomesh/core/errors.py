@@ -1,32 +1,32 @@
 """Every error apomesh raises on purpose, in one tree.
 
-    ApomeshError                       base; ``retryable`` says whether trying again can help
-    ├── CodecError                     bytes that are not a valid envelope (session_id, index)
-    │   ├── MalformedEnvelope          not msgpack, or the wrong shape
-    │   └── UnknownEventKind           an event tag this build does not know
-    ├── FoldError                      a log that cannot be folded whole (session_id, index)
-    │   ├── IndexGap                   an index is missing
-    │   ├── DuplicateIndex             an index appears twice or goes backwards
-    │   └── InvalidLog                 an event that contradicts the log before it
-    ├── DefinitionError                an agent definition, script or config that is wrong (where)
-    ├── PinError                       a pinned shape that cannot be satisfied (pin)
-    │   ├── CorruptPin                 the pin itself cannot be decoded
-    │   ├── PluginPinMismatch          a pinned plugin is missing or at another version
-    │   └── MissingSkill               a skill named by a bundle is not in it
-    ├── LogError                       the event log adapter failed
-    │   ├── LogUnavailable             NATS cannot be reached (retryable)
-    │   └── AppendConflict             another writer appended to the session
-    ├── StoreError                     the LMDB store failed
-    │   └── StoreFull                  the LMDB map is full
-    ├── CatalogError                   the skill catalog or agent registry refused (name)
-    │   └── PublishConflict            a published (name, version) exists with other content
-    ├── NotFound                       an unknown session, agent, skill or worker (what)
-    ├── Fenced                         a message carried a stale fencing epoch
-    ├── PayloadTooLarge                an input over its configured limit (what, size, limit)
-    ├── ToolError                      a tool call failed in a way the model should see
-    │   └── OutcomeUnknown             a side effect whose result was never recorded
-    ├── BudgetExhausted                an agent ran out of steps, tool calls, tokens or time
-    └── PluginError                    a plugin failed to load, collided or broke its contract
+ApomeshError                       base; ``retryable`` says whether trying again can help
+├── CodecError                     bytes that are not a valid envelope (session_id, index)
+│   ├── MalformedEnvelope          not msgpack, or the wrong shape
+│   └── UnknownEventKind           an event tag this build does not know
+├── FoldError                      a log that cannot be folded whole (session_id, index)
+│   ├── IndexGap                   an index is missing
+│   ├── DuplicateIndex             an index appears twice or goes backwards
+│   └── InvalidLog                 an event that contradicts the log before it
+├── DefinitionError                an agent definition, script or config that is wrong (where)
+├── PinError                       a pinned shape that cannot be satisfied (pin)
+│   ├── CorruptPin                 the pin itself cannot be decoded
+│   ├── PluginPinMismatch          a pinned plugin is missing or at another version
+│   └── MissingSkill               a skill named by a bundle is not in it
+├── LogError                       the event log adapter failed
+│   ├── LogUnavailable             NATS cannot be reached (retryable)
+│   └── AppendConflict             another writer appended to the session
+├── StoreError                     the LMDB store failed
+│   └── StoreFull                  the LMDB map is full
+├── CatalogError                   the skill catalog or agent registry refused (name)
+│   └── PublishConflict            a published (name, version) exists with other content
+├── NotFound                       an unknown session, agent, skill or worker (what)
+├── Fenced                         a message carried a stale fencing epoch
+├── PayloadTooLarge                an input over its configured limit (what, size, limit)
+├── ToolError                      a tool call failed in a way the model should see
+│   └── OutcomeUnknown             a side effect whose result was never recorded
+├── BudgetExhausted                an agent ran out of steps, tool calls, tokens or time
+└── PluginError                    a plugin failed to load, collided or broke its contract
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ class ApomeshError(Exception):
 class CodecError(ApomeshError):
     code = "codec_error"
 
-    def __init__(self, message: str, *, session_id: str | None = None, index: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, session_id: str | None = None, index: int | None = None
+    ) -> None:
         where = f"session {session_id or '?'} index {index if index is not None else '?'}"
         super().__init__(f"{where}: {message}")
         self.session_id = session_id
@@ -64,7 +66,9 @@ class UnknownEventKind(CodecError):
 class FoldError(ApomeshError):
     code = "fold_error"
 
-    def __init__(self, message: str, *, session_id: str | None = None, index: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, session_id: str | None = None, index: int | None = None
+    ) -> None:
         super().__init__(f"session {session_id or '?'} index {index}: {message}")
         self.session_id = session_id
         self.index = index
@@ -150,7 +154,9 @@ class NotFound(ApomeshError):
 class Fenced(ApomeshError):
     code = "fenced"
 
-    def __init__(self, message: str, *, agent: str = "", epoch: int = -1, current: int = -1) -> None:
+    def __init__(
+        self, message: str, *, agent: str = "", epoch: int = -1, current: int = -1
+    ) -> None:
         super().__init__(message)
         self.agent = agent
         self.epoch = epoch

@@ -19,7 +19,15 @@ AgentRef = str
 """An agent's identity inside its session: ``root`` or ``<parent>/<n>``. Kept across resumes."""
 
 Phase = Literal[
-    "born", "dispatched", "running", "planned", "paused", "waiting", "completed", "failed", "cancelled"
+    "born",
+    "dispatched",
+    "running",
+    "planned",
+    "paused",
+    "waiting",
+    "completed",
+    "failed",
+    "cancelled",
 ]
 TERMINAL_PHASES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 

@@ -56,7 +56,9 @@ class StateStore(Protocol):
     def delete_snapshots_before(self, agent_key: str, snapshot_id: int) -> int:
         """Delete the agent's snapshots with id < ``snapshot_id`` (compaction); returns how many."""
 
-    def write_batch(self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()) -> None:
+    def write_batch(
+        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
+    ) -> None:
         """Write several (database, key, value) records in one synced transaction."""
 
     def get(self, db: str, key: str) -> bytes | None: ...

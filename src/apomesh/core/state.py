@@ -194,13 +194,21 @@ def apply(state: SessionState, env: Envelope) -> SessionState:
     expected = state.last_index + 1
     if env.index != expected:
         error = DuplicateIndex if env.index < expected else IndexGap
-        raise error(f"expected index {expected}, got {env.index}", session_id=state.session_id, index=env.index)
+        raise error(
+            f"expected index {expected}, got {env.index}",
+            session_id=state.session_id,
+            index=env.index,
+        )
     if env.session_id != state.session_id:
         raise InvalidLog(
-            f"envelope belongs to session {env.session_id!r}", session_id=state.session_id, index=env.index
+            f"envelope belongs to session {env.session_id!r}",
+            session_id=state.session_id,
+            index=env.index,
         )
     if state.terminal:
-        raise InvalidLog("an event after the terminal event", session_id=state.session_id, index=env.index)
+        raise InvalidLog(
+            "an event after the terminal event", session_id=state.session_id, index=env.index
+        )
     handler = _HANDLERS[type(env.event)]
     handler(state, env)
     state.last_index = env.index

@@ -170,7 +170,9 @@ async def run_agent(
     for skill in run.config.skills:
         # The body reaches the model only if it is byte for byte the one pinned at start.
         if skill_digest(skill.body) != skill.digest:
-            corrupt = CorruptPin("the pinned body does not match its digest", pin=f"skill {skill.name}")
+            corrupt = CorruptPin(
+                "the pinned body does not match its digest", pin=f"skill {skill.name}"
+            )
             return done("failed", reason=corrupt.message)
     model: Model = provider.create(run.config.model)
     allowed = [n for n in run.config.tools]

@@ -95,7 +95,9 @@ class Catalog:
 
     async def put_skill(self, name: str, body: str, tools: list[str] | None = None) -> SkillView:
         _check_name(name, "skill", CatalogError)
-        revision = await self.kv.skills.put(name, msgspec.json.encode(SkillRecord(body, tools or [])))
+        revision = await self.kv.skills.put(
+            name, msgspec.json.encode(SkillRecord(body, tools or []))
+        )
         return SkillView(name=name, body=body, digest=digest_of(body), revision=revision)
 
     async def get_skill(self, name: str) -> SkillView:
@@ -104,7 +106,9 @@ class Catalog:
             raise NotFound(f"skill {name}")
         data, revision = got
         record = _skill_decoder.decode(data)
-        return SkillView(name=name, body=record.body, digest=digest_of(record.body), revision=revision)
+        return SkillView(
+            name=name, body=record.body, digest=digest_of(record.body), revision=revision
+        )
 
     async def list_skills(self) -> list[SkillView]:
         out = []
@@ -125,7 +129,14 @@ class Catalog:
         for rev in revisions:
             if rev.value and not rev.deleted:
                 record = _skill_decoder.decode(rev.value)
-                out.append(SkillView(name=name, body=record.body, digest=digest_of(record.body), revision=rev.revision))
+                out.append(
+                    SkillView(
+                        name=name,
+                        body=record.body,
+                        digest=digest_of(record.body),
+                        revision=rev.revision,
+                    )
+                )
         return out
 
     async def delete_skill(self, name: str) -> None:
@@ -138,7 +149,9 @@ class Catalog:
         got = await self.kv.skills.get(name)
         if got is not None:
             record = _skill_decoder.decode(got)
-            return PinnedSkill(name, record.body, digest_of(record.body), CATALOG_RESOLVER, list(record.tools))
+            return PinnedSkill(
+                name, record.body, digest_of(record.body), CATALOG_RESOLVER, list(record.tools)
+            )
         for resolver in [*self.resolvers, *self.plugins.skill_resolvers()]:
             found: ResolvedSkill | None = await resolver.resolve(name)
             if found is not None:
@@ -148,8 +161,16 @@ class Catalog:
                         "that is not the sha256 of its body"
                     )
                 return PinnedSkill(name, found.body, found.digest, resolver.name, list(found.tools))
-        order = ", ".join(["catalog", *(r.name for r in self.resolvers), *(r.name for r in self.plugins.skill_resolvers())])
-        raise DefinitionError(f"skill {name!r} was found by no resolver ({order})", where="$.skills")
+        order = ", ".join(
+            [
+                "catalog",
+                *(r.name for r in self.resolvers),
+                *(r.name for r in self.plugins.skill_resolvers()),
+            ]
+        )
+        raise DefinitionError(
+            f"skill {name!r} was found by no resolver ({order})", where="$.skills"
+        )
 
     async def resolve_skills(self, names: list[str]) -> list[PinnedSkill]:
         return [await self.resolve_skill(n) for n in names]
@@ -162,11 +183,22 @@ class Catalog:
             raise DefinitionError("publishing needs a `version`", where="$.version")
         _check_name(parsed.name, "agent")
         skills = await self.resolve_skills(skill_names(parsed))
-        shape = compose_shape(parsed, host=self.plugins, skills=skills, source="published", agent=f"{parsed.name}@{parsed.version}")
+        shape = compose_shape(
+            parsed,
+            host=self.plugins,
+            skills=skills,
+            source="published",
+            agent=f"{parsed.name}@{parsed.version}",
+        )
         bundle = AgentBundle(
-            name=parsed.name, version=parsed.version, digest=shape.definition_digest,
-            definition=msgspec.to_builtins(parsed), skills=skills, coordination=shape.coordination,
-            coordination_params=shape.coordination_params, plugins=shape.plugins,
+            name=parsed.name,
+            version=parsed.version,
+            digest=shape.definition_digest,
+            definition=msgspec.to_builtins(parsed),
+            skills=skills,
+            coordination=shape.coordination,
+            coordination_params=shape.coordination_params,
+            plugins=shape.plugins,
         )
         data = msgspec.json.encode(bundle)
         key = f"{parsed.name}@{parsed.version}"
@@ -180,7 +212,11 @@ class Catalog:
 
     async def get_agent_bundle(self, name: str, version: str | None) -> AgentBundle:
         if version is None:
-            versions = [k.partition("@")[2] for k in await self.kv.agents.keys() if k.partition("@")[0] == name]
+            versions = [
+                k.partition("@")[2]
+                for k in await self.kv.agents.keys()
+                if k.partition("@")[0] == name
+            ]
             if not versions:
                 raise NotFound(f"agent {name}")
             version = max(versions, key=_version_key)
@@ -195,9 +231,15 @@ class Catalog:
         names = skill_names(definition)
         for name in names:
             if name not in sealed:
-                raise MissingSkill("the sealed bundle lacks this skill", pin=f"{bundle.name}@{bundle.version} skill {name}")
+                raise MissingSkill(
+                    "the sealed bundle lacks this skill",
+                    pin=f"{bundle.name}@{bundle.version} skill {name}",
+                )
             if digest_of(sealed[name].body) != sealed[name].digest:
-                raise CorruptPin("the sealed skill body does not match its digest", pin=f"{bundle.name}@{bundle.version} skill {name}")
+                raise CorruptPin(
+                    "the sealed skill body does not match its digest",
+                    pin=f"{bundle.name}@{bundle.version} skill {name}",
+                )
         return [sealed[n] for n in names]
 
     async def list_agents(self) -> list[AgentRecordView]:
@@ -213,11 +255,17 @@ class Catalog:
 
 def _view(bundle: AgentBundle) -> AgentRecordView:
     return AgentRecordView(
-        name=bundle.name, version=bundle.version, digest=bundle.digest, definition=bundle.definition,
-        skills=[s.name for s in bundle.skills], plugins=list(bundle.plugins),
+        name=bundle.name,
+        version=bundle.version,
+        digest=bundle.digest,
+        definition=bundle.definition,
+        skills=[s.name for s in bundle.skills],
+        plugins=list(bundle.plugins),
     )
 
 
 def _check_name(name: str, what: str, error: type[ApomeshError] = DefinitionError) -> None:
     if not name or len(name) > 128 or any(c.isspace() or c in "@/*>" for c in name):
-        raise error(f"{what} name {name!r} must be 1-128 characters without spaces, '@', '/', '*' or '>'")
+        raise error(
+            f"{what} name {name!r} must be 1-128 characters without spaces, '@', '/', '*' or '>'"
+        )

@@ -120,7 +120,9 @@ def compose_shape(
     top_level = [s for s in skills if s.name in definition.skills]
     root = role_config(definition, "root", top_level)
     roles = {
-        role: role_config(definition, role, skills if _names_skills(definition, role) else top_level)
+        role: role_config(
+            definition, role, skills if _names_skills(definition, role) else top_level
+        )
         for role in sorted(set(kind.roles) | set(definition.roles))
     }
     configs = [root, *roles.values()]

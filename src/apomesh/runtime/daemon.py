@@ -188,7 +188,7 @@ class Daemon:
         self._spawn(self._liveness_forever())
         self._spawn(self._lease_renewal_forever())
         with contextlib.suppress(Exception):
-            for worker_id in (await self.heartbeats.latest()):
+            for worker_id in await self.heartbeats.latest():
                 await self._ask_reregister(worker_id, force=True)
         if recover:
             await self.boot_scan()
@@ -238,7 +238,13 @@ class Daemon:
     def next_child_ref(self, state: SessionState, parent: str) -> str:
         return decisions.next_child_ref(state, parent)
 
-    async def adopt(self, state: SessionState, *, recovered: Literal["auto", "operator"] | None, fresh_children: bool) -> SessionRuntime:
+    async def adopt(
+        self,
+        state: SessionState,
+        *,
+        recovered: Literal["auto", "operator"] | None,
+        fresh_children: bool,
+    ) -> SessionRuntime:
         """Take ownership of a session (lease) and start driving it."""
         if not await self.kv.leases.acquire(state.session_id, self.daemon_id):
             raise ApomeshError(f"session {state.session_id} is driven by another daemon")
@@ -260,9 +266,15 @@ class Daemon:
     async def write_completed(self, state: SessionState) -> None:
         assert state.ended is not None
         record = CompletedRecord(
-            session_id=state.session_id, status=state.ended.status, goal=state.goal, output=state.output,
-            reason=state.ended.reason, last_index=state.last_index, started_at=state.started_ts,
-            ended_at=state.last_ts, side_effects=state.side_effects,
+            session_id=state.session_id,
+            status=state.ended.status,
+            goal=state.goal,
+            output=state.output,
+            reason=state.ended.reason,
+            last_index=state.last_index,
+            started_at=state.started_ts,
+            ended_at=state.last_ts,
+            side_effects=state.side_effects,
         )
         await self.store.put_completed(state.session_id, msgspec.msgpack.encode(record))
 
@@ -305,7 +317,13 @@ class Daemon:
         completed = {sid for sid, _ in await self.store.list_completed()}
         session_ids = [s for s in await self.log.list_sessions() if s not in completed]
         gate = asyncio.Semaphore(32)
-        counts: dict[str, float] = {"completed_skipped": len(completed), "terminal": 0, "auto_resume": 0, "recoverable": 0, "undecodable": 0}
+        counts: dict[str, float] = {
+            "completed_skipped": len(completed),
+            "terminal": 0,
+            "auto_resume": 0,
+            "recoverable": 0,
+            "undecodable": 0,
+        }
         scanned = await self._fold_in_one_pass(completed)
 
         async def one(session_id: str) -> None:
@@ -315,19 +333,35 @@ class Daemon:
                     if state is None:
                         state = fold(await self.log.read(session_id), session_id)
                 except (CodecError, FoldError) as exc:
-                    corrupt = await self._corrupt_bootstrap(session_id) if exc.index in (0, None) else None
+                    corrupt = (
+                        await self._corrupt_bootstrap(session_id)
+                        if exc.index in (0, None)
+                        else None
+                    )
                     if corrupt is not None:
-                        log.error("session %s is stranded by a corrupt pin: %s", session_id, corrupt)
+                        log.error(
+                            "session %s is stranded by a corrupt pin: %s", session_id, corrupt
+                        )
                         counts["recoverable"] += 1
                         self.recoverable[session_id] = Recoverable(
-                            session_id, "", f"{decisions.REASON_PIN_MISMATCH}: {corrupt.message}",
-                            "pin_mismatch", 0, 0.0, error=corrupt,
+                            session_id,
+                            "",
+                            f"{decisions.REASON_PIN_MISMATCH}: {corrupt.message}",
+                            "pin_mismatch",
+                            0,
+                            0.0,
+                            error=corrupt,
                         )
                         return
                     log.error("session %s cannot be decoded whole: %s", session_id, exc)
                     counts["undecodable"] += 1
                     self.recoverable[session_id] = Recoverable(
-                        session_id, "", f"{decisions.REASON_UNDECODABLE}: {exc}", "undecodable", 0, 0.0
+                        session_id,
+                        "",
+                        f"{decisions.REASON_UNDECODABLE}: {exc}",
+                        "undecodable",
+                        0,
+                        0.0,
                     )
                     return
             if state.terminal:
@@ -345,7 +379,13 @@ class Daemon:
                 return
             counts["recoverable"] += 1
             self.recoverable[session_id] = Recoverable(
-                session_id, state.goal, verdict.reason, verdict.category, state.side_effects, state.last_ts, state
+                session_id,
+                state.goal,
+                verdict.reason,
+                verdict.category,
+                state.side_effects,
+                state.last_ts,
+                state,
             )
 
         await asyncio.gather(*(one(s) for s in session_ids))
@@ -358,7 +398,10 @@ class Daemon:
         """Every session folded in one pass over the log stream (``apomesh.runtime.boot``), when
         the log is JetStream; the sessions the pass cannot vouch for are left out (read one by
         one)."""
-        stream, prefix = getattr(self.log, "stream", None), getattr(self.log, "subject_prefix", None)
+        stream, prefix = (
+            getattr(self.log, "stream", None),
+            getattr(self.log, "subject_prefix", None),
+        )
         if not isinstance(stream, str) or not isinstance(prefix, str):
             return {}
         from apomesh.runtime.boot import fold_stream
@@ -366,11 +409,16 @@ class Daemon:
         try:
             result = await fold_stream(self.nc, stream, prefix, skip=completed)
         except ApomeshError as exc:
-            log.warning("boot scan: one pass over the log failed (%s); reading sessions one by one", exc)
+            log.warning(
+                "boot scan: one pass over the log failed (%s); reading sessions one by one", exc
+            )
             return {}
         log.info(
             "boot scan: %d events folded in one pass (%d pages), %d sessions, %d to read one by one",
-            result.events, result.pages, len(result.states), len(result.suspect),
+            result.events,
+            result.pages,
+            len(result.states),
+            len(result.suspect),
         )
         return result.states
 
@@ -410,7 +458,9 @@ class Daemon:
 
     # --- operator actions ---------------------------------------------------------------------------
 
-    async def resume(self, session_id: str, *, by: str, migrate_pins: dict[str, str] | None = None) -> None:
+    async def resume(
+        self, session_id: str, *, by: str, migrate_pins: dict[str, str] | None = None
+    ) -> None:
         rec = self.recoverable.get(session_id)
         if rec is None:
             if session_id in self.sessions:
@@ -422,7 +472,9 @@ class Daemon:
             raise ApomeshError(f"session {session_id} cannot be resumed: {rec.reason}")
         state = rec.state
         if state.bootstrap is None:
-            raise ApomeshError(f"session {session_id} has no durable SessionStarted; it cannot be resumed")
+            raise ApomeshError(
+                f"session {session_id} has no durable SessionStarted; it cannot be resumed"
+            )
         # A pin that cannot be satisfied is a typed error naming it; a migration is checked whole
         # before anything is logged.
         moved_from = plan_migration(self.plugins, state, migrate_pins) if migrate_pins else {}
@@ -436,10 +488,18 @@ class Daemon:
             self.sessions[session_id] = runtime
             if migrate_pins:
                 await runtime.append(
-                    OperatorAction(action="migrate_pin", by=by, detail={"pins": dict(migrate_pins), "from": moved_from})
+                    OperatorAction(
+                        action="migrate_pin",
+                        by=by,
+                        detail={"pins": dict(migrate_pins), "from": moved_from},
+                    )
                 )
             await runtime.append(
-                OperatorAction(action="resume", by=by, detail={"unknown_outcomes": len(state.unknown_outcomes), "reason": rec.reason})
+                OperatorAction(
+                    action="resume",
+                    by=by,
+                    detail={"unknown_outcomes": len(state.unknown_outcomes), "reason": rec.reason},
+                )
             )
             runtime.start("operator")
         except BaseException:
@@ -483,7 +543,10 @@ class Daemon:
         sender = subject_worker(msg.subject)
         if sender is not None and sender != reg.worker_id:
             log.warning("refused a registration as %s sent by worker %s", reg.worker_id, sender)
-            await _reply(msg, RegisterReply(False, reason=f"worker {sender} cannot register as {reg.worker_id}"))
+            await _reply(
+                msg,
+                RegisterReply(False, reason=f"worker {sender} cannot register as {reg.worker_id}"),
+            )
             return
         allowed_tools = set(self.config.workers.allowed_tools)
         allowed_providers = set(self.config.workers.allowed_providers)
@@ -491,7 +554,12 @@ class Daemon:
         bad += [p for p in reg.providers if allowed_providers and p not in allowed_providers]
         if bad:
             log.warning("refused worker %s: not allowed: %s", reg.worker_id, ", ".join(bad))
-            await _reply(msg, RegisterReply(False, reason=f"not allowed by the daemon's config: {', '.join(bad)}"))
+            await _reply(
+                msg,
+                RegisterReply(
+                    False, reason=f"not allowed by the daemon's config: {', '.join(bad)}"
+                ),
+            )
             return
         known = self.workers.get(reg.worker_id)
         if known is not None and known.instance and reg.instance and known.instance != reg.instance:
@@ -500,12 +568,20 @@ class Daemon:
             known = None
         now = time.monotonic()
         self.workers[reg.worker_id] = WorkerInfo(
-            reg.worker_id, reg.name, reg.tools, reg.providers, now, time.time(),
-            load=known.load if known else 0, instance=reg.instance,
+            reg.worker_id,
+            reg.name,
+            reg.tools,
+            reg.providers,
+            now,
+            time.time(),
+            load=known.load if known else 0,
+            instance=reg.instance,
         )
         self.lost_workers.pop(reg.worker_id, None)
         log.info("worker %s (%s) registered", reg.worker_id, reg.name)
-        await _reply(msg, RegisterReply(True, incarnation=self.incarnation, heartbeat_interval=self.interval))
+        await _reply(
+            msg, RegisterReply(True, incarnation=self.incarnation, heartbeat_interval=self.interval)
+        )
         await self._wake_all()
 
     async def _on_beat(self, msg: Msg) -> None:
@@ -532,27 +608,37 @@ class Daemon:
             return
         self._reregister_sent[worker_id] = now
         with contextlib.suppress(Exception):
-            await self.nc.publish(dispatch_subject(worker_id), ENCODER.encode(Reregister(self.incarnation)))
+            await self.nc.publish(
+                dispatch_subject(worker_id), ENCODER.encode(Reregister(self.incarnation))
+            )
 
     async def pick_worker(self, config: AgentConfig, prefer: str | None = None) -> str:
         """A live registered worker that has the agent's model provider and tools (waits for one)."""
         while True:
             fresh = time.monotonic() - self.threshold
             candidates = [
-                w for w in self.workers.values()
+                w
+                for w in self.workers.values()
                 if w.last_seen >= fresh
-                and config.model.provider in w.providers and all(t in w.tools for t in config.tools)
+                and config.model.provider in w.providers
+                and all(t in w.tools for t in config.tools)
             ]
             # A worker that just refused or missed a dispatch is passed over while another can
             # take it (it is not declared lost for that: liveness alone decides).
             now = time.monotonic()
             answering = [
-                w for w in candidates
+                w
+                for w in candidates
                 if now - self._dispatch_refused.get(w.worker_id, -1e9) > self.threshold
             ]
             candidates = answering or candidates
             if candidates:
-                if config.affinity == "sticky" and prefer and prefer in self.workers and prefer in [w.worker_id for w in candidates]:
+                if (
+                    config.affinity == "sticky"
+                    and prefer
+                    and prefer in self.workers
+                    and prefer in [w.worker_id for w in candidates]
+                ):
                     self.workers[prefer].load += 1
                     return prefer
                 chosen = min(candidates, key=lambda w: (w.load, w.worker_id))
@@ -568,25 +654,44 @@ class Daemon:
 
     async def send_run(self, worker_id: str, run: Run) -> bool:
         try:
-            msg = await self.nc.request(dispatch_subject(worker_id), ENCODER.encode(run), timeout=5.0)
+            msg = await self.nc.request(
+                dispatch_subject(worker_id), ENCODER.encode(run), timeout=5.0
+            )
             ack = DISPATCH_ACK_DECODER.decode(msg.data)
         except Exception as exc:  # an RPC failure is never proof of death; liveness decides that
-            log.warning("dispatch of %s/%s to %s not acknowledged: %r", run.session_id, run.agent, worker_id, exc)
+            log.warning(
+                "dispatch of %s/%s to %s not acknowledged: %r",
+                run.session_id,
+                run.agent,
+                worker_id,
+                exc,
+            )
             self._dispatch_refused[worker_id] = time.monotonic()
             return False
         if not ack.ok:
-            log.warning("worker %s refused dispatch %s/%s: %s", worker_id, run.session_id, run.agent, ack.reason)
+            log.warning(
+                "worker %s refused dispatch %s/%s: %s",
+                worker_id,
+                run.session_id,
+                run.agent,
+                ack.reason,
+            )
             self._dispatch_refused[worker_id] = time.monotonic()
             return False
         self._dispatch_refused.pop(worker_id, None)
         return True
 
-    async def send_cancel(self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str) -> None:
-        await self.nc.publish(dispatch_subject(worker_id), ENCODER.encode(Cancel(session_id, agent, epoch, reason)))
+    async def send_cancel(
+        self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str
+    ) -> None:
+        await self.nc.publish(
+            dispatch_subject(worker_id), ENCODER.encode(Cancel(session_id, agent, epoch, reason))
+        )
 
     async def _liveness_forever(self) -> None:
         tick = min(self.interval / 4, 0.25)
         last_tick = time.monotonic()
+        deferred_since: float | None = None
         while True:
             await asyncio.sleep(tick)
             if self._closing:
@@ -603,7 +708,12 @@ class Daemon:
                 continue
             beats = getattr(self, "_beat_sub", None)
             if beats is not None and beats.pending_msgs > 0:
-                continue  # beats we received but have not read yet are not silence
+                # Beats we received but have not read yet are not silence: read them first, for
+                # up to one interval (a queue that never drains must not stop all judgement).
+                deferred_since = now if deferred_since is None else deferred_since
+                if now - deferred_since < self.interval:
+                    continue
+            deferred_since = None
             if not connected:
                 self._was_connected = False
                 continue
@@ -611,7 +721,9 @@ class Daemon:
                 # We were the ones cut off: nobody is judged on silence we could not hear.
                 self._was_connected = True
                 self._reconnected_at = now
-                log.info("reconnected to NATS: workers get %.1f s to be heard again", 2 * self.threshold)
+                log.info(
+                    "reconnected to NATS: workers get %.1f s to be heard again", 2 * self.threshold
+                )
                 for w in self.workers.values():
                     w.last_seen = now
                 continue
@@ -621,7 +733,9 @@ class Daemon:
                 continue
             for worker in list(self.workers.values()):
                 if now - worker.last_seen > self.threshold:
-                    await self.worker_lost(worker.worker_id, f"missed {self.config.liveness.missed_beats} heartbeats")
+                    await self.worker_lost(
+                        worker.worker_id, f"missed {self.config.liveness.missed_beats} heartbeats"
+                    )
 
     async def worker_lost(self, worker_id: str, reason: str) -> None:
         """Unregister the worker and re-dispatch everything it was running."""
@@ -638,8 +752,16 @@ class Daemon:
             for slot in list(runtime.slots.values()):
                 if slot.worker_id == worker_id and not slot.future.done():
                     with contextlib.suppress(Exception):
-                        await self.send_cancel(worker_id, runtime.session_id, slot.agent, slot.epoch, "worker declared lost")
-                    slot.future.set_exception(WorkerLost(worker_id, f"worker {worker_id} lost: {reason}"))
+                        await self.send_cancel(
+                            worker_id,
+                            runtime.session_id,
+                            slot.agent,
+                            slot.epoch,
+                            "worker declared lost",
+                        )
+                    slot.future.set_exception(
+                        WorkerLost(worker_id, f"worker {worker_id} lost: {reason}")
+                    )
 
     async def _wake_all(self) -> None:
         for runtime in list(self.sessions.values()):
@@ -655,10 +777,21 @@ class Daemon:
 
     async def _process_report(self, msg: Msg) -> None:
         limits = self.config.limits
-        ceiling = max(limits.max_snapshot_bytes, limits.max_event_bytes, limits.max_tool_args_bytes) + 4096
+        ceiling = (
+            max(limits.max_snapshot_bytes, limits.max_event_bytes, limits.max_tool_args_bytes)
+            + 4096
+        )
         if len(msg.data) > ceiling:
-            log.warning("refused a report of %d bytes on %s (limit %d)", len(msg.data), msg.subject, ceiling)
-            await _reply(msg, Reply("error", message=f"payload_too_large: a report of {len(msg.data)} bytes is over the limit of {ceiling}"))
+            log.warning(
+                "refused a report of %d bytes on %s (limit %d)", len(msg.data), msg.subject, ceiling
+            )
+            await _reply(
+                msg,
+                Reply(
+                    "error",
+                    message=f"payload_too_large: a report of {len(msg.data)} bytes is over the limit of {ceiling}",
+                ),
+            )
             return
         try:
             report = REPORT_DECODER.decode(msg.data)
@@ -668,8 +801,15 @@ class Daemon:
         sender = subject_worker(msg.subject)
         if sender is not None and sender != report.worker_id:
             self.fenced_total.inc()
-            log.warning("fenced %s naming worker %s sent by worker %s", type(report).__name__, report.worker_id, sender)
-            await _reply(msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}"))
+            log.warning(
+                "fenced %s naming worker %s sent by worker %s",
+                type(report).__name__,
+                report.worker_id,
+                sender,
+            )
+            await _reply(
+                msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
+            )
             return
         try:
             reply = await self._handle(report)
@@ -677,7 +817,9 @@ class Daemon:
             reply = Reply("ok", decision="hold", message=str(exc))
         except Fenced as exc:
             self.fenced_total.inc()
-            log.warning("fenced %s from %s: %s", type(report).__name__, report.worker_id, exc.message)
+            log.warning(
+                "fenced %s from %s: %s", type(report).__name__, report.worker_id, exc.message
+            )
             reply = Reply("fenced", message=exc.message)
         except ApomeshError as exc:
             reply = Reply("error", message=exc.message)
@@ -689,26 +831,50 @@ class Daemon:
     async def _handle(self, report: Report) -> Reply:
         runtime = self.sessions.get(report.session_id)
         slot = runtime.slots.get(report.agent) if runtime else None
-        if runtime is None or slot is None or slot.epoch != report.epoch or slot.worker_id != report.worker_id:
-            if isinstance(report, Done) and runtime is not None and runtime.state.agents.get(report.agent) is not None:
+        if (
+            runtime is None
+            or slot is None
+            or slot.epoch != report.epoch
+            or slot.worker_id != report.worker_id
+        ):
+            if (
+                isinstance(report, Done)
+                and runtime is not None
+                and runtime.state.agents.get(report.agent) is not None
+            ):
                 agent = runtime.state.agents[report.agent]
                 if agent.epoch == report.epoch and agent.terminal:
                     return Reply("ok")  # a retried Done whose first copy was taken
             self.fenced_total.inc()
             log.warning(
-                "fenced %s from %s for %s/%s epoch %s (current %s)", type(report).__name__, report.worker_id,
-                report.session_id, report.agent, report.epoch, slot.epoch if slot else None,
+                "fenced %s from %s for %s/%s epoch %s (current %s)",
+                type(report).__name__,
+                report.worker_id,
+                report.session_id,
+                report.agent,
+                report.epoch,
+                slot.epoch if slot else None,
             )
             return Reply("fenced", message=f"epoch {report.epoch} of {report.agent} is not current")
         worker = self.workers.get(report.worker_id)
         if worker is not None:
             worker.last_seen = max(worker.last_seen, time.monotonic() - self.interval)
         async with slot.lock:
-            if self.sessions.get(report.session_id) is not runtime or runtime.slots.get(report.agent) is not slot:
+            if (
+                self.sessions.get(report.session_id) is not runtime
+                or runtime.slots.get(report.agent) is not slot
+            ):
                 self.fenced_total.inc()
-                log.warning("fenced %s from %s for %s/%s: its dispatch ended while it waited",
-                            type(report).__name__, report.worker_id, report.session_id, report.agent)
-                return Reply("fenced", message=f"epoch {report.epoch} of {report.agent} is not current")
+                log.warning(
+                    "fenced %s from %s for %s/%s: its dispatch ended while it waited",
+                    type(report).__name__,
+                    report.worker_id,
+                    report.session_id,
+                    report.agent,
+                )
+                return Reply(
+                    "fenced", message=f"epoch {report.epoch} of {report.agent} is not current"
+                )
             return await self._dispatch_report(runtime, slot, report)
 
     async def _dispatch_report(self, runtime: SessionRuntime, slot: Any, report: Report) -> Reply:
@@ -736,7 +902,10 @@ class Daemon:
             return Reply("ok")  # a retry of a node already stored
         size = len(ENCODER.encode(report))
         if size > self.config.limits.max_snapshot_bytes:
-            return Reply("error", message=f"snapshot of {size} bytes is over the limit of {self.config.limits.max_snapshot_bytes}")
+            return Reply(
+                "error",
+                message=f"snapshot of {size} bytes is over the limit of {self.config.limits.max_snapshot_bytes}",
+            )
         agent_key = f"{runtime.session_id}/{report.agent}"
         recorded: list[ToolCallRecorded] = []
         for call in report.results:
@@ -744,8 +913,12 @@ class Daemon:
             if entry is None:
                 return Reply("error", message="a result with no intent")
             if entry.outcome not in ("ok", "error"):
-                recorded.append(ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result))
-        snapshot = self.snapshots.write(agent_key, agent.config, report, after_id=agent.snapshot_id or 0)
+                recorded.append(
+                    ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
+                )
+        snapshot = self.snapshots.write(
+            agent_key, agent.config, report, after_id=agent.snapshot_id or 0
+        )
         if recorded:
             # The node's results and its snapshot bytes do not depend on each other: log the one
             # while LMDB takes the other. The pointer waits for the bytes.
@@ -756,7 +929,15 @@ class Daemon:
         if not slot.running_logged:
             slot.running_logged = True
             events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
-        events.append(AgentSnapshotted(report.agent, snapshot_id=snapshot_id, source=report.source, step=report.step, size=written))
+        events.append(
+            AgentSnapshotted(
+                report.agent,
+                snapshot_id=snapshot_id,
+                source=report.source,
+                step=report.step,
+                size=written,
+            )
+        )
 
         async def copy_results() -> None:
             # LMDB's journal copy of a result follows the log's (so it goes with the pointer) and
@@ -771,7 +952,9 @@ class Daemon:
         self.snapshot_bytes.inc(written)
         return Reply("ok")
 
-    async def _on_journal_begin(self, runtime: SessionRuntime, slot: Any, report: JournalBegin) -> Reply:
+    async def _on_journal_begin(
+        self, runtime: SessionRuntime, slot: Any, report: JournalBegin
+    ) -> Reply:
         entry = runtime.state.journal.get((report.agent, report.key))
         agent_key = f"{runtime.session_id}/{report.agent}"
         if entry is not None and entry.outcome in ("ok", "error"):
@@ -782,24 +965,61 @@ class Daemon:
         if entry is not None:
             # An intent with no result from an earlier dispatch: the outcome is unknown.
             if report.on_unknown == "rerun" and report.idempotent:
-                await runtime.append(ToolCallIntent(report.agent, report.key, report.tool, report.args, idempotent=True))
+                await runtime.append(
+                    ToolCallIntent(
+                        report.agent, report.key, report.tool, report.args, idempotent=True
+                    )
+                )
                 slot.intents.add(report.key)
                 return Reply("ok", decision="run")
-            if entry.outcome == "unknown" and report.on_unknown == "hold" and runtime.state.operator_actions:
-                return Reply("ok", decision="failed", message="the operator resumed past this unknown outcome")
+            if (
+                entry.outcome == "unknown"
+                and report.on_unknown == "hold"
+                and runtime.state.operator_actions
+            ):
+                return Reply(
+                    "ok",
+                    decision="failed",
+                    message="the operator resumed past this unknown outcome",
+                )
             if report.on_unknown == "hold" and not runtime.state.operator_actions:
                 if entry.outcome is None:
-                    await runtime.append(ToolCallRecorded(report.agent, report.key, report.tool, "unknown", "outcome unknown: held for an operator"))
+                    await runtime.append(
+                        ToolCallRecorded(
+                            report.agent,
+                            report.key,
+                            report.tool,
+                            "unknown",
+                            "outcome unknown: held for an operator",
+                        )
+                    )
                 return Reply("ok", decision="hold", message=f"outcome of {report.tool} unknown")
             if entry.outcome is None:
                 await runtime.append(
-                    ToolCallRecorded(report.agent, report.key, report.tool, "unknown", "outcome unknown after a crash; not re-run")
+                    ToolCallRecorded(
+                        report.agent,
+                        report.key,
+                        report.tool,
+                        "unknown",
+                        "outcome unknown after a crash; not re-run",
+                    )
                 )
-            return Reply("ok", decision="failed", message="a crash interrupted this call and it is not idempotent, so it was not run again")
+            return Reply(
+                "ok",
+                decision="failed",
+                message="a crash interrupted this call and it is not idempotent, so it was not run again",
+            )
         size = len(msgspec.json.encode(report.args))
         if size > self.config.limits.max_tool_args_bytes:
-            return Reply("error", message=f"tool arguments of {size} bytes are over the limit of {self.config.limits.max_tool_args_bytes}")
-        await runtime.append(ToolCallIntent(report.agent, report.key, report.tool, report.args, idempotent=report.idempotent))
+            return Reply(
+                "error",
+                message=f"tool arguments of {size} bytes are over the limit of {self.config.limits.max_tool_args_bytes}",
+            )
+        await runtime.append(
+            ToolCallIntent(
+                report.agent, report.key, report.tool, report.args, idempotent=report.idempotent
+            )
+        )
         slot.intents.add(report.key)
         self._copy_to_journal(agent_key, report.key, {"tool": report.tool, "args": report.args})
         return Reply("ok", decision="run")
@@ -808,7 +1028,9 @@ class Daemon:
         """Write LMDB's copy of a journal entry the log already holds. The effect does not wait
         for it (the log is what makes the intent durable; nothing decides from the copy), the
         agent's next node report does, so the copy is on disk by the node boundary."""
-        task = self._spawn(self.store.put_journal(agent_key, call_key, msgspec.msgpack.encode(record)))
+        task = self._spawn(
+            self.store.put_journal(agent_key, call_key, msgspec.msgpack.encode(record))
+        )
         pending = self._journal_copies.setdefault(agent_key, set())
         pending.add(task)
 
@@ -817,7 +1039,12 @@ class Daemon:
             if not pending and self._journal_copies.get(agent_key) is pending:
                 del self._journal_copies[agent_key]
             if not done.cancelled() and done.exception() is not None:
-                log.error("journal copy of %s %s not written: %s", agent_key, call_key[:12], done.exception())
+                log.error(
+                    "journal copy of %s %s not written: %s",
+                    agent_key,
+                    call_key[:12],
+                    done.exception(),
+                )
 
         task.add_done_callback(written)
 
@@ -832,11 +1059,16 @@ class Daemon:
             return Reply("error", message="a result with no intent")
         if entry.outcome in ("ok", "error"):
             return Reply("ok")
-        await runtime.append(ToolCallRecorded(report.agent, report.key, report.tool, report.outcome, report.result))
+        await runtime.append(
+            ToolCallRecorded(report.agent, report.key, report.tool, report.outcome, report.result)
+        )
         await self._journal_copies_written(f"{runtime.session_id}/{report.agent}")
         await self.store.put_journal(
-            f"{runtime.session_id}/{report.agent}", report.key,
-            msgspec.msgpack.encode({"tool": report.tool, "outcome": report.outcome, "result": report.result}),
+            f"{runtime.session_id}/{report.agent}",
+            report.key,
+            msgspec.msgpack.encode(
+                {"tool": report.tool, "outcome": report.outcome, "result": report.result}
+            ),
         )
         return Reply("ok")
 
@@ -852,11 +1084,17 @@ class Daemon:
         state = runtime.state
         done = state.jobs_done.get(report.job_id)
         if done is not None:
-            return Reply("ok", decision="done", result=done.result if done.ok else f"error: {done.result}")
+            return Reply(
+                "ok", decision="done", result=done.result if done.ok else f"error: {done.result}"
+            )
         if report.job_id not in state.jobs_in_flight:
             if report.tool not in self.plugins.tools():
-                return Reply("error", message=f"no tool {report.tool!r} to run as a job on the daemon")
-            await runtime.append(AsyncJobStarted(report.agent, report.job_id, report.tool, report.args))
+                return Reply(
+                    "error", message=f"no tool {report.tool!r} to run as a job on the daemon"
+                )
+            await runtime.append(
+                AsyncJobStarted(report.agent, report.job_id, report.tool, report.args)
+            )
             self.start_job(runtime, state.jobs_in_flight[report.job_id])
         return Reply("ok", decision="waiting")
 
@@ -867,8 +1105,17 @@ class Daemon:
         async def run_job() -> None:
             tool = self.plugins.tools()[job.tool]
             ctx = LoopContext(
-                Run(runtime.session_id, job.agent, 0, runtime.state.agents[job.agent].config, "job", ""),  # type: ignore[arg-type]
-                worker_id="daemon", workspace_root=self.workspace, send=_no_send,
+                Run(
+                    runtime.session_id,
+                    job.agent,
+                    0,
+                    runtime.state.agents[job.agent].config,
+                    "job",
+                    "",
+                ),  # type: ignore[arg-type]
+                worker_id="daemon",
+                workspace_root=self.workspace,
+                send=_no_send,
             )
             try:
                 result, ok = await tool.run(ctx, job.args), True

@@ -59,7 +59,18 @@ DEMO_AGENT: dict[str, Any] = {
             "model": {
                 "provider": "scripted",
                 "turns": [
-                    {"delay": 0.4, "tool_calls": [{"tool": "fs.append", "args": {"path": "chapter-{index}.txt", "line": f"{{task}}: line {n}"}}]}
+                    {
+                        "delay": 0.4,
+                        "tool_calls": [
+                            {
+                                "tool": "fs.append",
+                                "args": {
+                                    "path": "chapter-{index}.txt",
+                                    "line": f"{{task}}: line {n}",
+                                },
+                            }
+                        ],
+                    }
                     for n in range(1, STEPS + 1)
                 ]
                 + [{"final": "wrote {task}"}],
@@ -94,7 +105,9 @@ def describe(env: Envelope) -> str | None:
             return None
         return f"AgentLifecycle {ev.agent} [cyan]{ev.phase}[/]{extra}"
     if isinstance(ev, AgentResuming):
-        return f"[bold yellow]AgentResuming[/] {ev.agent} from snapshot {ev.snapshot_id} ({ev.reason})"
+        return (
+            f"[bold yellow]AgentResuming[/] {ev.agent} from snapshot {ev.snapshot_id} ({ev.reason})"
+        )
     if isinstance(ev, AgentResumed):
         return f"[bold green]AgentResumed[/] {ev.agent} (epoch {ev.epoch})"
     if isinstance(ev, ToolCallIntent):
@@ -129,8 +142,20 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
         for i in range(2):
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "apomesh", "worker", "--nats", node.urls[0], "--name", f"demo-{i}", "--workspace", str(workspace)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    [
+                        sys.executable,
+                        "-m",
+                        "apomesh",
+                        "worker",
+                        "--nats",
+                        node.urls[0],
+                        "--name",
+                        f"demo-{i}",
+                        "--workspace",
+                        str(workspace),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                 )
             )
         try:
@@ -141,7 +166,9 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
                     return 1
                 await asyncio.sleep(0.1)
             console.print(f"workers: {', '.join(sorted(w.name for w in daemon.workers.values()))}")
-            session_id = await node.service.create_session("write three chapters", agent=None, definition=DEMO_AGENT, by="demo")
+            session_id = await node.service.create_session(
+                "write three chapters", agent=None, definition=DEMO_AGENT, by="demo"
+            )
             console.print(f"session {session_id}")
             killed: dict[str, str] = {}
 
@@ -149,12 +176,26 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
                 runtime = daemon.sessions.get(session_id)
                 while runtime is not None and not runtime.state.terminal:
                     for agent in runtime.state.agents.values():
-                        if agent.parent and agent.phase == "running" and agent.step >= 2 and agent.worker:
+                        if (
+                            agent.parent
+                            and agent.phase == "running"
+                            and agent.step >= 2
+                            and agent.worker
+                        ):
                             worker = daemon.workers.get(agent.worker)
-                            proc = next((p for i, p in enumerate(procs) if worker and worker.name == f"demo-{i}"), None)
+                            proc = next(
+                                (
+                                    p
+                                    for i, p in enumerate(procs)
+                                    if worker and worker.name == f"demo-{i}"
+                                ),
+                                None,
+                            )
                             if proc is not None:
                                 killed["agent"], killed["worker"] = agent.ref, agent.worker
-                                console.print(f"[bold red]SIGKILL[/] worker {agent.worker} (pid {proc.pid}) while it runs {agent.ref}")
+                                console.print(
+                                    f"[bold red]SIGKILL[/] worker {agent.worker} (pid {proc.pid}) while it runs {agent.ref}"
+                                )
                                 os.kill(proc.pid, signal.SIGKILL)
                                 return
                     await asyncio.sleep(0.05)

@@ -43,7 +43,10 @@ HttpStarter = Callable[[Service, Config], Awaitable[Any]]
 def nats_options(config: Config) -> dict[str, Any]:
     """Connection options from the ``[nats]`` section (credentials never come from argv)."""
     n = config.nats
-    options: dict[str, Any] = {"connect_timeout": n.connect_timeout, "reconnect_wait": n.reconnect_wait}
+    options: dict[str, Any] = {
+        "connect_timeout": n.connect_timeout,
+        "reconnect_wait": n.reconnect_wait,
+    }
     if n.creds_file:
         options["credentials"] = n.creds_file
     if n.nkey_seed_file:
@@ -53,7 +56,9 @@ def nats_options(config: Config) -> dict[str, Any]:
     if n.token:
         options["token"] = n.token
     if n.tls_ca or n.tls_cert:
-        options["tls"] = tls_context(ca_file=n.tls_ca or None, cert_file=n.tls_cert or None, key_file=n.tls_key or None)
+        options["tls"] = tls_context(
+            ca_file=n.tls_ca or None, cert_file=n.tls_cert or None, key_file=n.tls_key or None
+        )
     return options
 
 
@@ -68,11 +73,17 @@ def make_plugin_host(config: Config) -> PluginHost:
     return PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
 
 
-async def start_local_worker(urls: list[str], config: Config, plugins: PluginHost, *, name: str, workspace: Path) -> tuple[Any, Worker]:
+async def start_local_worker(
+    urls: list[str], config: Config, plugins: PluginHost, *, name: str, workspace: Path
+) -> tuple[Any, Worker]:
     nc = await connect(urls, name=f"apomesh-worker-{name}", **nats_options(config))
     worker = Worker(
-        nc, tools=plugins.tools(), providers=plugins.model_providers(),
-        supervisors=list(plugins.supervisor_policies().values()), workspace=workspace, name=name,
+        nc,
+        tools=plugins.tools(),
+        providers=plugins.model_providers(),
+        supervisors=list(plugins.supervisor_policies().values()),
+        workspace=workspace,
+        name=name,
         heartbeat_interval=config.liveness.heartbeat_interval,
     )
     await worker.start()
@@ -112,28 +123,46 @@ class Node:
             self.server = embedded_server(config)
             await asyncio.to_thread(self.server.start)
             self.urls = [self.server.url]
-            log.info("embedded nats-server at %s (store %s)", self.server.url, config.nats_store_path())
-        self.nc = await connect(self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config))
+            log.info(
+                "embedded nats-server at %s (store %s)", self.server.url, config.nats_store_path()
+            )
+        self.nc = await connect(
+            self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config)
+        )
         js = self.nc.jetstream()
         replicas = config.nats.replicas
         log_adapter = JetStreamLog(
-            self.nc, replicas=replicas, sync_always=config.nats.sync_interval == "always",
+            self.nc,
+            replicas=replicas,
+            sync_always=config.nats.sync_interval == "always",
             max_event_bytes=config.limits.max_event_bytes,
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
         kv = await KvBuckets.open(js, replicas)
-        self.store = AsyncStore(LmdbStore(data / "lmdb", map_size=config.store.map_size, sync=config.store.sync))
+        self.store = AsyncStore(
+            LmdbStore(data / "lmdb", map_size=config.store.map_size, sync=config.store.sync)
+        )
         plugins = make_plugin_host(config)
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
         self.daemon = Daemon(
-            config, nc=self.nc, log_adapter=log_adapter, heartbeats=heartbeats, kv=kv,
-            store=self.store, plugins=plugins, workspace=workspace,
+            config,
+            nc=self.nc,
+            log_adapter=log_adapter,
+            heartbeats=heartbeats,
+            kv=kv,
+            store=self.store,
+            plugins=plugins,
+            workspace=workspace,
         )
-        self.service = Service(self.daemon, Catalog(kv, plugins, resolvers=configured_skill_resolvers(config)))
+        self.service = Service(
+            self.daemon, Catalog(kv, plugins, resolvers=configured_skill_resolvers(config))
+        )
         for i in range(config.daemon.workers):
             self.workers.append(
-                await start_local_worker(self.urls, config, plugins, name=f"local-{os.getpid()}-{i}", workspace=workspace)
+                await start_local_worker(
+                    self.urls, config, plugins, name=f"local-{os.getpid()}-{i}", workspace=workspace
+                )
             )
         await self.daemon.start()
         if self.http:

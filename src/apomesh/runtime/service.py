@@ -65,17 +65,27 @@ class Service:
     # --- sessions ------------------------------------------------------------------------------------
 
     async def create_session(
-        self, goal: str, *, agent: tuple[str, str | None] | None, definition: dict[str, Any] | None, by: str
+        self,
+        goal: str,
+        *,
+        agent: tuple[str, str | None] | None,
+        definition: dict[str, Any] | None,
+        by: str,
     ) -> str:
         _check_size("the goal", goal, self.limits.max_goal_bytes)
         if agent is not None:
             bundle = await self.catalog.get_agent_bundle(agent[0], agent[1])
-            parsed = parse_definition(bundle.definition, where=f"published agent {bundle.name}@{bundle.version}")
+            parsed = parse_definition(
+                bundle.definition, where=f"published agent {bundle.name}@{bundle.version}"
+            )
             skills = self.catalog.bundle_skills(bundle, parsed)
             # The bundle was sealed with these plugins: running it on other code is refused.
             check_pins(self.daemon.plugins, bundle.plugins)
             shape = compose_shape(
-                parsed, host=self.daemon.plugins, skills=skills, source="published",
+                parsed,
+                host=self.daemon.plugins,
+                skills=skills,
+                source="published",
                 agent=f"{bundle.name}@{bundle.version}",
             )
         else:
@@ -86,7 +96,12 @@ class Service:
             _check_size("the agent definition", definition, self.limits.max_definition_bytes)
             parsed = parse_definition(definition)
             skills = await self.catalog.resolve_skills(skill_names(parsed))
-            shape = compose_shape(parsed, host=self.daemon.plugins, skills=skills, source="catalog" if parsed.skills else "inline")
+            shape = compose_shape(
+                parsed,
+                host=self.daemon.plugins,
+                skills=skills,
+                source="catalog" if parsed.skills else "inline",
+            )
         session_id = uuid.uuid4().hex
         state = new_state(session_id)
         if not await self.daemon.kv_lease(session_id):
@@ -107,22 +122,33 @@ class Service:
         runtime.start()
         return session_id
 
-    async def list_sessions(self, *, status: str | None, query: str | None, limit: int) -> list[SessionSummary]:
+    async def list_sessions(
+        self, *, status: str | None, query: str | None, limit: int
+    ) -> list[SessionSummary]:
         rows: dict[str, SessionSummary] = {}
         for record in await self.daemon.completed_records():
             rows[record.session_id] = SessionSummary(
-                session_id=record.session_id, status=record.status, goal=record.goal,
-                last_index=record.last_index, updated_at=record.ended_at, side_effects=record.side_effects,
+                session_id=record.session_id,
+                status=record.status,
+                goal=record.goal,
+                last_index=record.last_index,
+                updated_at=record.ended_at,
+                side_effects=record.side_effects,
             )
         for sid, rec in self.daemon.recoverable.items():
             rows[sid] = SessionSummary(
-                session_id=sid, status="recoverable", goal=rec.goal, last_index=rec.state.last_index if rec.state else -1,
-                updated_at=rec.last_event_at, side_effects=rec.side_effects,
+                session_id=sid,
+                status="recoverable",
+                goal=rec.goal,
+                last_index=rec.state.last_index if rec.state else -1,
+                updated_at=rec.last_event_at,
+                side_effects=rec.side_effects,
             )
         for sid, runtime in self.daemon.sessions.items():
             rows[sid] = session_summary(runtime.state)
         out = [
-            r for r in rows.values()
+            r
+            for r in rows.values()
             if (status is None or r.status == status)
             and (not query or query.lower() in r.goal.lower() or query.lower() in r.session_id)
         ]
@@ -133,7 +159,9 @@ class Service:
         rec = self.daemon.recoverable.get(session_id)
         if rec is not None:
             if rec.state is None:
-                return SessionView(session_id=session_id, status="recoverable", goal="", reason=rec.reason)
+                return SessionView(
+                    session_id=session_id, status="recoverable", goal="", reason=rec.reason
+                )
             return session_view(rec.state, status="recoverable", reason=rec.reason)
         runtime = self.daemon.sessions.get(session_id)
         if runtime is not None:
@@ -165,7 +193,9 @@ class Service:
         rec = self.daemon.recoverable.get(session_id)
         if rec is None:
             view = await self.get_session(session_id)  # NotFound for an unknown session
-            raise ApomeshError(f"session {session_id} is {view.status}, not on the recoverable list")
+            raise ApomeshError(
+                f"session {session_id} is {view.status}, not on the recoverable list"
+            )
         return self._recoverable_view(rec)
 
     def _recoverable_view(self, rec: Any) -> RecoverableView:
@@ -180,8 +210,14 @@ class Service:
                     if now != pin.version:
                         diff.append(PinDiff(name=pin.name, old=pin.version, new=now))
         return RecoverableView(
-            session_id=rec.session_id, goal=rec.goal, reason=rec.reason, category=rec.category,
-            side_effects=rec.side_effects, last_event_at=rec.last_event_at, unknown_outcomes=outcomes, pin_diff=diff,
+            session_id=rec.session_id,
+            goal=rec.goal,
+            reason=rec.reason,
+            category=rec.category,
+            side_effects=rec.side_effects,
+            last_event_at=rec.last_event_at,
+            unknown_outcomes=outcomes,
+            pin_diff=diff,
         )
 
     async def cancel(self, session_id: str, *, by: str) -> None:
@@ -194,15 +230,25 @@ class Service:
         now = time.monotonic()
         alive = [
             WorkerView(
-                id=w.worker_id, name=w.name, last_heartbeat=w.last_beat_wall, agents=list(w.agents),
-                tools=list(w.tools), providers=list(w.providers), alive=now - w.last_seen <= self.daemon.threshold,
+                id=w.worker_id,
+                name=w.name,
+                last_heartbeat=w.last_beat_wall,
+                agents=list(w.agents),
+                tools=list(w.tools),
+                providers=list(w.providers),
+                alive=now - w.last_seen <= self.daemon.threshold,
             )
             for w in self.daemon.workers.values()
         ]
         lost = [
             WorkerView(
-                id=w.worker_id, name=w.name, last_heartbeat=w.last_beat_wall, agents=[],
-                tools=list(w.tools), providers=list(w.providers), alive=False,
+                id=w.worker_id,
+                name=w.name,
+                last_heartbeat=w.last_beat_wall,
+                agents=[],
+                tools=list(w.tools),
+                providers=list(w.providers),
+                alive=False,
             )
             for w in reversed(self.daemon.lost_workers.values())
             if w.worker_id not in self.daemon.workers

@@ -271,7 +271,9 @@ class SessionRuntime:
                     resuming = True
                     resume_reason = None
                 await self.append(
-                    AgentLifecycle(ref, "dispatched", worker=worker_id, epoch=epoch, purpose=purpose)
+                    AgentLifecycle(
+                        ref, "dispatched", worker=worker_id, epoch=epoch, purpose=purpose
+                    )
                 )
                 loop = asyncio.get_running_loop()
                 slot = DispatchSlot(ref, epoch, worker_id, loop.create_future())
@@ -365,7 +367,9 @@ class SessionRuntime:
             if root is not None and root not in self.state.agents:
                 # A crash between SessionStarted and the root's birth (one step, two appends).
                 await self.append(
-                    AgentLifecycle(root, "born", config=shape.root, task=self.state.goal, task_index=0)
+                    AgentLifecycle(
+                        root, "born", config=shape.root, task=self.state.goal, task_index=0
+                    )
                 )
             for job in list(self.state.jobs_in_flight.values()):
                 self.daemon.start_job(self, job)
