@@ -1104,15 +1104,10 @@ class Daemon:
 
         async def run_job() -> None:
             tool = self.plugins.tools()[job.tool]
+            config = runtime.state.agents[job.agent].config
+            assert config is not None  # every agent is born with its config
             ctx = LoopContext(
-                Run(
-                    runtime.session_id,
-                    job.agent,
-                    0,
-                    runtime.state.agents[job.agent].config,
-                    "job",
-                    "",
-                ),  # type: ignore[arg-type]
+                Run(runtime.session_id, job.agent, 0, config, "job", ""),
                 worker_id="daemon",
                 workspace_root=self.workspace,
                 send=_no_send,
