@@ -264,7 +264,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
             err.print(f"--migrate-pin wants NAME=VERSION, not {pin!r}")
             return 2
         migrate[name.strip()] = version.strip()
-    preview = client.recovery_preview(args.id)
+    preview = client.recovery_preview(args.id, migrate_pins=migrate or None)
     if preview.unknown_outcomes:
         console.print(
             "[yellow]side effects whose outcome is unknown (they will not be run again):[/]"
@@ -275,8 +275,32 @@ def cmd_recover(args: argparse.Namespace) -> int:
         console.print("[yellow]pins that differ from what is installed:[/]")
         for d in preview.pin_diff:
             console.print(f"  {d.name}: {d.old} -> {d.new or 'not installed'}")
+    agent = preview.agent_diff
+    if agent is not None:
+        console.print(f"[yellow]moving the agent {agent.old} -> {agent.new}:[/]")
+        console.print(f"  definition digest {agent.old_digest[:12]} -> {agent.new_digest[:12]}")
+        for skill in agent.skills:
+            old_digest, new_digest = (skill.old or "none")[:12], (skill.new or "none")[:12]
+            console.print(f"  skill {skill.name}: {old_digest} -> {new_digest}")
+        if agent.coordination[0] != agent.coordination[1]:
+            console.print(f"  coordination {agent.coordination[0]} -> {agent.coordination[1]}")
+        if agent.coordination_params[0] != agent.coordination_params[1]:
+            params = [json.dumps(p, sort_keys=True) for p in agent.coordination_params]
+            console.print(f"  coordination params {params[0]} -> {params[1]}")
+        for change in agent.plugins:
+            console.print(
+                f"  plugin {change.name}: {change.old or 'none'} -> {change.new or 'none'}"
+            )
+        if agent.roles:
+            console.print(f"  configs that change: {', '.join(agent.roles)}")
+        if agent.problem:
+            console.print(f"[red]refused: {agent.problem}[/]")
+            return 1
     for name, version in migrate.items():
-        old = next((d.old for d in preview.pin_diff if d.name == name), "?")
+        if name == "agent" and agent is not None:
+            old = agent.old.partition("@")[2]
+        else:
+            old = next((d.old for d in preview.pin_diff if d.name == name), "?")
         console.print(f"migrating pin {name}: {old} -> {version}")
     if (
         not args.yes
@@ -503,10 +527,24 @@ def build_parser() -> argparse.ArgumentParser:
     _remote(p)
     p.set_defaults(func=cmd_sessions)
 
-    p = sub.add_parser("recover", help="list recoverable sessions or resume one")
+    p = sub.add_parser(
+        "recover",
+        help="list recoverable sessions or resume one",
+        description="List sessions waiting for an operator, or resume one after seeing what "
+        "resuming would face. --migrate-pin moves a stranded session first: PLUGIN=VERSION to "
+        "the installed version of a plugin it pins, agent=VERSION to another published version "
+        "of the agent it was started from (the coordination kind must stay the same). Both are "
+        "logged as OperatorAction(migrate_pin).",
+    )
     p.add_argument("action", choices=["list", "resume"])
     p.add_argument("id", nargs="?")
-    p.add_argument("--migrate-pin", action="append", metavar="NAME=VERSION")
+    p.add_argument(
+        "--migrate-pin",
+        action="append",
+        metavar="NAME=VERSION",
+        help="move a pin before resuming (repeatable): a plugin's distribution name, or `agent` "
+        "for another published version of the session's agent; the difference is shown first",
+    )
     p.add_argument("--yes", action="store_true", help="resume without asking")
     _remote(p)
     p.set_defaults(func=cmd_recover)

@@ -330,7 +330,9 @@ class FakeService:
             SessionRecovered(path="operator"),
         )
 
-    async def recovery_preview(self, session_id: str) -> RecoverableView:
+    async def recovery_preview(
+        self, session_id: str, migrate_pins: dict[str, str] | None = None
+    ) -> RecoverableView:
         self._check_broken()
         state = await self._state(session_id)
         stranded = self.recoverable.get(session_id)

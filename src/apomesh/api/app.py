@@ -289,7 +289,9 @@ class _Api:
         session_id = request.path_params["session_id"]
         body = await self.decode_body(request, ResumeBody, optional=True)
         if not body.confirm:
-            preview = await self.service.recovery_preview(session_id)
+            preview = await self.service.recovery_preview(
+                session_id, migrate_pins=dict(body.migrate_pins)
+            )
             return JSONResponse(ConfirmRequired(preview=preview), status_code=409)
         await self.service.resume(session_id, migrate_pins=dict(body.migrate_pins), by=who.name)
         return JSONResponse(ActionAccepted(session_id=session_id, action="resume"), status_code=202)
@@ -306,7 +308,14 @@ class _Api:
         return JSONResponse(RecoverableList(sessions=await self.service.list_recoverable()))
 
     async def recovery_preview(self, request: Request, who: Identity) -> Response:
-        return JSONResponse(await self.service.recovery_preview(request.path_params["session_id"]))
+        migrate: dict[str, str] = {}
+        for pin in request.query_params.getlist("migrate_pin"):
+            name, sep, version = pin.partition("=")
+            if not sep or not name.strip() or not version.strip():
+                raise BadRequest("invalid_query", f"migrate_pin wants NAME=VERSION, not {pin!r}")
+            migrate[name.strip()] = version.strip()
+        session_id = request.path_params["session_id"]
+        return JSONResponse(await self.service.recovery_preview(session_id, migrate_pins=migrate))
 
     async def list_workers(self, request: Request, who: Identity) -> Response:
         return JSONResponse(WorkerList(workers=await self.service.list_workers()))

@@ -288,7 +288,15 @@ ROUTES: tuple[RouteSpec, ...] = (
         "What resuming a session would face: unknown outcomes and pin differences",
         "read",
         {200: RecoverableView},
-        errors=(404, 409),
+        query=(
+            QueryParam(
+                "migrate_pin",
+                "string",
+                "NAME=VERSION, repeatable; `agent=VERSION` adds agent_diff: what moving the "
+                "session to that published version of its agent changes",
+            ),
+        ),
+        errors=(400, 404, 409),
         tags=("recovery",),
     ),
     RouteSpec(

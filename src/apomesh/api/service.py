@@ -94,13 +94,20 @@ class DaemonService(Protocol):
         """Deliberately resume a session from the recoverable list (logs ``OperatorAction``).
 
         ``migrate_pins`` maps plugin names to the installed versions the operator accepts in place
-        of the pinned ones. ``NotFound`` for an unknown session, ``ApomeshError`` when it is not
-        recoverable, ``PinError`` when its pins still cannot be satisfied."""
+        of the pinned ones; its key ``agent`` moves a session started from a published agent to
+        another published version of it. ``NotFound`` for an unknown session or agent version,
+        ``ApomeshError`` when it is not recoverable (``MigrationRefused`` when a migration was
+        asked, or the move changes the coordination kind), ``PinError`` when its pins still
+        cannot be satisfied."""
         ...
 
-    async def recovery_preview(self, session_id: str) -> RecoverableView:
-        """What resuming would face: unknown outcomes and pin differences. ``NotFound`` for an
-        unknown session, ``ApomeshError`` when it is not on the recoverable list."""
+    async def recovery_preview(
+        self, session_id: str, migrate_pins: dict[str, str] | None = None
+    ) -> RecoverableView:
+        """What resuming would face: unknown outcomes and pin differences, and with an ``agent``
+        entry in ``migrate_pins`` what moving to that agent version changes (``agent_diff``).
+        ``NotFound`` for an unknown session or agent version, ``ApomeshError`` when it is not
+        on the recoverable list."""
         ...
 
     async def cancel(self, session_id: str, *, by: str) -> None:

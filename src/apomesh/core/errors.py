@@ -13,6 +13,7 @@ ApomeshError                       base; ``retryable`` says whether trying again
 │   ├── CorruptPin                 the pin itself cannot be decoded
 │   ├── PluginPinMismatch          a pinned plugin is missing or at another version
 │   └── MissingSkill               a skill named by a bundle is not in it
+├── MigrationRefused               an operator's migration of a session cannot be done as asked
 ├── LogError                       the event log adapter failed
 │   ├── LogUnavailable             NATS cannot be reached (retryable)
 │   └── AppendConflict             another writer appended to the session
@@ -112,6 +113,13 @@ class PluginPinMismatch(PinError):
 
 class MissingSkill(PinError):
     code = "missing_skill"
+
+
+class MigrationRefused(ApomeshError):
+    """A session cannot be moved to another agent version as asked (not stranded, not started
+    from a published agent, or the new version changes its coordination kind)."""
+
+    code = "migration_refused"
 
 
 class LogError(ApomeshError):

@@ -68,7 +68,9 @@ class SessionStarted(_Event, frozen=True):
 
 
 class AgentLifecycle(_Event, frozen=True):
-    """An agent's phase changed. Its birth (``born``) carries its full config and its parent."""
+    """An agent's phase changed. Its birth (``born``) carries its full config and its parent; a
+    later phase that carries ``config`` moves the agent to that config from then on (an operator
+    migrated the session to another agent version), its birth config staying on the log."""
 
     agent: AgentRef
     phase: Phase

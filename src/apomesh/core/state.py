@@ -6,8 +6,9 @@ every envelope must be exactly the next one (``IndexGap``/``DuplicateIndex`` oth
 that contradict the log so far raise ``InvalidLog``, so a log is never folded from a partial or
 inconsistent picture. Everything here is derived: spawn-tree edges from lifecycle parents,
 terminal-ness from the terminal event, in-flight jobs and pauses from unmatched start/finish pairs,
-and the effective plugin pins from ``SessionStarted`` with every ``migrate_pin`` operator action
-applied over them.
+and the effective shape and plugin pins: ``SessionStarted``'s, with every ``migrate_pin`` operator
+action applied over them (an agent-version migration embeds the new pinned shape, which replaces
+the started one from then on; the ``BootstrapView`` always stays the record of the start).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from apomesh.core.definition import AgentConfig
 from apomesh.core.envelope import Envelope
@@ -74,10 +77,17 @@ class AgentView:
     born_index: int = 0
     batch: str | None = None
     purpose: str | None = None
+    migrated_config: AgentConfig | None = None
+    """The config a later lifecycle event moved the agent to (an agent-version migration)."""
 
     @property
     def terminal(self) -> bool:
         return self.phase in TERMINAL_PHASES
+
+    @property
+    def current_config(self) -> AgentConfig | None:
+        """The config the agent runs with now: its migrated config, else its birth config."""
+        return self.migrated_config if self.migrated_config is not None else self.config
 
 
 @dataclass(slots=True)
@@ -117,6 +127,8 @@ class SessionState:
     ended: SessionEnded | None = None
     operator_actions: list[OperatorAction] = field(default_factory=list)
     pin_overrides: dict[str, str] = field(default_factory=dict)
+    migrated_shape: SessionShape | None = None
+    """The pinned shape of the agent version an operator migrated the session to, if any."""
     recoveries: int = 0
     resumes: int = 0
 
@@ -137,14 +149,23 @@ class SessionState:
         return root.output if root and root.phase == "completed" else None
 
     @property
+    def effective_shape(self) -> SessionShape | None:
+        """The shape the session composes agents from now: the last migrated agent version's
+        shape, else the one ``SessionStarted`` pinned."""
+        if self.migrated_shape is not None:
+            return self.migrated_shape
+        return self.bootstrap.shape if self.bootstrap is not None else None
+
+    @property
     def plugin_pins(self) -> list[PluginPin]:
-        """The plugins this session runs on now: the pins of ``SessionStarted``, each moved to the
-        version an operator migrated it to (``OperatorAction(action="migrate_pin")``)."""
-        if self.bootstrap is None:
+        """The plugins this session runs on now: the pins of the effective shape, each moved to
+        the version an operator migrated it to (``OperatorAction(action="migrate_pin")``)."""
+        shape = self.effective_shape
+        if shape is None:
             return []
         return [
             PluginPin(pin.name, self.pin_overrides.get(pin.name, pin.version))
-            for pin in self.bootstrap.shape.plugins
+            for pin in shape.plugins
         ]
 
     @property
@@ -274,6 +295,8 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
         agent.reason = ev.reason
     if ev.purpose is not None:
         agent.purpose = ev.purpose
+    if ev.config is not None:
+        agent.migrated_config = ev.config
 
 
 def _on_checkpoint(state: SessionState, env: Envelope) -> None:
@@ -378,6 +401,17 @@ def _on_operator(state: SessionState, env: Envelope) -> None:
             isinstance(k, str) and k and isinstance(v, str) and v for k, v in pins.items()
         ):
             raise _invalid(state, env, "a pin migration needs `pins`: a map of name to version")
+        if "shape" in ev.detail:
+            if state.bootstrap is None:
+                raise _invalid(state, env, "an agent migration before SessionStarted")
+            try:
+                shape = msgspec.convert(ev.detail["shape"], SessionShape)
+            except msgspec.ValidationError as exc:
+                message = f"an agent migration with an invalid shape: {exc}"
+                raise _invalid(state, env, message) from None
+            # The new version was sealed with its own plugin pins; earlier moves do not carry over.
+            state.migrated_shape = shape
+            state.pin_overrides.clear()
         state.pin_overrides.update(pins)
     state.operator_actions.append(ev)
 

@@ -44,6 +44,8 @@ class AgentSummary(msgspec.Struct, frozen=True, kw_only=True):
     output: str | None = None
     reason: str | None = None
     batch: str | None = None
+    version: str = ""
+    """The version of the config the agent runs with now (its migrated one, if any)."""
 
 
 class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +83,8 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
     recoveries: int = 0
     resumes: int = 0
     reason: str | None = None
+    agent: str | None = None
+    """``name@version`` of the published agent the session runs now (after any migration)."""
 
     @property
     def terminal(self) -> bool:
@@ -118,6 +122,40 @@ class PinDiff(msgspec.Struct, frozen=True, kw_only=True):
     new: str | None
 
 
+class PinChange(msgspec.Struct, frozen=True, kw_only=True):
+    """A plugin pin an agent-version migration changes: None where one side does not pin it."""
+
+    name: str
+    old: str | None
+    new: str | None
+
+
+class SkillChange(msgspec.Struct, frozen=True, kw_only=True):
+    """A pinned skill whose digest an agent-version migration changes (None: absent there)."""
+
+    name: str
+    old: str | None
+    new: str | None
+
+
+class AgentDiff(msgspec.Struct, frozen=True, kw_only=True):
+    """What moving a session to another published agent version changes, old against new.
+
+    ``roles`` names the configs (``root`` and each role) that differ; ``problem`` says why the
+    migration would be refused (a changed coordination kind, a pin not satisfied), else None."""
+
+    old: str
+    new: str
+    old_digest: str
+    new_digest: str
+    coordination: tuple[str, str]
+    coordination_params: tuple[dict[str, Any], dict[str, Any]]
+    skills: list[SkillChange] = []
+    plugins: list[PinChange] = []
+    roles: list[str] = []
+    problem: str | None = None
+
+
 class RecoverableView(msgspec.Struct, frozen=True, kw_only=True):
     """A session waiting for an operator, with what the operator must see before resuming it."""
 
@@ -129,6 +167,8 @@ class RecoverableView(msgspec.Struct, frozen=True, kw_only=True):
     last_event_at: float = 0.0
     unknown_outcomes: list[UnknownOutcomeView] = []
     pin_diff: list[PinDiff] = []
+    agent_diff: AgentDiff | None = None
+    """Shown when the preview was asked about moving to another agent version."""
 
 
 class VerificationProblem(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,6 +243,7 @@ def session_view(
             output=agent.output,
             reason=agent.reason,
             batch=agent.batch,
+            version=agent.current_config.version if agent.current_config is not None else "",
         )
         for agent in state.agents.values()
     ]
@@ -225,6 +266,7 @@ def session_view(
         recoveries=state.recoveries,
         resumes=state.resumes,
         reason=reason if reason is not None else ended_reason,
+        agent=state.effective_shape.agent if state.effective_shape is not None else None,
     )
 
 

@@ -33,6 +33,7 @@ from apomesh.core.events import (
     HitlAnswered,
     HitlPaused,
     OperatorAction,
+    SessionShape,
     ToolCallIntent,
     ToolCallRecorded,
 )
@@ -41,7 +42,13 @@ from apomesh.core.views import VerificationView
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
-from apomesh.runtime.pinning import check_shape, corrupt_bootstrap, plan_migration, shape_problem
+from apomesh.runtime.pinning import (
+    check_shape,
+    corrupt_bootstrap,
+    plan_agent_migration,
+    plan_migration,
+    shape_problem,
+)
 from apomesh.runtime.protocol import (
     BEAT_DECODER,
     CTL_BOUND_WILDCARD,
@@ -459,8 +466,17 @@ class Daemon:
     # --- operator actions ---------------------------------------------------------------------------
 
     async def resume(
-        self, session_id: str, *, by: str, migrate_pins: dict[str, str] | None = None
+        self,
+        session_id: str,
+        *,
+        by: str,
+        migrate_pins: dict[str, str] | None = None,
+        agent_shape: SessionShape | None = None,
     ) -> None:
+        """Resume a session from the recoverable list (``OperatorAction(resume)``), first moving
+        its plugin pins (``migrate_pins``, name -> installed version) and/or its agent to another
+        published version (``agent_shape``, composed from that version's sealed bundle), each move
+        logged as ``OperatorAction(migrate_pin)``."""
         rec = self.recoverable.get(session_id)
         if rec is None:
             if session_id in self.sessions:
@@ -477,8 +493,14 @@ class Daemon:
             )
         # A pin that cannot be satisfied is a typed error naming it; a migration is checked whole
         # before anything is logged.
-        moved_from = plan_migration(self.plugins, state, migrate_pins) if migrate_pins else {}
-        if not migrate_pins:
+        moved_from: dict[str, str] = {}
+        migration: dict[str, Any] | None = None
+        if agent_shape is not None:
+            migration = plan_agent_migration(self.plugins, state, agent_shape, migrate_pins)
+        elif migrate_pins:
+            moved_from = plan_migration(self.plugins, state, migrate_pins)
+            migration = {"pins": dict(migrate_pins), "from": moved_from}
+        else:
             check_shape(self.plugins, state)
         del self.recoverable[session_id]
         try:
@@ -486,14 +508,8 @@ class Daemon:
             if not await self.kv.leases.acquire(session_id, self.daemon_id):
                 raise ApomeshError(f"session {session_id} is driven by another daemon")
             self.sessions[session_id] = runtime
-            if migrate_pins:
-                await runtime.append(
-                    OperatorAction(
-                        action="migrate_pin",
-                        by=by,
-                        detail={"pins": dict(migrate_pins), "from": moved_from},
-                    )
-                )
+            if migration is not None:
+                await runtime.append(OperatorAction(action="migrate_pin", by=by, detail=migration))
             await runtime.append(
                 OperatorAction(
                     action="resume",
@@ -1104,7 +1120,7 @@ class Daemon:
 
         async def run_job() -> None:
             tool = self.plugins.tools()[job.tool]
-            config = runtime.state.agents[job.agent].config
+            config = runtime.state.agents[job.agent].current_config
             assert config is not None  # every agent is born with its config
             ctx = LoopContext(
                 Run(runtime.session_id, job.agent, 0, config, "job", ""),

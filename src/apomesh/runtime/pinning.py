@@ -9,7 +9,11 @@ naming the pin — ``CorruptPin`` or ``PluginPinMismatch`` — never a fall-thro
 registries hold now.
 
 ``plan_migration`` checks an operator's ``NAME=VERSION`` pin migration against the session and the
-installed plugins before anything is logged. ``corrupt_bootstrap`` explains a ``SessionStarted``
+installed plugins before anything is logged; ``plan_agent_migration`` checks a move to another
+published version of the session's agent (``--migrate-pin agent=VERSION``: same agent, same
+coordination kind, every agent still running has its role in the new version) and
+``agent_diff`` shows the operator what that move changes. ``corrupt_bootstrap`` explains a
+``SessionStarted``
 that cannot be decoded at all: when the fault lies in its pinned shape it answers the
 ``CorruptPin`` naming the pin, so the session is listed as stranded by a pin rather than merely
 undecodable.
@@ -24,9 +28,16 @@ import msgspec
 
 from apomesh.builtin.skills import skill_digest
 from apomesh.core.definition import AgentConfig, PinnedSkill
-from apomesh.core.errors import CorruptPin, DefinitionError, PinError, PluginPinMismatch
+from apomesh.core.errors import (
+    CorruptPin,
+    DefinitionError,
+    MigrationRefused,
+    PinError,
+    PluginPinMismatch,
+)
 from apomesh.core.events import PluginPin, SessionShape
 from apomesh.core.state import SessionState
+from apomesh.core.views import AgentDiff, PinChange, SkillChange
 from apomesh.plugins.manager import PluginHost
 from apomesh.plugins.pins import check_pins, pin_label
 
@@ -66,26 +77,37 @@ def check_plugin_pin_form(pins: list[PluginPin]) -> None:
             )
 
 
+AGENT_PIN = "agent"
+"""The ``--migrate-pin`` name that moves a session to another version of its published agent."""
+
+
 def effective_pins(
-    state: SessionState, migrate: Mapping[str, str] | None = None
+    state: SessionState,
+    migrate: Mapping[str, str] | None = None,
+    shape: SessionShape | None = None,
 ) -> list[PluginPin]:
-    """The session's effective plugin pins, with ``migrate`` (name -> version) applied on top."""
-    pins = state.plugin_pins
+    """The session's effective plugin pins, with ``migrate`` (name -> version) applied on top;
+    with ``shape`` (an agent version it moves to), that shape's sealed pins instead."""
+    pins = state.plugin_pins if shape is None else list(shape.plugins)
     if not migrate:
         return pins
     return [PluginPin(p.name, migrate.get(p.name, p.version)) for p in pins]
 
 
 def check_shape(
-    host: PluginHost, state: SessionState, migrate: Mapping[str, str] | None = None
+    host: PluginHost,
+    state: SessionState,
+    migrate: Mapping[str, str] | None = None,
+    shape: SessionShape | None = None,
 ) -> None:
-    """Raise a ``PinError`` naming the first pin of ``state`` that cannot be satisfied now."""
-    if state.bootstrap is None:
+    """Raise a ``PinError`` naming the first pin of ``state``'s effective shape (or of ``shape``,
+    an agent version it moves to) that cannot be satisfied now."""
+    checked = shape if shape is not None else state.effective_shape
+    if checked is None:
         return
-    shape = state.bootstrap.shape
-    check_skill_pins(shape)
-    check_plugin_pin_form(shape.plugins)
-    check_pins(host, effective_pins(state, migrate))
+    check_skill_pins(checked)
+    check_plugin_pin_form(checked.plugins)
+    check_pins(host, effective_pins(state, migrate, shape))
 
 
 def shape_problem(host: PluginHost, state: SessionState) -> str | None:
@@ -99,22 +121,27 @@ def shape_problem(host: PluginHost, state: SessionState) -> str | None:
 
 
 def plan_migration(
-    host: PluginHost, state: SessionState, migrate: Mapping[str, str]
+    host: PluginHost,
+    state: SessionState,
+    migrate: Mapping[str, str],
+    shape: SessionShape | None = None,
 ) -> dict[str, str]:
     """Check an operator's pin migration and answer the versions it moves from (name -> old).
 
-    Each name must be one of the session's plugin pins and each version the one installed now;
-    with the migration applied every pin must then be satisfied. Raises ``DefinitionError`` for a
-    name the session does not pin, ``PluginPinMismatch`` naming the pin otherwise.
+    Each name must be one of the session's plugin pins (of ``shape`` when the session also moves
+    to that agent version) and each version the one installed now; with the migration applied
+    every pin must then be satisfied. Raises ``DefinitionError`` for a name the session does not
+    pin, ``PluginPinMismatch`` naming the pin otherwise.
     """
-    current = {p.name: p.version for p in state.plugin_pins}
+    pinned = state.plugin_pins if shape is None else list(shape.plugins)
+    current = {p.name: p.version for p in pinned}
     installed = host.installed_versions()
     moved_from: dict[str, str] = {}
     for name, version in sorted(migrate.items()):
         if name not in current:
             raise DefinitionError(
                 f"{name!r} is not pinned by this session (its pins: "
-                f"{', '.join(pin_label(p) for p in state.plugin_pins) or 'none'})",
+                f"{', '.join(pin_label(p) for p in pinned) or 'none'})",
                 where="migrate_pins",
             )
         label = f"{name}=={current[name]}"
@@ -129,8 +156,121 @@ def plan_migration(
                 pin=label,
             )
         moved_from[name] = current[name]
-    check_shape(host, state, migrate)
+    check_shape(host, state, migrate, shape)
     return moved_from
+
+
+def published_agent(state: SessionState) -> tuple[str, str]:
+    """(name, version) of the published agent the session runs now; ``MigrationRefused`` when it
+    was not started from a published agent."""
+    shape = state.effective_shape
+    if shape is None:
+        raise MigrationRefused(
+            f"session {state.session_id} has no durable SessionStarted; it cannot be migrated"
+        )
+    name, sep, version = (shape.agent or "").partition("@")
+    if shape.source != "published" or not sep:
+        raise MigrationRefused(
+            f"session {state.session_id} was not started from a published agent (it was "
+            f"composed from {shape.source!r}); only a published agent can move to another version"
+        )
+    return name, version
+
+
+def plan_agent_migration(
+    host: PluginHost,
+    state: SessionState,
+    shape: SessionShape,
+    migrate: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Check moving ``state`` to ``shape`` (another published version of its agent) and answer
+    the ``migrate_pin`` detail that records it, the new shape embedded.
+
+    Raises ``MigrationRefused`` for a session not started from a published agent, another agent,
+    the version it runs already, a changed coordination kind, or a role an unfinished agent has
+    that the new version lacks; a ``PinError`` naming the first pin of the new shape (with
+    ``migrate``'s plugin moves) that cannot be satisfied."""
+    name, version = published_agent(state)
+    current = state.effective_shape
+    assert current is not None
+    new_name, _, new_version = (shape.agent or "").partition("@")
+    if shape.source != "published" or new_name != name:
+        raise MigrationRefused(f"a session of {name} cannot move to {shape.agent or 'that shape'}")
+    if new_version == version:
+        raise MigrationRefused(f"session {state.session_id} runs {name}@{version} already")
+    if shape.coordination != current.coordination:
+        raise MigrationRefused(
+            f"{name}@{new_version} coordinates with {shape.coordination!r}, not "
+            f"{current.coordination!r} as this session does; a migration keeps the coordination "
+            "kind"
+        )
+    for agent in state.agents.values():
+        config = agent.current_config
+        if agent.terminal or config is None or config.role == "root":
+            continue
+        if config.role not in shape.roles:
+            raise MigrationRefused(
+                f"{name}@{new_version} has no role {config.role!r}, which agent {agent.ref} "
+                "still runs as"
+            )
+    moved_from = plan_migration(host, state, migrate or {}, shape)
+    return {
+        "pins": dict(migrate or {}),
+        "from": moved_from,
+        "agent": {"from": f"{name}@{version}", "to": shape.agent},
+        "shape": msgspec.to_builtins(shape),
+    }
+
+
+def agent_diff(
+    host: PluginHost,
+    state: SessionState,
+    shape: SessionShape,
+    migrate: Mapping[str, str] | None = None,
+) -> AgentDiff:
+    """What moving ``state`` to ``shape`` changes, and why the move would be refused, if so."""
+    old = state.effective_shape
+    assert old is not None
+    problem: str | None = None
+    try:
+        plan_agent_migration(host, state, shape, migrate)
+    except (MigrationRefused, PinError, DefinitionError) as exc:
+        problem = exc.message
+    old_skills = {s.name: s.digest for s in old.skills}
+    new_skills = {s.name: s.digest for s in shape.skills}
+    old_pins = {p.name: p.version for p in state.plugin_pins}
+    new_pins = {p.name: p.version for p in effective_pins(state, migrate, shape)}
+    old_configs = {"root": old.root, **old.roles}
+    new_configs = {"root": shape.root, **shape.roles}
+    return AgentDiff(
+        old=old.agent or "",
+        new=shape.agent or "",
+        old_digest=old.definition_digest,
+        new_digest=shape.definition_digest,
+        coordination=(old.coordination, shape.coordination),
+        coordination_params=(dict(old.coordination_params), dict(shape.coordination_params)),
+        skills=[
+            SkillChange(name=n, old=old_skills.get(n), new=new_skills.get(n))
+            for n in sorted(old_skills.keys() | new_skills.keys())
+            if old_skills.get(n) != new_skills.get(n)
+        ],
+        plugins=[
+            PinChange(name=n, old=old_pins.get(n), new=new_pins.get(n))
+            for n in sorted(old_pins.keys() | new_pins.keys())
+            if old_pins.get(n) != new_pins.get(n)
+        ],
+        roles=[
+            role
+            for role in sorted(old_configs.keys() | new_configs.keys())
+            if _comparable(old_configs.get(role)) != _comparable(new_configs.get(role))
+        ],
+        problem=problem,
+    )
+
+
+def _comparable(config: AgentConfig | None) -> Any:
+    # The version always differs between two versions; a role changed when anything else did.
+    return None if config is None else msgspec.structs.replace(config, version="")
 
 
 def corrupt_bootstrap(raw: bytes) -> CorruptPin | None:

@@ -3,7 +3,10 @@ the orchestrator, the catalogs and the log.
 
 Session creation lives here: it validates the request against the configured limits, resolves the
 agent (a sealed published bundle, or an inline definition whose skills are resolved now and frozen),
-composes the pinned shape and makes ``SessionStarted`` durable before answering.
+composes the pinned shape and makes ``SessionStarted`` durable before answering. So does moving a
+stranded session to another published version of its agent (``migrate_pins`` key ``agent``): the
+version's sealed bundle is read once, at the operator's request, and composed into the shape the
+migration records.
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
 from apomesh.core.definition import parse_definition
 from apomesh.core.envelope import Envelope
-from apomesh.core.errors import ApomeshError, NotFound, PayloadTooLarge
-from apomesh.core.events import AgentLifecycle, SessionStarted
-from apomesh.core.state import new_state
+from apomesh.core.errors import ApomeshError, MigrationRefused, NotFound, PayloadTooLarge
+from apomesh.core.events import AgentLifecycle, PluginPin, SessionShape, SessionStarted
+from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
     AgentRecordView,
     PinDiff,
@@ -39,6 +42,7 @@ from apomesh.runtime.catalog import Catalog, skill_names
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.daemon import Daemon
 from apomesh.runtime.folds import FoldCache
+from apomesh.runtime.pinning import AGENT_PIN, agent_diff, published_agent
 from apomesh.runtime.sessions import SessionRuntime
 from apomesh.runtime.tails import SessionTails
 
@@ -74,20 +78,7 @@ class Service:
     ) -> str:
         _check_size("the goal", goal, self.limits.max_goal_bytes)
         if agent is not None:
-            bundle = await self.catalog.get_agent_bundle(agent[0], agent[1])
-            parsed = parse_definition(
-                bundle.definition, where=f"published agent {bundle.name}@{bundle.version}"
-            )
-            skills = self.catalog.bundle_skills(bundle, parsed)
-            # The bundle was sealed with these plugins: running it on other code is refused.
-            check_pins(self.daemon.plugins, bundle.plugins)
-            shape = compose_shape(
-                parsed,
-                host=self.daemon.plugins,
-                skills=skills,
-                source="published",
-                agent=f"{bundle.name}@{bundle.version}",
-            )
+            shape = await self._published_shape(agent[0], agent[1], check={})
         else:
             if definition is None:
                 from apomesh.runtime.demo import DEFAULT_AGENT  # runtime.demo imports the node
@@ -121,6 +112,45 @@ class Service:
             raise
         runtime.start()
         return session_id
+
+    async def _published_shape(
+        self, name: str, version: str | None, *, check: dict[str, str] | None
+    ) -> SessionShape:
+        """The pinned shape of a published agent, composed from its sealed bundle alone, with the
+        plugin pins it was sealed with. With ``check`` (plugin moves: name -> version) those pins,
+        so moved, must be installed (``PluginPinMismatch``) before anything is composed."""
+        bundle = await self.catalog.get_agent_bundle(name, version)
+        parsed = parse_definition(
+            bundle.definition, where=f"published agent {bundle.name}@{bundle.version}"
+        )
+        skills = self.catalog.bundle_skills(bundle, parsed)
+        if check is not None:
+            # The bundle was sealed with these plugins: running it on other code is refused.
+            moved = [PluginPin(p.name, check.get(p.name, p.version)) for p in bundle.plugins]
+            check_pins(self.daemon.plugins, moved)
+        shape = compose_shape(
+            parsed,
+            host=self.daemon.plugins,
+            skills=skills,
+            source="published",
+            agent=f"{bundle.name}@{bundle.version}",
+        )
+        return msgspec.structs.replace(shape, plugins=list(bundle.plugins))
+
+    async def _migration_target(
+        self, state: SessionState | None, migrate_pins: dict[str, str], *, check: bool = True
+    ) -> tuple[SessionShape | None, dict[str, str]]:
+        """The agent shape a ``migrate_pins`` map moves the session to (its ``agent`` entry), and
+        the plugin moves left. ``NotFound`` when that version is not published."""
+        plugins = {k: v for k, v in migrate_pins.items() if k != AGENT_PIN}
+        version = migrate_pins.get(AGENT_PIN)
+        if version is None:
+            return None, plugins
+        if state is None:
+            raise MigrationRefused("a session that cannot be decoded cannot be migrated")
+        name, _ = published_agent(state)
+        shape = await self._published_shape(name, version, check=plugins if check else None)
+        return shape, plugins
 
     async def list_sessions(
         self, *, status: str | None, query: str | None, limit: int
@@ -185,18 +215,34 @@ class Service:
         await self.daemon.answer_hitl(session_id, pause_id, answer, by=by)
 
     async def resume(self, session_id: str, *, migrate_pins: dict[str, str], by: str) -> None:
-        if session_id not in self.daemon.recoverable:
-            await self.recovery_preview(session_id)  # 404 when unknown, 409 when not stranded
-        await self.daemon.resume(session_id, by=by, migrate_pins=migrate_pins or None)
-
-    async def recovery_preview(self, session_id: str) -> RecoverableView:
         rec = self.daemon.recoverable.get(session_id)
         if rec is None:
-            view = await self.get_session(session_id)  # NotFound for an unknown session
-            raise ApomeshError(
-                f"session {session_id} is {view.status}, not on the recoverable list"
-            )
-        return self._recoverable_view(rec)
+            await self._not_stranded(session_id, migrate_pins)
+        shape, plugins = await self._migration_target(rec.state if rec else None, migrate_pins)
+        await self.daemon.resume(session_id, by=by, migrate_pins=plugins or None, agent_shape=shape)
+
+    async def _not_stranded(self, session_id: str, migrate_pins: dict[str, str] | None) -> NoReturn:
+        """404 for an unknown session, else 409: only a session on the recoverable list resumes."""
+        view = await self.get_session(session_id)
+        message = f"session {session_id} is {view.status}, not on the recoverable list"
+        if migrate_pins:
+            raise MigrationRefused(f"{message}; only a stranded session can be migrated")
+        raise ApomeshError(message)
+
+    async def recovery_preview(
+        self, session_id: str, migrate_pins: dict[str, str] | None = None
+    ) -> RecoverableView:
+        rec = self.daemon.recoverable.get(session_id)
+        if rec is None:
+            await self._not_stranded(session_id, migrate_pins)
+        view = self._recoverable_view(rec)
+        # The preview shows the difference even when the move would be refused, and says why.
+        shape, plugins = await self._migration_target(rec.state, migrate_pins or {}, check=False)
+        if shape is None:
+            return view
+        assert rec.state is not None  # an undecodable session has no agent to move
+        diff = agent_diff(self.daemon.plugins, rec.state, shape, plugins)
+        return msgspec.structs.replace(view, agent_diff=diff)
 
     def _recoverable_view(self, rec: Any) -> RecoverableView:
         diff: list[PinDiff] = []

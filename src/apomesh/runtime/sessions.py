@@ -6,6 +6,9 @@ and only then folds them into the in-memory state, one step at a time under a lo
 loop (a coordination kind) runs against ``SessionRuntime`` as its ``CoordinatorContext``. Each agent
 run is driven by ``drive_agent``: dispatch to a worker with a new fencing epoch, wait for the
 outcome, and when the worker is lost append ``AgentResuming`` and re-dispatch under the same ref.
+Agents are composed from the session's effective shape: after an operator moved the session to
+another agent version, new children are born with the new role configs and an agent dispatched
+again is moved to its role's new config on its ``dispatched`` event.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from apomesh.core import envelope
+from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import Fenced, LogUnavailable
 from apomesh.core.events import (
     AgentLifecycle,
@@ -28,6 +32,7 @@ from apomesh.core.events import (
     Event,
     SessionEnded,
     SessionRecovered,
+    SessionShape,
     event_name,
 )
 from apomesh.core.state import AgentView, SessionState, apply
@@ -148,9 +153,15 @@ class SessionRuntime:
         return self.state.goal
 
     @property
+    def shape(self) -> SessionShape:
+        """The shape agents are composed from now (a migrated agent version's, if any)."""
+        shape = self.state.effective_shape
+        assert shape is not None
+        return shape
+
+    @property
     def params(self) -> dict[str, Any]:
-        assert self.state.bootstrap is not None
-        return dict(self.state.bootstrap.shape.coordination_params)
+        return dict(self.shape.coordination_params)
 
     @property
     def checkpoint(self) -> bytes | None:
@@ -177,8 +188,7 @@ class SessionRuntime:
     ) -> list[ChildResult]:
         self._recovering = False
         root = self.state.root or "root"
-        assert self.state.bootstrap is not None
-        config = self.state.bootstrap.shape.roles.get(role)
+        config = self.shape.roles.get(role)
         if config is None:
             raise AgentFailed(f"the session has no role {role!r}")
         latest: dict[int, AgentView] = {}
@@ -249,8 +259,10 @@ class SessionRuntime:
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
                 raise Held(self.held_reason)
-            assert agent.config is not None
-            worker_id = await self.daemon.pick_worker(agent.config, prefer=agent.worker)
+            moved_to = self._migrated_config(agent)
+            config = moved_to or agent.current_config
+            assert config is not None
+            worker_id = await self.daemon.pick_worker(config, prefer=agent.worker)
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
@@ -272,7 +284,12 @@ class SessionRuntime:
                     resume_reason = None
                 await self.append(
                     AgentLifecycle(
-                        ref, "dispatched", worker=worker_id, epoch=epoch, purpose=purpose
+                        ref,
+                        "dispatched",
+                        worker=worker_id,
+                        epoch=epoch,
+                        purpose=purpose,
+                        config=moved_to,
                     )
                 )
                 loop = asyncio.get_running_loop()
@@ -282,7 +299,7 @@ class SessionRuntime:
                     session_id=self.session_id,
                     agent=ref,
                     epoch=epoch,
-                    config=agent.config,
+                    config=config,
                     purpose=purpose,
                     prompt=prompt,
                     task=agent.task or "",
@@ -318,6 +335,16 @@ class SessionRuntime:
             if await self._settle(ref, done, purpose):
                 return
 
+    def _migrated_config(self, agent: AgentView) -> AgentConfig | None:
+        """The config of the agent's role in the migrated shape, when the agent does not run
+        with it yet (None without a migration, or when nothing changes)."""
+        shape = self.state.migrated_shape
+        current = agent.current_config
+        if shape is None or current is None:
+            return None
+        wanted = shape.root if current.role == "root" else shape.roles.get(current.role)
+        return wanted if wanted is not None and wanted != current else None
+
     def _ready_to_dispatch(self, ref: str) -> bool:
         if self.held_reason:
             return True
@@ -351,8 +378,7 @@ class SessionRuntime:
         self.task = asyncio.create_task(self._run(recovered), name=f"session-{self.session_id}")
 
     async def _run(self, recovered: Literal["auto", "operator"] | None) -> None:
-        assert self.state.bootstrap is not None
-        shape = self.state.bootstrap.shape
+        shape = self.shape
         try:
             if recovered is not None:
                 await self.append(

@@ -396,8 +396,17 @@ class Client:
     async def list_recoverable(self) -> list[RecoverableView]:
         return (await self._get("/v1/recoverable", _RecoverableList)).sessions
 
-    async def recovery_preview(self, session_id: str) -> RecoverableView:
-        return await self._get(f"/v1/recoverable/{quote(session_id, safe='')}", RecoverableView)
+    async def recovery_preview(
+        self, session_id: str, migrate_pins: dict[str, str] | None = None
+    ) -> RecoverableView:
+        """What resuming would face; with ``migrate_pins`` holding ``agent``, also what moving
+        the session to that version of its published agent changes (``agent_diff``)."""
+        query = "&".join(
+            f"migrate_pin={quote(f'{name}={version}', safe='')}"
+            for name, version in (migrate_pins or {}).items()
+        )
+        path = f"/v1/recoverable/{quote(session_id, safe='')}" + (f"?{query}" if query else "")
+        return await self._get(path, RecoverableView)
 
     async def resume(
         self, session_id: str, migrate_pins: dict[str, str] | None = None, confirm: bool = True
@@ -551,8 +560,10 @@ class SyncClient:
     def list_recoverable(self) -> list[RecoverableView]:
         return self._run(self._client.list_recoverable())
 
-    def recovery_preview(self, session_id: str) -> RecoverableView:
-        return self._run(self._client.recovery_preview(session_id))
+    def recovery_preview(
+        self, session_id: str, migrate_pins: dict[str, str] | None = None
+    ) -> RecoverableView:
+        return self._run(self._client.recovery_preview(session_id, migrate_pins))
 
     def resume(
         self, session_id: str, migrate_pins: dict[str, str] | None = None, confirm: bool = True
