@@ -222,8 +222,12 @@ class Daemon:
         self._closing = True
         for runtime in list(self.sessions.values()):
             await runtime.stop()
+            # Giving a lease back early is a courtesy (it expires by itself): never let an
+            # unanswered request hold the shutdown.
             with contextlib.suppress(Exception):
-                await self.kv.leases.release(runtime.session_id, self.daemon_id)
+                await asyncio.wait_for(
+                    self.kv.leases.release(runtime.session_id, self.daemon_id), 2.0
+                )
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
