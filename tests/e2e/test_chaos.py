@@ -105,8 +105,10 @@ async def test_frozen_worker_is_resumed_elsewhere_and_its_late_reports_are_fence
                 if record.kind == "AgentLifecycle" and ev.get("phase") == "dispatched":
                     worker_of[ev["agent"]] = ev["worker"]
                 if zombie is None and record.kind == "AgentSnapshotted" and ev["step"] == 1:
-                    # Frozen in the model turn that leads to its second call: when it wakes up,
-                    # that call is the first thing it sends.
+                    # Frozen in the middle of the model turn that leads to its second call (past
+                    # the node report's answer): when it wakes up, that call is the first thing
+                    # it sends, before it reads the cancel the daemon sent it meanwhile.
+                    await anyio.sleep(0.2)
                     zombie_id = worker_of["root"]
                     zombie = pool.by_id(zombie_id)
                     assert zombie is not None

@@ -396,9 +396,10 @@ async def test_recovery_classifier_plugins_decide_before_the_builtin_rules(
     recoverable: dict[str, str],
 ) -> None:
     host = PluginHost.for_tests(*([classifier_plugin(classifier)] if classifier else []))
-    report, listed, resumed = await boot_scan_with(
-        fresh_nats_server, tmp_path, host, _classified_sessions(host)
-    )
+    with anyio.fail_after(60):  # a daemon that cannot start or stop fails here, not at 300 s
+        report, listed, resumed = await boot_scan_with(
+            fresh_nats_server, tmp_path, host, _classified_sessions(host)
+        )
     assert resumed == auto
     assert listed == recoverable
     assert report["auto_resume"] == len(auto) and report["recoverable"] == len(recoverable)
