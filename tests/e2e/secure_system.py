@@ -321,7 +321,12 @@ class SecureSystem:
                 if ids <= {row["id"] for row in rows if row.get("alive", True)}:
                     return rows
                 time.sleep(0.1)
-        raise AssertionError(f"workers {ids} did not register: {rows}")
+        tails = "\n".join(
+            f"--- {path.name}:\n{path.read_text(errors='replace')[-1500:]}"
+            for path in self.log_files()
+            if "nats" not in path.name
+        )
+        raise AssertionError(f"workers {ids} did not register: {rows}\n{tails}")
 
     def log_files(self) -> list[Path]:
         """Every log file the deployment wrote: daemon, workers, nats-servers."""

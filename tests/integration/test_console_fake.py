@@ -6,13 +6,12 @@ prompt when auth is on."""
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from tests.browser import by_testid, wait_for
 from tests.fakes.fake_service import FakeService, serving
 
 from apomesh.api.app import create_app
@@ -21,62 +20,8 @@ from apomesh.api.tokens import TokenStore
 from apomesh.core.events import AgentResumed, AgentResuming
 from apomesh.core.views import PinDiff
 
-playwright_api = pytest.importorskip("playwright.async_api")
+pytestmark = pytest.mark.anyio
 
-CHROMIUM = os.environ.get("APOMESH_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-WAIT_MS = 15_000
-
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.skipif(
-        not (Path(CHROMIUM).exists() or shutil.which("chromium")),
-        reason="Debian's chromium is not installed",
-    ),
-]
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Any]:
-    async with playwright_api.async_playwright() as playwright:
-        launched = await playwright.chromium.launch(
-            executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
-            args=CHROMIUM_ARGS,
-            headless=True,
-        )
-        try:
-            yield launched
-        finally:
-            await launched.close()
-
-
-@pytest.fixture
-async def page(browser: Any) -> AsyncIterator[Any]:
-    context = await browser.new_context(viewport={"width": 1280, "height": 900})
-    opened = await context.new_page()
-    errors: list[str] = []
-    opened.on("pageerror", lambda error: errors.append(str(error)))
-    yield opened
-    await context.close()
-    assert errors == [], f"the console raised: {errors}"
-
-
-def by_testid(name: str, **data: str) -> str:
-    selector = f'[data-testid="{name}"]'
-    for key, value in data.items():
-        selector += f'[data-{key.replace("_", "-")}="{value}"]'
-    return selector
-
-
-async def wait_for(page: Any, selector: str, state: str = "visible") -> Any:
-    return await page.wait_for_selector(selector, state=state, timeout=WAIT_MS)
 
 
 async def test_sessions_are_listed_searched_and_followed_live(page: Any) -> None:
