@@ -46,18 +46,23 @@ pytestmark = pytest.mark.anyio
 
 TIMEOUT = 90.0
 SKILL_MARKER = f"house-style-{secrets.token_hex(8)}"
-BUILTIN = PluginHost()
-ALLOWED_TOOLS = sorted(BUILTIN.tools())
-ALLOWED_PROVIDERS = sorted(BUILTIN.model_providers())
+
+
+def installed() -> tuple[list[str], list[str]]:
+    """The tools and model providers of every plugin installed now. Asked when a test runs, not
+    at collection: another module's fixture may install plugin packages in between."""
+    host = PluginHost()
+    return sorted(host.tools()), sorted(host.model_providers())
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureSystem]:
+    tools, providers = installed()
     deployment = SecureSystem.build(
         tmp_path_factory.mktemp("secure"),
         daemon_env={
-            "APOMESH_WORKERS_ALLOWED_TOOLS": ",".join(ALLOWED_TOOLS),
-            "APOMESH_WORKERS_ALLOWED_PROVIDERS": ",".join(ALLOWED_PROVIDERS),
+            "APOMESH_WORKERS_ALLOWED_TOOLS": ",".join(tools),
+            "APOMESH_WORKERS_ALLOWED_PROVIDERS": ",".join(providers),
         },
     )
     try:
@@ -371,7 +376,7 @@ async def test_the_daemon_refuses_a_worker_with_tools_it_does_not_allow(
     probe = await Probe.open(system, "worker-c")
     try:
         registration = Register(
-            "worker-c", "worker-c", [*ALLOWED_TOOLS, "shell.exec"], ALLOWED_PROVIDERS, instance="x"
+            "worker-c", "worker-c", [*installed()[0], "shell.exec"], installed()[1], instance="x"
         )
         reply = await probe.nc.request(
             bound_subject(SUBJECT_REGISTER, "worker-c"), ENCODER.encode(registration), timeout=10
@@ -380,7 +385,7 @@ async def test_the_daemon_refuses_a_worker_with_tools_it_does_not_allow(
         assert not answer.ok
         assert "shell.exec" in answer.reason
         # Registering under another worker's id from its own subject is refused too.
-        impostor = Register("worker-a", "worker-a", ALLOWED_TOOLS, ALLOWED_PROVIDERS)
+        impostor = Register("worker-a", "worker-a", *installed())
         reply = await probe.nc.request(
             bound_subject(SUBJECT_REGISTER, "worker-c"), ENCODER.encode(impostor), timeout=10
         )
@@ -441,9 +446,7 @@ async def test_a_worker_registering_again_from_a_new_process_replaces_its_predec
     probe = await Probe.open(system, "worker-c")
     try:
         for instance in ("first-process", "second-process"):
-            registration = Register(
-                "worker-c", "worker-c", ALLOWED_TOOLS, ALLOWED_PROVIDERS, instance=instance
-            )
+            registration = Register("worker-c", "worker-c", *installed(), instance=instance)
             reply = await probe.nc.request(
                 bound_subject(SUBJECT_REGISTER, "worker-c"),
                 ENCODER.encode(registration),
