@@ -220,14 +220,11 @@ class Daemon:
 
     async def aclose(self) -> None:
         self._closing = True
+        # Leases are not given back here: they expire by themselves, and this daemon (its id is
+        # kept in the data dir) takes its own back at once when it starts again. A release request
+        # left unanswered while NATS is going away must never hold the shutdown.
         for runtime in list(self.sessions.values()):
             await runtime.stop()
-            # Giving a lease back early is a courtesy (it expires by itself): never let an
-            # unanswered request hold the shutdown.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    self.kv.leases.release(runtime.session_id, self.daemon_id), 2.0
-                )
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
