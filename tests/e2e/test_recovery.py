@@ -379,14 +379,13 @@ def _classified_sessions(host: PluginHost) -> dict[str, list[Envelope]]:
     ("classifier", "auto", "recoverable"),
     [
         (None, {"quiet"}, {"idempotent": "side_effects", "appending": "side_effects"}),
-        (AutoResumeIdempotent(), {"quiet", "idempotent"}, {"appending": "side_effects"}),
         (
             OperatorAlways(),
             set(),
             {"quiet": "policy", "idempotent": "policy", "appending": "policy"},
         ),
     ],
-    ids=["builtin", "looser", "stricter"],
+    ids=["builtin", "stricter"],
 )
 async def test_recovery_classifier_plugins_decide_before_the_builtin_rules(
     fresh_nats_server: NatsServer,
