@@ -2,7 +2,9 @@
 
 Exit codes: 0 ok, 1 failure, 2 usage. Commands that talk to a running daemon take ``--url`` (env
 ``APOMESH_URL``, default ``http://127.0.0.1:8750``) and ``--token`` (env ``APOMESH_TOKEN``) and go
-through the SDK. Credentials for NATS come from the config file or ``APOMESH_NATS_*`` variables,
+through the SDK; without a token they use the local daemon's (``[http] token``, else the
+``<data_dir>/http.token`` it wrote at its first start; ``--data`` / ``--config`` find it), so
+they work against a local ``apomesh serve`` with no flags. Credentials for NATS come from the config file or ``APOMESH_NATS_*`` variables,
 never from the command line.
 """
 
@@ -150,9 +152,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from apomesh.sdk.client import SyncClient
+    from apomesh.sdk.client import SyncClient, local_token
 
-    return SyncClient(args.url, token=args.token)
+    token = args.token or local_token(_config(args, {"daemon": {"data_dir": args.data}}))
+    return SyncClient(args.url, token=token)
 
 
 def _load_definition(path: str) -> dict[str, Any]:
@@ -466,8 +469,15 @@ def _remote(p: argparse.ArgumentParser) -> None:
         help="the daemon's HTTP API (env APOMESH_URL)",
     )
     p.add_argument(
-        "--token", default=os.environ.get("APOMESH_TOKEN"), help="an API token (env APOMESH_TOKEN)"
+        "--token",
+        default=os.environ.get("APOMESH_TOKEN"),
+        help="an API token (env APOMESH_TOKEN; default: [http] token, else the token the daemon"
+        " wrote to <data_dir>/http.token)",
     )
+    p.add_argument(
+        "--data", help="the local daemon's data directory, where its first token is kept"
+    )
+    p.add_argument("--config", help="the local daemon's config file ([http] token, data_dir)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -613,5 +623,10 @@ def main(argv: list[str] | None = None) -> int:
         name = type(exc).__name__
         if name.endswith("Error") or name == "ServerUnavailable":
             err.print(f"[red]error[/] ({name}): {exc}")
+            if name == "UnauthorizedError":
+                err.print(
+                    "give a token with --token or APOMESH_TOKEN (`apomesh tokens create`), or"
+                    " --data DIR of the daemon, whose first token is in DIR/http.token"
+                )
             return 1
         raise

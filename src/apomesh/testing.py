@@ -148,7 +148,11 @@ def nats_hub_leaf(
 class DaemonProcess:
     """An ``apomesh serve`` process on a given NATS (no embedded server), with its HTTP API on a
     free loopback port. ``kill()`` is SIGKILL; ``start()`` again reuses the same data dir and port,
-    which is how tests restart a daemon."""
+    which is how tests restart a daemon.
+
+    Its API asks for no token (``[http] auth = "off"``) unless ``auth=True``, so a test of
+    something else can call it bare; with ``auth=True`` (the daemon's own default), ``token`` is
+    the operator token the daemon wrote into its data dir at its first start."""
 
     def __init__(
         self,
@@ -160,6 +164,7 @@ class DaemonProcess:
         missed_beats: int = 3,
         env: dict[str, str] | None = None,
         extra_args: tuple[str, ...] = (),
+        auth: bool = False,
     ) -> None:
         from pathlib import Path
 
@@ -177,9 +182,17 @@ class DaemonProcess:
         self.env = {
             "APOMESH_LIVENESS_HEARTBEAT_INTERVAL": str(heartbeat_interval),
             "APOMESH_LIVENESS_MISSED_BEATS": str(missed_beats),
+            "APOMESH_HTTP_AUTH": "on" if auth else "off",
             **(env or {}),
         }
         self.proc: Any = None
+
+    @property
+    def token(self) -> str:
+        """The operator token the daemon wrote at its first start (``auth=True`` only)."""
+        from apomesh.runtime.config import FIRST_TOKEN_FILE
+
+        return (self.data_dir / FIRST_TOKEN_FILE).read_text(encoding="utf-8").strip()
 
     @property
     def pid(self) -> int | None:
@@ -341,12 +354,13 @@ class Mesh:
         *,
         daemon_workers: int = 0,
         env: dict[str, str] | None = None,
+        auth: bool = False,
     ) -> None:
         self.server = server
         self.base = base
         self.env = env or {}
         self.daemon = DaemonProcess(
-            [server.url], base / "daemon", workers=daemon_workers, env=self.env
+            [server.url], base / "daemon", workers=daemon_workers, env=self.env, auth=auth
         )
         self.workers: list[WorkerProcess] = []
 

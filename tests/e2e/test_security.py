@@ -602,10 +602,13 @@ def test_failed_authentication_is_rate_limited(system: SecureSystem) -> None:
             statuses.append(client.get("/v1/sessions", headers=headers).status_code)
         assert statuses[0] == 401
         assert statuses[-1] == 429
-        locked = client.get(
+        # Failures are limited, not successes: a valid token still works from that address.
+        valid = client.get(
             "/v1/sessions", headers={"Authorization": f"Bearer {system.tokens['operator']}"}
         )
+        locked = client.get("/v1/sessions", headers={"Authorization": "Bearer apm_guess_again"})
     assert locked.status_code == 429 and "Retry-After" in locked.headers
+    assert valid.status_code == 200
 
 
 # --------------------------------------------------------------------------------------------

@@ -236,23 +236,18 @@ def test_paths_default_under_the_data_dir_relative_to_the_start_directory(
     assert moved.workspace_path() == tmp_path / "work"
 
 
-@pytest.mark.parametrize(
-    ("listen", "auth", "required"),
-    [
-        ("127.0.0.1:8750", "auto", False),
-        ("localhost:8750", "auto", False),
-        ("[::1]:8750", "auto", False),
-        ("0.0.0.0:8750", "auto", True),
-        ("apomesh.internal:8750", "auto", True),
-        ("127.0.0.1:8750", "on", True),
-        ("0.0.0.0:8750", "off", False),
-    ],
-)
-def test_auto_auth_is_on_unless_listening_on_loopback(
-    listen: str, auth: str, required: bool
-) -> None:
-    http = msgspec.convert({"listen": listen, "auth": auth}, HttpConfig)
-    assert http.auth_required() is required
+def test_auth_is_on_by_default_on_loopback_too() -> None:
+    for listen in ("127.0.0.1:8750", "localhost:8750", "[::1]:8750", "0.0.0.0:8750"):
+        assert HttpConfig(listen=listen).auth_required() is True
+    assert HttpConfig(auth="off").auth_required() is False
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"auth": "auto"}, HttpConfig)
+
+
+def test_the_api_answers_the_listen_host_the_loopback_names_and_allowed_hosts() -> None:
+    assert HttpConfig(listen="[::1]:9000").host_names() == ["::1", "127.0.0.1", "localhost"]
+    names = HttpConfig(listen="10.0.0.5:8750", allowed_hosts=["apomesh.internal"]).host_names()
+    assert names == ["10.0.0.5", "127.0.0.1", "localhost", "::1", "apomesh.internal"]
 
 
 def test_ipv6_listen_addresses_split_into_host_and_port() -> None:

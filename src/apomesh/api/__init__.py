@@ -5,8 +5,8 @@ the daemon serves it with uvicorn."""
 from __future__ import annotations
 
 from apomesh.api.app import create_app
-from apomesh.api.auth import AuthSettings, auth_wanted
+from apomesh.api.auth import AuthSettings
 from apomesh.api.service import DaemonService
 from apomesh.api.tokens import TokenStore
 
-__all__ = ["AuthSettings", "DaemonService", "TokenStore", "auth_wanted", "create_app"]
+__all__ = ["AuthSettings", "DaemonService", "TokenStore", "create_app"]

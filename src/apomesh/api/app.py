@@ -10,8 +10,9 @@ with msgspec; a raw body over ``max_body_bytes`` is refused with 413 before it i
 from __future__ import annotations
 
 import logging
+import re
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,12 +20,14 @@ import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from apomesh.api.auth import ANONYMOUS_OPERATOR, Authenticator, AuthFailure, AuthSettings, Identity
+from apomesh.api.guards import BrowserGuard
 from apomesh.api.openapi import (
     ROUTES,
     ActionAccepted,
@@ -75,6 +78,8 @@ log = logging.getLogger("apomesh.api")
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+MAX_BODY_DEPTH = 64
+"""Deepest nesting of a request body's arrays and objects; deeper is 400 ``invalid_body``."""
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 1000
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -226,6 +231,10 @@ class _Api:
             if optional:
                 return msgspec.json.decode(b"{}", type=kind)
             raise BadRequest("invalid_body", "a JSON body is required")
+        if json_depth(raw) > MAX_BODY_DEPTH:
+            raise BadRequest(
+                "invalid_body", f"the JSON body nests deeper than {MAX_BODY_DEPTH} levels"
+            )
         try:
             return msgspec.json.decode(raw, type=kind)
         except msgspec.DecodeError as exc:
@@ -270,7 +279,13 @@ class _Api:
         # Read before answering, so an unknown session is a plain 404 rather than a broken stream.
         replay = await self.service.read_events(session_id, after)
         frames = session_frames(self.service, session_id, after, replay)
-        return EventStreamResponse(frames, keepalive=self.keepalive_seconds, streams=self.streams)
+        authorization = request.headers.get("authorization")
+        return EventStreamResponse(
+            frames,
+            keepalive=self.keepalive_seconds,
+            streams=self.streams,
+            still_authorized=lambda: self.authenticator.still_valid(authorization, "read"),
+        )
 
     async def verify_session(self, request: Request, who: Identity) -> Response:
         return JSONResponse(await self.service.verify_session(request.path_params["session_id"]))
@@ -378,6 +393,22 @@ class _Api:
         )
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\\\]|\\\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not
+    count), found without decoding it: the decoder and everything after it recurse."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = deepest = 0
+    for byte in brackets:
+        depth += _BRACKET_STEP[byte]
+        deepest = max(deepest, depth)
+    return deepest
+
+
 def _agent_choice(choice: AgentChoice | str) -> tuple[str, str | None]:
     if isinstance(choice, AgentChoice):
         name, version = choice.name, choice.version
@@ -424,8 +455,11 @@ def create_app(
     auth: AuthSettings,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     keepalive_seconds: float = DEFAULT_KEEPALIVE_SECONDS,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> Starlette:
-    """The ASGI app serving ``service``. ``keepalive_seconds`` spaces the SSE keep-alive comments."""
+    """The ASGI app serving ``service``. ``keepalive_seconds`` spaces the SSE keep-alive comments;
+    ``allowed_hosts`` are the ``Host`` names it answers (None: any; ``apomesh serve`` always
+    gives ``[http]``'s). Every app refuses cross-origin and non-JSON writes (``api.guards``)."""
     streams = EventStreams()
     api = _Api(
         service,
@@ -448,7 +482,11 @@ def create_app(
                 name=spec.operation,
             )
         )
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(BrowserGuard, allowed_hosts=allowed_hosts)],
+    )
     app.state.service = service
     app.state.auth = auth
     app.state.event_streams = streams

@@ -4,13 +4,14 @@ Two roles exist: ``read`` (every GET) and ``operator`` (also every write: starti
 cancelling sessions, answering pauses, catalog writes); operator implies read. A request that needs
 a role and presents no valid token gets 401; a valid token of too small a role gets 403. Failed
 attempts are logged with the client address and the reason, never the token, and counted per
-client address: past ``max_failures`` in ``failure_window`` seconds that address gets 429 until
-its failures age out. ``/healthz``, the console's static files and ``/openapi.json`` stay open.
+client address: past ``max_failures`` in ``failure_window`` seconds a failing request from that
+address gets 429 until its failures age out, while a valid token from it still works. The client
+address is the peer's, unless the peer is one of ``[http] trusted_proxies`` (then uvicorn takes it
+from ``X-Forwarded-For``). ``/healthz``, the console's static files and ``/openapi.json`` stay open.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections import deque
@@ -41,18 +42,6 @@ class AuthSettings:
     @classmethod
     def off(cls) -> AuthSettings:
         return cls(enabled=False)
-
-
-def auth_wanted(host: str, configured: bool | None = None) -> bool:
-    """The daemon's rule: auth is on when listening beyond loopback, unless configured either way."""
-    if configured is not None:
-        return configured
-    if host == "localhost":
-        return False
-    try:
-        return not ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return True  # a host name may resolve anywhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +77,19 @@ class Authenticator:
         """The identity a request acts as, or ``AuthFailure`` (401, 403 or 429)."""
         if not self.settings.enabled or self.settings.token_store is None:
             return Identity(ANONYMOUS_OPERATOR, "operator")
-        now = self.clock()
-        recent = self._recent_failures(client, now)
-        if len(recent) >= self.settings.max_failures:
-            retry = max(1, int(recent[0] + self.settings.failure_window - now) + 1)
-            raise AuthFailure(
-                429, "too_many_requests", "too many failed authentications", retry_after=retry
-            )
         token = _bearer(authorization)
         info, reason = (
             self.settings.token_store.check(token) if token else (None, "no bearer token")
         )
         if info is None:
+            # Only failures are limited: a valid token works from an address others flood.
+            now = self.clock()
+            recent = self._recent_failures(client, now)
+            if len(recent) >= self.settings.max_failures:
+                retry = max(1, int(recent[0] + self.settings.failure_window - now) + 1)
+                raise AuthFailure(
+                    429, "too_many_requests", "too many failed authentications", retry_after=retry
+                )
             recent.append(now)
             log.warning("authentication failed from %s: %s", client, reason)
             raise AuthFailure(401, "unauthorized", "a valid bearer token is required")
@@ -109,6 +99,15 @@ class Authenticator:
             )
             raise AuthFailure(403, "forbidden", f"this needs a token with the {needed} role")
         return Identity(info.name, info.role)
+
+    def still_valid(self, authorization: str | None, needed: Role) -> bool:
+        """Whether the credentials a request was let in with still hold (for long-lived
+        streams: a token revoked or expired since ends them). Never counts as a failure."""
+        if not self.settings.enabled or self.settings.token_store is None:
+            return True
+        token = _bearer(authorization)
+        info = self.settings.token_store.identify(token) if token else None
+        return info is not None and role_allows(info.role, needed)
 
     def _recent_failures(self, client: str, now: float) -> deque[float]:
         horizon = now - self.settings.failure_window

@@ -1,5 +1,6 @@
 """Serving the API for ``apomesh serve``: the app on uvicorn at ``[http] listen``, with bearer-token
-auth on when the daemon listens beyond loopback (or as configured) and TLS when a certificate is
+auth on (loopback included, unless ``[http] auth = "off"``), the ``Host`` names of ``[http]``,
+forwarded headers believed only from ``[http] trusted_proxies``, and TLS when a certificate is
 given. ``serve_api`` is handed to the runtime's ``Node`` by the command line, so the runtime never
 imports the API layer."""
 
@@ -15,7 +16,7 @@ from apomesh.api.app import ApiServer, create_app
 from apomesh.api.auth import AuthSettings
 from apomesh.api.service import DaemonService
 from apomesh.api.tokens import TokenStore
-from apomesh.runtime.config import Config
+from apomesh.runtime.config import FIRST_TOKEN_FILE, Config
 
 log = logging.getLogger("apomesh.api")
 
@@ -32,11 +33,8 @@ class HttpEndpoint:
             await asyncio.wait_for(self.task, 10.0)
 
 
-FIRST_TOKEN_FILE = "http.token"
-
-
 def _auth_settings(config: Config) -> AuthSettings:
-    """Auth as configured: off on loopback unless asked for; on, the tokens of the data dir plus
+    """Auth as configured: off only when asked for; on, the tokens of the data dir plus
     ``[http] token``, or, on a first start without either, an operator token written to
     ``<data_dir>/http.token`` (its path is logged, never the token)."""
     http = config.http
@@ -65,8 +63,15 @@ async def serve_api(service: DaemonService, config: Config) -> HttpEndpoint:
         auth=auth,
         max_body_bytes=http.max_body_bytes,
         keepalive_seconds=http.keepalive_seconds,
+        allowed_hosts=http.host_names(),
     )
-    options: dict[str, Any] = {"log_level": "warning"}
+    # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local process could then
+    # pose as any address and escape failed-token rate limiting.
+    options: dict[str, Any] = {
+        "log_level": "warning",
+        "proxy_headers": bool(http.trusted_proxies),
+        "forwarded_allow_ips": list(http.trusted_proxies),
+    }
     if http.tls_cert:
         options.update(ssl_certfile=http.tls_cert, ssl_keyfile=http.tls_key)
     server = ApiServer(app, host=host, port=port, **options)

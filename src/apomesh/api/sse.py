@@ -10,6 +10,9 @@ Each event is one frame::
 (bytes fields in ``event`` are base64 strings). A client resumes with ``Last-Event-ID: <index>``
 (or ``?after=<index>``) and gets exactly the events after it. ``: keep-alive`` comment lines keep
 idle connections open through proxies. The stream ends after the terminal ``SessionEnded`` event.
+The token a stream was opened with is checked again every ``AUTH_RECHECK_SECONDS``: once it is
+revoked or expired the stream sends one ``event: error`` frame (``{"error": "unauthorized",
+"message": ...}``, no ``id``) and ends.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -34,6 +37,12 @@ log = logging.getLogger("apomesh.api.sse")
 
 KEEPALIVE_FRAME = b": keep-alive\n\n"
 DEFAULT_KEEPALIVE_SECONDS = 15.0
+AUTH_RECHECK_SECONDS = 1.0
+REVOKED_FRAME = (
+    b"event: error\n"
+    b'data: {"error":"unauthorized","message":"the token of this stream was revoked or expired"}'
+    b"\n\n"
+)
 
 
 def envelope_json(env: Envelope) -> bytes:
@@ -169,6 +178,7 @@ class EventStreamResponse(Response):
         *,
         keepalive: float = DEFAULT_KEEPALIVE_SECONDS,
         streams: EventStreams | None = None,
+        still_authorized: Callable[[], bool] | None = None,
     ) -> None:
         # Not Response.__init__: it would declare a Content-Length for an empty body.
         self.status_code = 200
@@ -177,6 +187,7 @@ class EventStreamResponse(Response):
         self.source = source
         self.keepalive = keepalive
         self.streams = streams if streams is not None else EventStreams()
+        self.still_authorized = still_authorized
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         lock = anyio.Lock()
@@ -215,6 +226,19 @@ class EventStreamResponse(Response):
                     group.cancel_scope.cancel()
                     return
 
+        async def watch_credentials(group: anyio.abc.TaskGroup) -> None:
+            nonlocal client_gone
+            assert self.still_authorized is not None
+            while True:
+                await anyio.sleep(AUTH_RECHECK_SECONDS)
+                if not self.still_authorized():
+                    try:
+                        await emit(REVOKED_FRAME)
+                    except OSError:
+                        client_gone = True
+                    group.cancel_scope.cancel()
+                    return
+
         async def watch_disconnect(group: anyio.abc.TaskGroup) -> None:
             nonlocal client_gone
             while True:
@@ -233,6 +257,8 @@ class EventStreamResponse(Response):
                 async with anyio.create_task_group() as group:
                     group.start_soon(watch_disconnect, group)
                     group.start_soon(keep_alive, group)
+                    if self.still_authorized is not None:
+                        group.start_soon(watch_credentials, group)
                     group.start_soon(pump, group)
             finally:
                 self.streams.discard(stream_scope)

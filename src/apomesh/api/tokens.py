@@ -5,8 +5,11 @@ keeps, per token, its id, a name, its role (``read`` or ``operator``), when it w
 expires (never, unless made with an expiry) and the sha256 of its secret: the secret itself is
 shown once, at creation, and stored nowhere. An expired token is refused like a revoked one. The id is
 not secret; it lets an operator list and revoke tokens. Verification compares digests in constant
-time. The file is re-read when it changes on disk, so tokens made or revoked with the command line
-take effect in a running daemon.
+time. The file is re-read when it changes on disk (it is replaced, never rewritten in place), so
+tokens made or revoked with the command line take effect in a running daemon. Every change holds
+an exclusive ``flock`` on ``tokens.json.lock`` from reading the file to replacing it (a temporary
+file, fsynced, renamed over it), so concurrent ``apomesh tokens`` runs and the daemon never lose
+each other's changes.
 
 Two more ways in, for a daemon's first start: ``add_static`` accepts a token given in the
 configuration (``[http] token``, any text, kept only as a digest in memory) as an operator token,
@@ -16,12 +19,15 @@ and ``ensure_first_token`` makes an operator token when the store has none and w
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import os
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -82,7 +88,7 @@ class TokenStore:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._tokens: dict[str, TokenInfo] = {}
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._static: list[TokenInfo] = []
 
     @classmethod
@@ -98,8 +104,7 @@ class TokenStore:
         if expires_in is not None and expires_in <= 0:
             raise ValueError("a token's lifetime must be positive")
         checked: Role = "operator" if role == "operator" else "read"
-        with self._lock:
-            self._load()
+        with self._changing():
             token_id = secrets.token_hex(6)
             while token_id in self._tokens:
                 token_id = secrets.token_hex(6)
@@ -124,8 +129,7 @@ class TokenStore:
 
     def revoke(self, token_id: str) -> bool:
         """Remove a token by id; False when there was none."""
-        with self._lock:
-            self._load()
+        with self._changing():
             if self._tokens.pop(token_id, None) is None:
                 return False
             self._save()
@@ -170,7 +174,7 @@ class TokenStore:
         _, token = self.create("operator", "first-start")
         path = Path(secret_file)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(token + "\n")
@@ -199,15 +203,29 @@ class TokenStore:
         info = self.identify(token)
         return info.role if info is not None else None
 
-    def _load(self) -> None:
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the thread lock and the file lock, with the tokens freshly read from disk."""
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock_path = self.path.with_name(self.path.name + ".lock")
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._load(force=True)
+                yield
+            finally:
+                os.close(fd)  # releases the lock
+
+    def _load(self, *, force: bool = False) -> None:
         try:
             stat = self.path.stat()
         except FileNotFoundError:
             self._tokens = {}
             self._stamp = None
             return
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        if stamp == self._stamp:
+        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp and not force:
             return
         data = msgspec.json.decode(self.path.read_bytes(), type=_TokenFile)
         self._tokens = {t.id: t for t in data.tokens}
@@ -224,5 +242,10 @@ class TokenStore:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a crash
+        finally:
+            os.close(directory)
         stat = self.path.stat()
-        self._stamp = (stat.st_mtime_ns, stat.st_size)
+        self._stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)

@@ -121,6 +121,28 @@ def _convert(data: Any, kind: type, where: str, path: str = "$") -> Any:
         raise DefinitionError(message, where=where) from None
 
 
+MAX_DEFINITION_DEPTH = 32
+"""Deepest nesting of a definition's tables and lists: every view, event and snapshot of a session
+carries its definition, and each of their encoders recurses."""
+
+
+def nesting_depth(data: Any) -> int:
+    """How deep the dicts and lists of a decoded value nest (a scalar is 0), without recursing."""
+    deepest = 0
+    pending: list[tuple[Any, int]] = [(data, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list | tuple):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefinition:
     """Validate a decoded TOML/JSON mapping as an ``AgentDefinition``.
 
@@ -128,6 +150,10 @@ def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefi
     """
     if not isinstance(data, dict):
         raise DefinitionError("expected a table of keys", where=where)
+    if nesting_depth(data) > MAX_DEFINITION_DEPTH:
+        raise DefinitionError(
+            f"tables and lists nest deeper than {MAX_DEFINITION_DEPTH} levels", where=where
+        )
     data = dict(data)
     if "model" in data:
         data["model"] = _lift_model_options(data["model"], f"{where} $.model")

@@ -13,7 +13,6 @@ Relative paths in the config are relative to the directory the daemon starts in.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import tomllib
@@ -90,8 +89,10 @@ class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = "127.0.0.1:8750"
     tls_cert: str = ""
     tls_key: str = ""
-    auth: Literal["auto", "on", "off"] = "auto"
+    auth: Literal["on", "off"] = "on"
     token: str = ""
+    allowed_hosts: list[str] = []
+    trusted_proxies: list[str] = []
     keepalive_seconds: PositiveSeconds = 15.0
     max_body_bytes: Positive = 1 * MIB
 
@@ -100,16 +101,18 @@ class HttpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return _split_listen(self.listen)
 
     def auth_required(self) -> bool:
-        """Whether requests need the bearer token: ``auto`` means unless bound to loopback only."""
-        if self.auth != "auto":
-            return self.auth == "on"
-        host = self.host_port()[0]
-        if host == "localhost":
-            return False
-        try:
-            return not ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return True  # a host name could resolve anywhere
+        """Whether requests need a bearer token: yes unless ``auth = "off"``, on loopback too."""
+        return self.auth == "on"
+
+    def host_names(self) -> list[str]:
+        """The ``Host`` header values the API answers: the listen host, the loopback names and
+        ``allowed_hosts`` (``"*"`` allows any)."""
+        names = [self.host_port()[0].strip("[]"), "127.0.0.1", "localhost", "::1"]
+        return list(dict.fromkeys([*names, *self.allowed_hosts]))
+
+
+FIRST_TOKEN_FILE = "http.token"
+"""Where, in the data dir, a daemon's first start writes its operator token (mode 0600)."""
 
 
 class LivenessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -32,9 +32,26 @@ from apomesh.core.views import (
     SkillView,
     WorkerView,
 )
+from apomesh.runtime.config import FIRST_TOKEN_FILE, Config, load_config
 
 DEFAULT_URL = "http://127.0.0.1:8750"
 T = TypeVar("T")
+
+
+def local_token(config: Config | None = None) -> str | None:
+    """The token a client on the daemon's own machine can use without being given one:
+    ``[http] token`` of ``config``, else the operator token the daemon wrote into its data dir
+    at its first start (``<data_dir>/http.token``, readable only by the daemon's user), else
+    None. ``config`` defaults to the configuration from the environment."""
+    config = config if config is not None else load_config()
+    if config.http.token:
+        return config.http.token
+    try:
+        text = (config.daemon.data_path() / FIRST_TOKEN_FILE).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return text.strip() or None
+
 
 # --- errors -----------------------------------------------------------------------------------
 
@@ -263,7 +280,8 @@ class Client:
         params: dict[str, str] | None = None,
     ) -> httpx.Response:
         content = msgspec.json.encode(body) if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
+        # Every write says JSON, body or not: the daemon refuses any other (415).
+        headers = {"Content-Type": "application/json"} if method != "GET" else None
         try:
             response = await self._http.request(
                 method, path, content=content, params=params, headers=headers
