@@ -151,8 +151,8 @@ class DaemonProcess:
     which is how tests restart a daemon.
 
     Its API asks for no token (``[http] auth = "off"``) unless ``auth=True``, so a test of
-    something else can call it bare; with ``auth=True`` (the daemon's own default), ``token`` is
-    the operator token the daemon wrote into its data dir at its first start."""
+    something else can call it bare; ``auth=None`` leaves the daemon's own default (on). With auth
+    on, ``token`` is the operator token the daemon wrote into its data dir at its first start."""
 
     def __init__(
         self,
@@ -164,7 +164,7 @@ class DaemonProcess:
         missed_beats: int = 3,
         env: dict[str, str] | None = None,
         extra_args: tuple[str, ...] = (),
-        auth: bool = False,
+        auth: bool | None = False,
     ) -> None:
         from pathlib import Path
 
@@ -182,9 +182,10 @@ class DaemonProcess:
         self.env = {
             "APOMESH_LIVENESS_HEARTBEAT_INTERVAL": str(heartbeat_interval),
             "APOMESH_LIVENESS_MISSED_BEATS": str(missed_beats),
-            "APOMESH_HTTP_AUTH": "on" if auth else "off",
+            **({} if auth is None else {"APOMESH_HTTP_AUTH": "on" if auth else "off"}),
             **(env or {}),
         }
+        self.auth = self.env.get("APOMESH_HTTP_AUTH", "on") != "off"
         self.proc: Any = None
 
     @property
@@ -354,7 +355,7 @@ class Mesh:
         *,
         daemon_workers: int = 0,
         env: dict[str, str] | None = None,
-        auth: bool = False,
+        auth: bool | None = False,
     ) -> None:
         self.server = server
         self.base = base
@@ -389,8 +390,11 @@ class Mesh:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            request = urllib.request.Request(f"{self.url}/v1/workers")
+            if self.daemon.auth:
+                request.add_header("Authorization", f"Bearer {self.daemon.token}")
             try:
-                with opener.open(f"{self.url}/v1/workers", timeout=2.0) as response:
+                with opener.open(request, timeout=2.0) as response:
                     body = json.loads(response.read())
                     rows = body["workers"] if isinstance(body, dict) else body
                     if sum(1 for w in rows if w.get("alive", True)) >= count:

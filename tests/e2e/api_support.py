@@ -131,9 +131,12 @@ def asker(question: str = "Which colour should the cover be?") -> dict[str, Any]
 # --- a system several tests share ---------------------------------------------------------
 
 
-def start_mesh(base: Path, *, workers: int = 2, env: dict[str, str] | None = None) -> Mesh:
-    """A fresh nats-server, an ``apomesh serve`` process with fast SSE keep-alives, and
-    ``workers`` worker processes, registered. ``stop_mesh`` takes it down."""
+def start_mesh(
+    base: Path, *, workers: int = 2, env: dict[str, str] | None = None, auth: bool | None = False
+) -> Mesh:
+    """A fresh nats-server, an ``apomesh serve`` process with fast SSE keep-alives (asking for
+    its first token when ``auth``), and ``workers`` worker processes, registered. ``stop_mesh``
+    takes it down."""
     from apomesh.adapters.natsserver import NatsServer, single_node
 
     server = NatsServer(single_node(base, name="nats"))
@@ -142,6 +145,7 @@ def start_mesh(base: Path, *, workers: int = 2, env: dict[str, str] | None = Non
         server,
         base,
         env={"APOMESH_HTTP_KEEPALIVE_SECONDS": str(KEEPALIVE_SECONDS), **(env or {})},
+        auth=auth,
     )
     try:
         system.daemon.start()
@@ -165,17 +169,29 @@ def stop_mesh(system: Mesh) -> None:
 # --- reading the API ----------------------------------------------------------------------
 
 
-def start(url: str, goal: str, definition: dict[str, Any] | None = None, **body: Any) -> str:
+def bearer(token: str | None) -> dict[str, str]:
+    """The headers presenting ``token`` (none for None)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def start(
+    url: str,
+    goal: str,
+    definition: dict[str, Any] | None = None,
+    *,
+    token: str | None = None,
+    **body: Any,
+) -> str:
     payload: dict[str, Any] = {"goal": goal, **body}
     if definition is not None:
         payload["definition"] = definition
-    response = httpx.post(f"{url}/v1/sessions", json=payload, timeout=30)
+    response = httpx.post(f"{url}/v1/sessions", json=payload, headers=bearer(token), timeout=30)
     assert response.status_code == 201, response.text
     return str(response.json()["session_id"])
 
 
-def view(url: str, session_id: str) -> dict[str, Any]:
-    response = httpx.get(f"{url}/v1/sessions/{session_id}", timeout=30)
+def view(url: str, session_id: str, token: str | None = None) -> dict[str, Any]:
+    response = httpx.get(f"{url}/v1/sessions/{session_id}", headers=bearer(token), timeout=30)
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
     return body
@@ -197,10 +213,14 @@ def wait_until(check: Callable[[], Any], timeout: float = 60.0, what: str = "the
 
 
 def wait_status(
-    url: str, session_id: str, statuses: tuple[str, ...] = TERMINAL, timeout: float = 60.0
+    url: str,
+    session_id: str,
+    statuses: tuple[str, ...] = TERMINAL,
+    timeout: float = 60.0,
+    token: str | None = None,
 ) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
-        body = view(url, session_id)
+        body = view(url, session_id, token)
         return body if body["status"] in statuses else None
 
     result: dict[str, Any] = wait_until(check, timeout, f"session {session_id} in {statuses}")
@@ -208,12 +228,16 @@ def wait_status(
 
 
 def wait_event(
-    url: str, session_id: str, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0
+    url: str,
+    session_id: str,
+    predicate: Callable[[dict[str, Any]], bool],
+    timeout: float = 60.0,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """The first event of the session (an envelope as JSON) that ``predicate`` accepts, read
     from the event stream, waiting for it to be appended."""
     with httpx.Client(timeout=httpx.Timeout(30, read=timeout)) as client:
-        for item in sse(client, url, session_id):
+        for item in sse(client, url, session_id, headers=bearer(token)):
             if item.data is not None and predicate(item.data):
                 return item.data
     raise AssertionError(f"the stream of {session_id} ended without the awaited event")
