@@ -2,9 +2,9 @@
 
 Exit codes: 0 ok, 1 failure, 2 usage. Commands that talk to a running daemon take ``--url`` (env
 ``APOMESH_URL``, default ``http://127.0.0.1:8750``) and ``--token`` (env ``APOMESH_TOKEN``) and go
-through the SDK; without a token they use the local daemon's (``[http] token``, else the
-``<data_dir>/http.token`` it wrote at its first start; ``--data`` / ``--config`` find it), so
-they work against a local ``apomesh serve`` with no flags. Credentials for NATS come from the config file or ``APOMESH_NATS_*`` variables,
+through the SDK; without a token, when the URL is a loopback address, they use the local daemon's
+(``[http] token``, else the ``<data_dir>/http.token`` it wrote at its first start; ``--data`` /
+``--config`` find it), so they work against a local ``apomesh serve`` with no flags. Credentials for NATS come from the config file or ``APOMESH_NATS_*`` variables,
 never from the command line.
 """
 
@@ -154,7 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Any:
     from apomesh.sdk.client import SyncClient, local_token
 
-    token = args.token or local_token(_config(args, {"daemon": {"data_dir": args.data}}))
+    token = args.token or local_token(args.url, _config(args, {"daemon": {"data_dir": args.data}}))
     return SyncClient(args.url, token=token)
 
 

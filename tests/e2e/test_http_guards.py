@@ -158,7 +158,10 @@ async def test_a_cross_site_page_starts_no_session(
             page = await browser.new_page()
             await page.goto(f"{attacker.url}/fetch")
             outcome = await page.evaluate("window.attack")
-            assert outcome == "sent", outcome  # the request left the browser (opaque answer)
+            if space == "local":
+                # The request left the browser (its answer is opaque to the page). From a
+                # public page Chromium may refuse the fetch itself; the form still goes.
+                assert outcome == "sent", outcome
             async with page.expect_navigation(url=f"{mesh.url}/v1/sessions"):
                 await page.goto(f"{attacker.url}/form")
             answer = json.loads(await page.inner_text("body"))
@@ -247,13 +250,13 @@ def test_a_deeply_nested_body_is_a_typed_400_not_a_500(guarded: Mesh) -> None:
 
 
 def test_a_definition_nested_past_the_limit_is_refused_at_submit(guarded: Mesh) -> None:
+    headers = {**bearer(guarded.daemon.token), "Content-Type": "application/json"}
     for depth in (40, 960):
-        nesting = {**ECHO, "model": {**ECHO["model"], "extra": json.loads(nested(depth))}}
-        response = httpx.post(
-            f"{guarded.url}/v1/sessions",
-            json={"goal": "deep definition", "definition": nesting},
-            headers=bearer(guarded.daemon.token),
-        )
+        # Written out by hand: Python's own json module recurses too deep for 960 levels.
+        definition = json.dumps({**ECHO, "model": {**ECHO["model"], "extra": "DEEP"}})
+        definition = definition.replace('"DEEP"', nested(depth))
+        body = '{"goal": "deep definition", "definition": ' + definition + "}"
+        response = httpx.post(f"{guarded.url}/v1/sessions", content=body, headers=headers)
         assert response.status_code == 400, response.text
         assert error_of(response) in ("invalid_definition", "invalid_body")
     assert "deep definition" not in goals(guarded)

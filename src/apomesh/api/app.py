@@ -4,7 +4,10 @@ from the route table in ``apomesh.api.openapi`` over a ``DaemonService``.
 Every endpoint goes through one wrapper that checks the route's role, turns bad bodies into 400
 ``invalid_body``, maps the daemon's typed errors to statuses (see ``apomesh.api.service``) and
 turns anything unexpected into a logged 500 with a generic message. Bodies are decoded and encoded
-with msgspec; a raw body over ``max_body_bytes`` is refused with 413 before it is parsed.
+with msgspec; a raw body over ``max_body_bytes`` is refused with 413 before it is parsed, and one
+nesting deeper than ``MAX_BODY_DEPTH`` with 400 before it is decoded. In front of the routes,
+``apomesh.api.guards.BrowserGuard`` refuses foreign ``Host`` headers and cross-origin or non-JSON
+writes.
 """
 
 from __future__ import annotations

@@ -11,13 +11,14 @@ become ``ApiError`` subclasses carrying the HTTP status, the error code and the 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import anyio
 import httpx
@@ -38,11 +39,22 @@ DEFAULT_URL = "http://127.0.0.1:8750"
 T = TypeVar("T")
 
 
-def local_token(config: Config | None = None) -> str | None:
-    """The token a client on the daemon's own machine can use without being given one:
-    ``[http] token`` of ``config``, else the operator token the daemon wrote into its data dir
-    at its first start (``<data_dir>/http.token``, readable only by the daemon's user), else
-    None. ``config`` defaults to the configuration from the environment."""
+def _is_loopback_address(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def local_token(url: str, config: Config | None = None) -> str | None:
+    """The token a client on the daemon's own machine can use without being given one, when
+    ``url`` is a loopback address (never sent anywhere else): ``[http] token`` of ``config``,
+    else the operator token the daemon wrote into its data dir at its first start
+    (``<data_dir>/http.token``, readable only by the daemon's user), else None. ``config``
+    defaults to the configuration from the environment."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host != "localhost" and not _is_loopback_address(host):
+        return None
     config = config if config is not None else load_config()
     if config.http.token:
         return config.http.token
