@@ -36,6 +36,7 @@ from tests.e2e.api_support import (
 from apomesh.testing import Mesh
 
 DOCS_API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture
 def http(system: Mesh) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=system.url, timeout=30) as client:
+    # As the SDK does: every write says JSON, or the API refuses it (415).
+    with httpx.Client(base_url=system.url, timeout=30, headers=JSON) as client:
         yield client
 
 
@@ -318,7 +320,7 @@ def test_a_declared_length_over_the_limit_is_413_before_the_body_is_sent(system:
     host, port = system.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(
-            b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 10485760\r\n\r\n{"
         )
         answer = b""
@@ -491,7 +493,7 @@ def test_metrics_count_what_happened_in_prometheus_format(mesh: Mesh) -> None:
     live = parse_prometheus(httpx.get(f"{mesh.url}/metrics").text)
     assert live["apomesh_sessions"]['{state="running"}'] == 1
     assert live["apomesh_agents"]['{phase="running"}'] >= 1
-    httpx.post(f"{mesh.url}/v1/sessions/{running}/cancel")
+    httpx.post(f"{mesh.url}/v1/sessions/{running}/cancel", headers=JSON)
 
 
 # --- operator actions ---------------------------------------------------------------------------
@@ -564,7 +566,7 @@ def test_resume_needs_the_preview_confirmed_after_a_daemon_restart(mesh: Mesh) -
     assert preview["session_id"] == session_id
     assert isinstance(preview["unknown_outcomes"], list)
     assert preview["pin_diff"] == []
-    refused = httpx.post(f"{mesh.url}/v1/sessions/{session_id}/resume")
+    refused = httpx.post(f"{mesh.url}/v1/sessions/{session_id}/resume", headers=JSON)
     body = error_of(refused, 409, "confirm_required")
     assert body["preview"]["session_id"] == session_id
     assert body["preview"]["reason"] == row["reason"]
@@ -593,7 +595,11 @@ def test_resume_needs_the_preview_confirmed_after_a_daemon_restart(mesh: Mesh) -
         "apomesh_error",
     )
     error_of(httpx.get(f"{mesh.url}/v1/recoverable/{session_id}"), 409, "apomesh_error")
-    error_of(httpx.post(f"{mesh.url}/v1/sessions/{session_id}/resume"), 409, "apomesh_error")
+    error_of(
+        httpx.post(f"{mesh.url}/v1/sessions/{session_id}/resume", headers=JSON),
+        409,
+        "apomesh_error",
+    )
     lines = journal_lines(mesh.daemon.workspace, "resume-api.txt")
     assert len(lines) == len(set(lines)), lines
     assert set(lines) <= {f"line {n}" for n in range(1, 7)}

@@ -394,3 +394,25 @@ def test_forwarded_for_does_not_escape_rate_limiting_and_a_valid_token_still_wor
         assert all(status == 429 for status in statuses[statuses.index(429) :])
         valid = client.get(f"{guarded.url}/v1/sessions", headers=bearer(guarded.daemon.token))
         assert valid.status_code == 200, valid.text
+
+
+def test_forwarded_for_counts_only_from_a_configured_proxy(tmp_path: Path, guarded: Mesh) -> None:
+    # Behind a proxy listed in [http] trusted_proxies, each forwarded address is limited on its
+    # own: one client's failures do not lock out the others behind the same proxy.
+    daemon = DaemonProcess(
+        [guarded.nats_url],
+        tmp_path / "proxied",
+        auth=True,
+        env={"APOMESH_HTTP_TRUSTED_PROXIES": "127.0.0.1"},
+    )
+    daemon.start()
+    try:
+        with httpx.Client() as client:
+            for _ in range(12):
+                headers = {"Authorization": "Bearer apm_x_nope", "X-Forwarded-For": "203.0.113.7"}
+                last = client.get(f"{daemon.url}/v1/sessions", headers=headers).status_code
+            assert last == 429
+            other = {"Authorization": "Bearer apm_x_nope", "X-Forwarded-For": "203.0.113.8"}
+            assert client.get(f"{daemon.url}/v1/sessions", headers=other).status_code == 401
+    finally:
+        daemon.stop()

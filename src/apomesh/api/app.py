@@ -287,7 +287,11 @@ class _Api:
             frames,
             keepalive=self.keepalive_seconds,
             streams=self.streams,
-            still_authorized=lambda: self.authenticator.still_valid(authorization, "read"),
+            still_authorized=(
+                (lambda: self.authenticator.still_valid(authorization, "read"))
+                if self.authenticator.settings.enabled
+                else None
+            ),
         )
 
     async def verify_session(self, request: Request, who: Identity) -> Response:

@@ -438,12 +438,13 @@ ROUTES: tuple[RouteSpec, ...] = (
 )
 
 _ERROR_TEXT = {
-    400: "invalid body, query or definition",
+    400: "invalid body, query or definition, or a Host this daemon does not answer for",
     401: "no valid bearer token",
-    403: "the token's role is too small",
+    403: "the token's role is too small, or a write from a page of another origin",
     404: "unknown session, pause, skill or agent",
     409: "the request conflicts with the current state",
     413: "body over the size limit",
+    415: "a write that is not Content-Type: application/json",
     429: "too many failed authentications from this address",
     500: "unexpected server error",
     503: "the daemon cannot reach its log right now",
@@ -508,7 +509,9 @@ def openapi_document() -> dict[str, Any]:
         responses: dict[str, Any] = {}
         for status, answer in route.responses.items():
             responses[str(status)] = _response(answer, schema_of)
-        errors = set(route.errors) | {500}
+        errors = set(route.errors) | {400, 500}  # 400: a foreign Host (api.guards)
+        if route.method in ("POST", "PUT", "PATCH", "DELETE"):
+            errors |= {403, 415}  # cross-origin or non-JSON writes (api.guards)
         if route.role is not None:
             operation["security"] = [{"bearer": []}]
             errors |= {401, 403, 429}
