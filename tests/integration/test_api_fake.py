@@ -866,3 +866,12 @@ def test_event_envelopes_decode_with_msgspec_as_json(api: Api, run: Run) -> None
     decoded = [msgspec.json.decode(d) for d in datas]
     assert decoded[0]["event"]["kind"] == "SessionStarted" == decoded[0]["kind"]
     assert decoded[0]["event"]["goal"] == "write a haiku"
+
+
+def test_json_depth_counts_nesting_outside_strings_without_decoding() -> None:
+    from apomesh.api.app import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(b'{"text": "[[[[{{{{ \\" ]]]] [["}') == 1
+    assert json_depth(b"[" * 100_000) == 100_000
+    assert json_depth(b'"just a string"') == 0

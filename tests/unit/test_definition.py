@@ -341,3 +341,23 @@ def test_role_tool_lists_are_copies() -> None:
     root = role_config(definition, "root", [])
     root.tools.append("fs.write")
     assert definition.tools == ["fs.read", "fs.append"]
+
+
+def test_a_definition_nested_deeper_than_the_limit_is_refused_naming_the_limit() -> None:
+    from apomesh.core.definition import MAX_DEFINITION_DEPTH, nesting_depth
+
+    def deep(levels: int) -> Any:
+        value: Any = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    base = {"name": "deep", "model": {"provider": "scripted", "turns": [{"final": "x"}]}}
+    # The definition is one table, its model another, so `extra` may hold 30 more levels.
+    parse_definition({**base, "model": {**base["model"], "extra": deep(MAX_DEFINITION_DEPTH - 2)}})
+    for levels in (MAX_DEFINITION_DEPTH, 5000):
+        too_deep = {**base, "model": {**base["model"], "extra": deep(levels)}}
+        with pytest.raises(DefinitionError, match="nest deeper than"):
+            parse_definition(too_deep)
+    assert nesting_depth({"a": [1, {"b": []}]}) == 4
+    assert nesting_depth("text") == 0

@@ -400,7 +400,7 @@ class _Api:
         )
 
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\\\]|\\\\.)*"')
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
