@@ -36,6 +36,9 @@ TONE_V1 = "Be terse.\r\nNever use exclamation marks \u2014 not once.\n  trailing
 TONE_V2 = "Be chatty.\n"
 SHIPPED = SKILLPACK_PROJECT / "src" / "apomesh_skillpack" / "skills"
 
+JSON = {"Content-Type": "application/json"}
+"""Every write says JSON (the API refuses any other with 415)."""
+
 
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -107,7 +110,7 @@ def test_skills_put_get_list_history_and_delete_from_the_cli_and_rest(
     kept = httpx.get(f"{mesh.url}/v1/skills/tone/history").json()["skills"]
     assert [s["body"] for s in kept] == [TONE_V1, TONE_V2]
     assert httpx.get(f"{mesh.url}/v1/skills/never/history").status_code == 404
-    assert httpx.delete(f"{mesh.url}/v1/skills/never").status_code == 404
+    assert httpx.delete(f"{mesh.url}/v1/skills/never", headers=JSON).status_code == 404
     assert httpx.put(f"{mesh.url}/v1/skills/bad name", json={"body": "x"}).status_code == 400
 
 

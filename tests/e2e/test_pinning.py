@@ -51,6 +51,9 @@ from apomesh.testing import Mesh
 TONE_V1 = "Be terse.\r\nNever use exclamation marks \u2014 not once.\n  trailing blanks  \n"
 TONE_V2 = "Be chatty and loud!!!\n"
 
+JSON = {"Content-Type": "application/json"}
+"""Every write says JSON (the API refuses any other with 415)."""
+
 
 def sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -139,7 +142,7 @@ def test_a_resume_uses_the_pinned_skill_byte_for_byte_after_the_catalog_changed(
 
     # The catalog changes underneath: edited, then deleted.
     assert httpx.put(f"{mesh.url}/v1/skills/tone", json={"body": TONE_V2}).status_code == 200
-    assert httpx.delete(f"{mesh.url}/v1/skills/tone").status_code == 204
+    assert httpx.delete(f"{mesh.url}/v1/skills/tone", headers=JSON).status_code == 204
     assert httpx.get(f"{mesh.url}/v1/skills/tone").status_code == 404
 
     # A worker dies: its agent is re-dispatched from the record onto the other worker.
