@@ -464,6 +464,103 @@ async def test_a_worker_registering_again_from_a_new_process_replaces_its_predec
 
 
 # --------------------------------------------------------------------------------------------
+# the daemon answers a worker only on that worker's own inbox
+
+DROPPED_METRIC = "apomesh_control_requests_dropped_total"
+
+
+async def poison_replies(nc: nats.NATS, worker_id: str, session_id: str) -> None:
+    """Requests on ``worker_id``'s own control subjects whose reply subjects point where it may
+    not publish: the JetStream API (a purge of the log), a session's log, a KV key. Then one
+    with its own inbox, answered once the daemon has read the others."""
+    registration = ENCODER.encode(Register(worker_id, "prober", [], []))
+    for subject, reply in (
+        (bound_subject(SUBJECT_REGISTER, worker_id), "$JS.API.STREAM.PURGE.APOMESH_LOG"),
+        (bound_subject(SUBJECT_REGISTER, worker_id), f"apomesh.log.{session_id}"),
+        (bound_subject(SUBJECT_NODE, worker_id), f"apomesh.log.{session_id}"),
+        (bound_subject(SUBJECT_REGISTER, worker_id), "$KV.APOMESH_SKILLS.house-style"),
+        (bound_subject(SUBJECT_REGISTER, worker_id), f"{worker_inbox_prefix('worker-a')}.x.1"),
+    ):
+        await nc.publish(subject, registration, reply=reply)
+    answer = await nc.request(bound_subject(SUBJECT_REGISTER, worker_id), registration, timeout=10)
+    REGISTER_REPLY_DECODER.decode(answer.data)
+
+
+async def log_counts(nc: nats.NATS, session_id: str) -> tuple[int, int]:
+    """(messages on the whole log, messages of ``session_id``)."""
+    js = nc.jetstream(timeout=10.0)
+    info = await js.stream_info("APOMESH_LOG", subjects_filter=f"apomesh.log.{session_id}")
+    return info.state.messages, (info.state.subjects or {}).get(f"apomesh.log.{session_id}", 0)
+
+
+def dropped(metrics: str) -> float:
+    lines = [line for line in metrics.splitlines() if line.startswith(DROPPED_METRIC)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+ECHO = {
+    "name": "echo",
+    "version": "1",
+    "model": {"provider": "scripted", "turns": [{"final": "ok"}]},
+}
+
+
+async def test_a_worker_cannot_make_the_daemon_answer_onto_jetstream_the_log_or_kv(
+    system: SecureSystem,
+) -> None:
+    with system.http() as client:
+        put = client.put("/v1/skills/house-style", json={"body": "Write plainly."})
+        assert put.status_code in (200, 201), put.text
+    session_id = start_session(system, ECHO)
+    wait_status(system, session_id, ("completed",))
+    daemon = await Probe.open(system, "daemon", worker=False)
+    probe = await Probe.open(system, "worker-c")
+    try:
+        before = await log_counts(daemon.nc, session_id)
+        assert before[0] > 0 and before[1] > 0
+        await poison_replies(probe.nc, "worker-c", session_id)
+        assert await log_counts(daemon.nc, session_id) == before
+    finally:
+        await probe.aclose()
+        await daemon.aclose()
+    with system.http() as client:
+        view = client.get(f"/v1/sessions/{session_id}")
+        assert view.status_code == 200 and view.json()["status"] == "completed"
+        skill = client.get("/v1/skills/house-style")
+        assert skill.status_code == 200 and "Write plainly." in skill.text
+        assert client.get("/v1/skills").status_code == 200
+        assert dropped(client.get("/metrics").text) >= 5
+    # The log and the control plane still work: a new session runs to the end.
+    assert wait_status(system, start_session(system, ECHO), ("completed",))["status"] == "completed"
+
+
+async def test_with_no_nats_permissions_the_daemon_still_answers_only_worker_inboxes(
+    mesh: Any,
+) -> None:
+    import httpx
+
+    session_id = httpx.post(
+        f"{mesh.url}/v1/sessions", json={"goal": "x", "definition": ECHO}, timeout=30
+    ).json()["session_id"]
+    deadline = time.monotonic() + TIMEOUT
+    while httpx.get(f"{mesh.url}/v1/sessions/{session_id}").json()["status"] != "completed":
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    nc = await nats.connect(mesh.nats_url, inbox_prefix=worker_inbox_prefix("prober"))
+    try:
+        before = await log_counts(nc, session_id)
+        await poison_replies(nc, "prober", session_id)
+        assert await log_counts(nc, session_id) == before
+        # The bare subjects of old are not served at all.
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request(SUBJECT_REGISTER, b"", timeout=10)
+    finally:
+        await nc.close()
+    assert dropped(httpx.get(f"{mesh.url}/metrics").text) >= 5
+    assert httpx.get(f"{mesh.url}/v1/skills").status_code == 200
+
+
+# --------------------------------------------------------------------------------------------
 # wrong or missing credentials say what is wrong
 
 
