@@ -13,6 +13,7 @@ rate-limited; and no secret, token or skill body reaches any log file or command
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import subprocess
@@ -613,6 +614,47 @@ async def test_missing_credentials_and_certificates_fail_clearly(system: SecureS
         )  # fmt: skip
     nc = await connect(system.cluster.urls, **login.connect_options(pki))
     await nc.close()
+
+
+@pytest.mark.parametrize("scheme", ["tls", "nats"])
+async def test_tls_cannot_be_downgraded_by_a_server_that_does_not_offer_it(
+    system: SecureSystem, scheme: str
+) -> None:
+    """A fake server on 127.0.0.1 that answers in plain NATS, without ``tls_required``: with TLS
+    configured (a ``tls://`` URL, or a TLS context with a ``nats://`` one) the client sends it
+    nothing, and says why."""
+    received = bytearray()
+
+    async def plain_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {
+            "server_id": "fake",
+            "version": "2.10.0",
+            "auth_required": True,
+            "max_payload": 1 << 20,
+        }
+        writer.write(f"INFO {json.dumps(info)}\r\n".encode())
+        await writer.drain()
+        with contextlib.suppress(OSError):
+            while chunk := await reader.read(65536):
+                received.extend(chunk)
+        writer.close()
+
+    server = await asyncio.start_server(plain_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    login = system.logins["worker-c"]
+    try:
+        with pytest.raises(NatsTlsError, match="does not offer TLS") as refused:
+            await connect(
+                f"{scheme}://127.0.0.1:{port}",
+                connect_timeout=10,
+                **login.connect_options(system.pki),
+            )
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert login.password not in str(refused.value)
+    assert login.password.encode() not in received
+    assert b"CONNECT" not in received
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,8 +111,33 @@ def _is_auth_refusal(exc: BaseException) -> bool:
 
 def _is_tls_failure(exc: BaseException) -> bool:
     return isinstance(
-        exc, (ssl.SSLError, ssl.CertificateError, nats.errors.SecureConnRequiredError)
+        exc,
+        (ssl.SSLError, ssl.CertificateError, nats.errors.SecureConnRequiredError, TlsNotOffered),
     )
+
+
+class TlsNotOffered(nats.errors.Error):
+    """A server that does not require TLS answered a connection that must use it (``tls://``
+    URLs or a TLS context): nothing more is sent to it, credentials least of all."""
+
+    def __str__(self) -> str:
+        return "nats: the server does not offer TLS, which this connection requires"
+
+
+class _TlsRequiringClient(NATS):
+    """A nats-py client that refuses a server whose INFO does not require TLS.
+
+    nats-py upgrades to TLS only when the server's INFO asks for it, whatever the URL scheme or
+    TLS context: a server (or anything in between) that leaves ``tls_required`` out would get the
+    CONNECT line, password included, in clear. The INFO is read before anything is sent, so
+    refusing it here sends nothing; this holds for every reconnection too."""
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        server = self._current_server
+        secured_below = server is not None and server.uri.scheme == "wss"
+        if initial_connection and not secured_below and not info.get("tls_required", False):
+            raise TlsNotOffered()
+        await super()._process_info(info, initial_connection=initial_connection)
 
 
 def split_urls(urls: str | Sequence[str]) -> list[str]:
@@ -163,7 +188,12 @@ async def connect(
     URLs and the last error when no server answers within ``connect_timeout`` seconds.
     """
     servers = split_urls(urls)
-    client = NATS()
+    # TLS configured means TLS required: never a plain connection to a server that offers none.
+    client = (
+        _TlsRequiringClient()
+        if tls is not None or any(url.startswith("tls://") for url in servers)
+        else NATS()
+    )
     failures: list[BaseException] = []
     # Set when the first connection meets a refusal that trying again cannot fix (credentials,
     # certificates): it ends the attempt at once instead of at the timeout.
@@ -272,6 +302,11 @@ async def _first_connection(
 def _tls_reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"the server's certificate was not accepted: {exc.verify_message}"
+    if isinstance(exc, TlsNotOffered):
+        return (
+            "the server does not offer TLS, which the connection requires: nothing was sent"
+            " to it (no credentials); check the URL and that this is the NATS server meant"
+        )
     if isinstance(exc, nats.errors.SecureConnRequiredError):
         return "the server requires TLS and none is configured ([nats] tls_ca, tls_cert, tls_key)"
     if isinstance(exc, ssl.SSLError) and exc.reason:
