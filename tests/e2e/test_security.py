@@ -30,6 +30,7 @@ from tests.e2e.secure_system import SecureSystem, create_token
 from apomesh.adapters.nats_connect import NatsAuthError, NatsTlsError, connect, tls_context
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.demo import DEMO_AGENT
+from apomesh.runtime.nats_permissions import OPERATOR_INBOX_PREFIX
 from apomesh.runtime.protocol import (
     ENCODER,
     REGISTER_REPLY_DECODER,
@@ -37,6 +38,7 @@ from apomesh.runtime.protocol import (
     SUBJECT_NODE,
     SUBJECT_REGISTER,
     BudgetState,
+    Cancel,
     NodeReport,
     Register,
     bound_subject,
@@ -129,7 +131,13 @@ class Probe:
 
     @classmethod
     async def open(
-        cls, system: SecureSystem, login: str, *, on_leaf: bool = False, worker: bool = True
+        cls,
+        system: SecureSystem,
+        login: str,
+        *,
+        on_leaf: bool = False,
+        worker: bool = True,
+        inbox: str = "_INBOX",
     ) -> Probe:
         refusals: list[str] = []
 
@@ -148,7 +156,7 @@ class Probe:
             tls=options["tls"],
             error_cb=on_error,
             allow_reconnect=False,
-            inbox_prefix=worker_inbox_prefix(who.identity) if worker else "_INBOX",
+            inbox_prefix=worker_inbox_prefix(who.identity) if worker else inbox,
             **auth,
         )
         return cls(nc, refusals)
@@ -301,7 +309,7 @@ async def test_an_operator_reads_the_log_but_cannot_write_it(system: SecureSyste
         },
     )
     last = wait_status(system, session_id, ("completed",))["last_index"]
-    probe = await Probe.open(system, "operator", worker=False)
+    probe = await Probe.open(system, "operator", worker=False, inbox=OPERATOR_INBOX_PREFIX)
     try:
         js = probe.nc.jetstream(timeout=10.0)
         info = await js.stream_info("APOMESH_LOG", subjects_filter=f"apomesh.log.{session_id}")
@@ -313,8 +321,131 @@ async def test_an_operator_reads_the_log_but_cannot_write_it(system: SecureSyste
         await probe.publish_refused(f"apomesh.log.{session_id}", b"forged")
         await probe.publish_refused("$JS.API.STREAM.PURGE.APOMESH_LOG")
         await probe.publish_refused("apomesh.dispatch.worker-a")
+        # Its own replies only: not the daemon's (log reads, KV values) nor the workers'.
+        await probe.subscribe_refused("_INBOX.>")
+        await probe.subscribe_refused(f"{worker_inbox_prefix('worker-a')}.>")
     finally:
         await probe.aclose()
+
+
+async def arrives_in_order(
+    receive: nats.NATS,
+    send: nats.NATS,
+    marker_subject: str,
+    forbidden: list[str],
+    *,
+    send_forbidden: nats.NATS | None = None,
+) -> list[str]:
+    """Subscribe ``receive`` to ``forbidden`` and ``marker_subject``; once a marker from ``send``
+    crosses, publish on every forbidden subject and one more marker: the subjects heard before
+    that marker arrives (messages from one publisher on one path keep their order)."""
+    heard: list[str] = []
+    markers: asyncio.Queue[bytes] = asyncio.Queue()
+    marker = ENCODER.encode(Cancel("probe", "probe", 0))
+
+    async def on_message(msg: Any) -> None:
+        # The deployment's own traffic runs on some of these subjects: only ours counts.
+        if msg.subject == marker_subject and msg.data in (marker, b"last"):
+            await markers.put(msg.data)
+        elif msg.subject != marker_subject and msg.data == marker:
+            heard.append(msg.subject)
+
+    for subject in [*forbidden, marker_subject]:
+        await receive.subscribe(subject, cb=on_message)
+    await receive.flush()
+    deadline = time.monotonic() + TIMEOUT
+    while markers.empty():
+        assert time.monotonic() < deadline, f"no marker on {marker_subject} crossed"
+        await send.publish(marker_subject, marker)
+        await send.flush()
+        await asyncio.sleep(0.05)
+    while not markers.empty():
+        markers.get_nowait()
+    sender = send_forbidden or send
+    for subject in forbidden:
+        await sender.publish(subject.replace(">", "x").replace("*", "x"), marker)
+    await sender.flush()
+    await send.publish(marker_subject, b"last")
+    await send.flush()
+    while await asyncio.wait_for(markers.get(), TIMEOUT) != b"last":
+        pass
+    return heard
+
+
+async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: SecureSystem) -> None:
+    """An edge host that runs its own leaf node with the hub's ``leaf`` login (and no
+    permissions of its own) still cannot write onto a log, dispatch to or answer as a cluster
+    worker, or hear the control plane: the hub's permissions on the login filter the link."""
+    from dataclasses import replace as with_fields
+
+    from apomesh.adapters.natsserver import (
+        Account,
+        LeafRemote,
+        NatsServer,
+        NatsUser,
+        TlsConfig,
+        single_node,
+    )
+    from apomesh.runtime.nats_permissions import ACCOUNT
+
+    pki = system.pki
+    rogue_cert = pki.client("rogue-leaf")
+    password = secrets.token_urlsafe(12)
+    spec = with_fields(
+        single_node(system.base / "rogue", name="rogue-leaf", jetstream=False),
+        accounts=(
+            Account(ACCOUNT, users=(NatsUser(user="rogue", password=password),), jetstream=False),
+        ),
+        remotes=(
+            LeafRemote(
+                urls=tuple(
+                    f"nats-leaf://127.0.0.1:{server.spec.leafnode_port}"
+                    for server in system.cluster
+                ),
+                account=ACCOUNT,
+                user="leaf",
+                password=system.logins["leaf"].password,
+                tls=TlsConfig(cert=rogue_cert.cert, key=rogue_cert.key, ca=pki.ca),
+            ),
+        ),
+    )
+    rogue_leaf = NatsServer(spec)
+    rogue_leaf.start()
+    try:
+        rogue_leaf.wait_leafnode_connected()
+        rogue = await nats.connect(rogue_leaf.url, user="rogue", password=password)
+        daemon = await Probe.open(system, "daemon", worker=False)
+        edge = system.logins["edge-1"].identity
+        session = f"rogue-{secrets.token_hex(4)}"
+        try:
+            # From the edge host into the cluster: only the edge worker's own subjects.
+            heard = await arrives_in_order(
+                daemon.nc,
+                rogue,
+                f"apomesh.hb.{edge}",
+                [
+                    f"apomesh.log.{session}",
+                    "apomesh.dispatch.worker-a",
+                    bound_subject(SUBJECT_NODE, "worker-a"),
+                    "apomesh.hb.worker-a",
+                ],
+            )
+            assert heard == []
+            # From the cluster to the edge host: only the edge worker's dispatches and inbox.
+            heard = await arrives_in_order(
+                rogue,
+                daemon.nc,
+                f"apomesh.dispatch.{edge}",
+                ["apomesh.ctl.>", "apomesh.dispatch.worker-a", "_INBOX.>", "apomesh.hb.>"],
+            )
+            assert heard == []
+            _, on_session = await log_counts(daemon.nc, session)
+            assert on_session == 0
+        finally:
+            await rogue.close()
+            await daemon.aclose()
+    finally:
+        rogue_leaf.stop()
 
 
 def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_path: Path) -> None:
@@ -323,6 +454,7 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
     from apomesh.adapters.natsserver import find_nats_server
     from apomesh.runtime.nats_permissions import (
         daemon_permissions,
+        leaf_permissions,
         operator_permissions,
         worker_permissions,
     )
@@ -357,6 +489,8 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
     accounts = (samples / "accounts.conf").read_text() + (samples / "leaf.conf").read_text()
     roles = [daemon_permissions(), operator_permissions(), worker_permissions("worker-1")]
     roles.append(worker_permissions("edge-2"))
+    edge_nkey = "UCAXZNF7H2TXOBPUWC54FTW564DU6L4DCZZZG4D657A4QDOIIZMVTM4A"
+    roles.append(leaf_permissions([edge_nkey, "edge-2"]))
     for permissions in roles:
         for subject in (
             *permissions.publish,
