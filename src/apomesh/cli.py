@@ -50,6 +50,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from apomesh.adapters.nats_connect import redact_urls
     from apomesh.api.server import serve_api
     from apomesh.runtime.node import Node
 
@@ -69,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async with Node(config, http=serve_api) as node:
             assert node.daemon is not None
             console.print(
-                f"apomesh {__version__} serving on {node.http_url} (NATS {', '.join(node.urls)},"
+                f"apomesh {__version__} serving on {node.http_url} (NATS {redact_urls(node.urls)},"
                 f" data {config.daemon.data_path()}, {config.daemon.workers} local workers)"
             )
             console.print(f"boot scan: {node.daemon.boot_report}")
@@ -83,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import socket
 
-    from apomesh.adapters.nats_connect import connect
+    from apomesh.adapters.nats_connect import connect, redact_urls
     from apomesh.runtime.nats_permissions import credential_identity
     from apomesh.runtime.node import make_plugin_host, nats_options
     from apomesh.runtime.protocol import check_worker_id, new_worker_id, worker_inbox_prefix
@@ -133,7 +134,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         )
         await worker.start()
         console.print(
-            f"worker {worker.worker_id} on {', '.join(config.nats.urls)}, workspace {workspace}"
+            f"worker {worker.worker_id} on {redact_urls(config.nats.urls)}, workspace {workspace}"
         )
         await stop.wait()
         await worker.aclose()

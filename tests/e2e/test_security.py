@@ -791,6 +791,58 @@ async def test_tls_cannot_be_downgraded_by_a_server_that_does_not_offer_it(
     assert b"CONNECT" not in received
 
 
+def test_nats_urls_with_credentials_are_logged_without_them(system: SecureSystem) -> None:
+    """A URL carrying a password (``tls://user:password@host``, from the environment) is never
+    written out whole: not when the worker says where it connected, not when it cannot connect."""
+    login = system.logins["worker-c"]
+    env = {k: v for k, v in login.env(system.pki, "worker-c").items() if "PASSWORD" not in k}
+    env.pop("APOMESH_NATS_USER")
+
+    def with_password(url: str) -> str:
+        return url.replace("://", f"://{login.name}:{login.password}@", 1)
+
+    unreachable = {
+        **env,
+        "APOMESH_NATS_URLS": with_password(f"tls://127.0.0.1:{free_port_number()}"),
+        "APOMESH_NATS_CONNECT_TIMEOUT": "2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "apomesh", "worker", "--id", "worker-c",
+         "--workspace", str(system.base / "redacted")],
+        capture_output=True, text=True, timeout=60, env={**_environ(), **unreachable},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "cannot reach NATS" in result.stderr + result.stdout
+    assert f"{login.name}:***@" in result.stderr + result.stdout
+    assert login.password not in result.stderr + result.stdout
+    reachable = {**env, "APOMESH_NATS_URLS": ",".join(map(with_password, system.cluster.urls))}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "apomesh", "worker", "--id", "worker-c",
+         "--workspace", str(system.base / "redacted")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**_environ(), **reachable},
+    )  # fmt: skip
+    output = []
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            output.append(line)
+            if line.startswith("worker worker-c on"):
+                break
+    finally:
+        worker.terminate()
+        rest, _ = worker.communicate(timeout=30)
+    text = "".join(output) + rest
+    assert "worker worker-c on tls://worker-c:***@127.0.0.1:" in text, text
+    assert login.password not in text
+
+
+def free_port_number() -> int:
+    from apomesh.adapters.natsserver import free_port
+
+    return free_port()
+
+
 # --------------------------------------------------------------------------------------------
 # API tokens
 

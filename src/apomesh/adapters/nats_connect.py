@@ -40,6 +40,8 @@ __all__ = [
     "close_quietly",
     "connect",
     "direct_get_batch",
+    "redact_url",
+    "redact_urls",
     "split_urls",
     "tls_context",
     "unavailable_as_log_error",
@@ -154,6 +156,26 @@ def split_urls(urls: str | Sequence[str]) -> list[str]:
     return result
 
 
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line: a password or token in it is replaced by ``***``
+    (``nats://user:***@host:4222``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url
+    userinfo, host = authority.rsplit("@", 1)
+    user, colon, _ = userinfo.partition(":")
+    hidden = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{hidden}@{host}{slash}{path}"
+
+
+def redact_urls(urls: Sequence[str]) -> str:
+    """Several URLs for a log line, each as ``redact_url`` gives it."""
+    return ", ".join(redact_url(url) for url in urls)
+
+
 def tls_context(
     *, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
 ) -> ssl.SSLContext:
@@ -211,12 +233,12 @@ async def connect(
         _log.debug("nats connection error: %r", exc)
 
     async def on_disconnected() -> None:
-        _log.info("disconnected from NATS (%s); reconnecting", ", ".join(servers))
+        _log.info("disconnected from NATS (%s); reconnecting", redact_urls(servers))
 
     async def on_reconnected() -> None:
         _log.info(
             "reconnected to NATS at %s",
-            client.connected_url.netloc if client.connected_url else "?",
+            redact_url(client.connected_url.netloc) if client.connected_url else "?",
         )
 
     options: dict[str, Any] = {
@@ -262,17 +284,17 @@ async def connect(
                 credentials=credentials, nkey_seed_file=nkey_seed_file, token=token, user=user
             )
             raise NatsAuthError(
-                f"NATS at {', '.join(servers)} refused the connection (authorization violation)"
+                f"NATS at {redact_urls(servers)} refused the connection (authorization violation)"
                 f" for {presented}: check that the server knows these credentials"
             ) from None
         tls_failure = next((e for e in seen if _is_tls_failure(e)), None)
         if tls_failure is not None:
             raise NatsTlsError(
-                f"TLS with NATS at {', '.join(servers)} failed: {_tls_reason(tls_failure)}"
+                f"TLS with NATS at {redact_urls(servers)} failed: {_tls_reason(tls_failure)}"
                 f" ({_describe_tls(tls)})"
             ) from None
         raise LogUnavailable(
-            f"cannot reach NATS at {', '.join(servers)} within {connect_timeout:g} s"
+            f"cannot reach NATS at {redact_urls(servers)} within {connect_timeout:g} s"
             f" (last error: {last!r})"
         ) from None
     return client

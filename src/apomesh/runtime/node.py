@@ -22,7 +22,7 @@ from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
-from apomesh.adapters.nats_connect import connect, tls_context
+from apomesh.adapters.nats_connect import connect, redact_url, tls_context
 from apomesh.adapters.natsserver import embedded_server
 from apomesh.builtin.skills import DirectorySkillResolver
 from apomesh.plugins.api import SkillResolver
@@ -132,7 +132,9 @@ class Node:
             await asyncio.to_thread(self.server.start)
             self.urls = [self.server.url]
             log.info(
-                "embedded nats-server at %s (store %s)", self.server.url, config.nats_store_path()
+                "embedded nats-server at %s (store %s)",
+                redact_url(self.server.url),
+                config.nats_store_path(),
             )
         self.nc = await connect(
             self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config)
