@@ -155,7 +155,7 @@ class Daemon:
         self.fenced_total = self.metrics.registry.counter(
             "apomesh_fenced_reports_total", "Worker reports rejected for a stale epoch or identity."
         )
-        self.refused_replies = self.metrics.registry.counter(
+        self.dropped_requests = self.metrics.registry.counter(
             "apomesh_control_requests_dropped_total",
             "Control requests dropped unanswered: not on a worker's bound subject, or with a reply"
             " subject outside that worker's own inbox.",
@@ -192,7 +192,8 @@ class Daemon:
         self.daemon_id = await self._stable_id()
         await self.log.ensure()
         await self.heartbeats.ensure()
-        self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_control))
+        self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
+        self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
         self._beat_sub = await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat)
         self._subs.append(self._beat_sub)
         self._spawn(self._liveness_forever())
@@ -555,6 +556,8 @@ class Daemon:
     # --- workers -------------------------------------------------------------------------------------
 
     async def _on_register(self, msg: Msg) -> None:
+        if not self._answerable(msg):
+            return
         try:
             reg = REGISTER_DECODER.decode(msg.data)
         except Exception as exc:
@@ -789,21 +792,24 @@ class Daemon:
 
     # --- reports from workers ------------------------------------------------------------------------
 
-    async def _on_control(self, msg: Msg) -> None:
-        """Every request on a bound control subject. One whose reply subject is not the sending
-        worker's own inbox is dropped unread: the daemon's answer would be published with its
-        rights (JetStream, KV, the log) wherever the sender chose."""
-        if not answerable(msg.subject, msg.reply):
-            self.refused_replies.inc()
-            log.warning(
-                "dropped a request on %s: its reply subject %r is not that worker's inbox",
-                msg.subject,
-                msg.reply[:200],
-            )
-            return
+    def _answerable(self, msg: Msg) -> bool:
+        """Whether to read and answer a control request at all. One whose reply subject is not
+        the sending worker's own inbox is dropped unread: the daemon's answer would be
+        published with its rights (JetStream, KV, the log) wherever the sender chose."""
+        if answerable(msg.subject, msg.reply):
+            return True
+        self.dropped_requests.inc()
+        log.warning(
+            "dropped a request on %s: its reply subject %r is not that worker's inbox",
+            msg.subject,
+            msg.reply[:200],
+        )
+        return False
+
+    async def _on_report(self, msg: Msg) -> None:
         if msg.subject.startswith(SUBJECT_REGISTER + "."):
-            await self._on_register(msg)
-        else:
+            return  # registrations have their own subscription
+        if self._answerable(msg):
             # nats-py runs one subscription's callbacks one after another: hand each report to
             # its own task so sessions proceed concurrently (one agent's reports are sequential
             # requests anyway).
