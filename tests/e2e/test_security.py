@@ -4,10 +4,14 @@ HTTPS with bearer tokens, and workers holding their own credentials.
 
 The session runs end to end over all of it; a worker's credentials cannot append to or read the
 log, touch KV, impersonate another worker's heartbeat or reports, or take another worker's
-dispatch — each refused by the server itself; the daemon refuses a worker whose tools are not
-allowed and fences a report that names another worker; wrong or missing NATS credentials and
-certificates fail with an error saying what is wrong; API tokens expire, are revoked and are
-rate-limited; and no secret, token or skill body reaches any log file or command line.
+dispatch — each refused by the server itself; the leaf login, even used by a leaf node of the
+edge host's own, carries only its edge worker's subjects; an operator hears only its own replies;
+the daemon answers a worker only on its own inbox (never on a reply subject pointing at the
+JetStream API, a log or KV), refuses a worker whose tools are not allowed and fences a report
+that names another worker; wrong or missing NATS credentials and certificates fail with an error
+saying what is wrong, and a server that does not offer TLS gets nothing; API tokens expire, are
+revoked and are rate-limited; and no secret, token or skill body reaches any log file or command
+line, NATS URLs with passwords included.
 """
 
 from __future__ import annotations
