@@ -6,7 +6,10 @@ forever (a daemon outlives server restarts), but the first connection is bounded
 cannot be reached within ``connect_timeout`` seconds is a ``LogUnavailable``, never a hang, and a
 server that refuses who we say we are (``NatsAuthError``) or a TLS handshake that fails
 (``NatsTlsError``) is said as such, naming the credentials or certificates involved, never their
-secrets. A permissions violation the server reports on a live connection is logged as an error. ``unavailable_as_log_error``
+secrets. With TLS configured (``tls://`` URLs or a TLS context) a connection is TLS or nothing: a
+server whose INFO does not require TLS is refused before the login is sent (nats-py would
+otherwise send it in clear). URLs are logged through ``redact_url``, never with a password or
+token. A permissions violation the server reports on a live connection is logged as an error. ``unavailable_as_log_error``
 maps the nats-py failures that mean "NATS cannot be reached right now" to ``LogUnavailable``;
 ``direct_get_batch`` runs one batched direct-get request and collects its messages up to the
 end-of-batch status; ``api_request`` runs one raw ``$JS.API`` request.
