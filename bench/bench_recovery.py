@@ -64,7 +64,9 @@ from apomesh.runtime.protocol import (
     DispatchAck,
     Register,
     beat_subject,
+    bound_subject,
     dispatch_subject,
+    worker_inbox_prefix,
 )
 from apomesh.sdk.client import ApiError, Client
 from apomesh.testing import Mesh
@@ -188,12 +190,19 @@ class SinkWorker:
 
     async def register(self) -> None:
         request = Register(self.worker_id, "sink", self.tools, ["scripted"])
+        # The daemon answers only on the worker's own inbox; the sink shares the daemon's
+        # connection, so it names that inbox itself.
+        inbox = f"{worker_inbox_prefix(self.worker_id)}.register"
+        replies = await self.nc.subscribe(inbox)
+        subject = bound_subject(SUBJECT_REGISTER, self.worker_id)
         while True:
             try:
-                msg = await self.nc.request(SUBJECT_REGISTER, ENCODER.encode(request), timeout=2)
+                await self.nc.publish(subject, ENCODER.encode(request), reply=inbox)
+                msg = await replies.next_msg(timeout=2)
             except Exception:
                 await asyncio.sleep(0.05)
                 continue
+            await replies.unsubscribe()
             self._incarnation = REGISTER_REPLY_DECODER.decode(msg.data).incarnation
             return
 

@@ -52,6 +52,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from apomesh.adapters.nats_connect import redact_urls
     from apomesh.api.server import serve_api
     from apomesh.runtime.node import Node
 
@@ -71,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async with Node(config, http=serve_api) as node:
             assert node.daemon is not None
             console.print(
-                f"apomesh {__version__} serving on {node.http_url} (NATS {', '.join(node.urls)},"
+                f"apomesh {__version__} serving on {node.http_url} (NATS {redact_urls(node.urls)},"
                 f" data {config.daemon.data_path()}, {config.daemon.workers} local workers)"
             )
             console.print(f"boot scan: {node.daemon.boot_report}")
@@ -83,10 +84,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from apomesh.adapters.nats_connect import connect
+    import socket
+
+    from apomesh.adapters.nats_connect import connect, redact_urls
     from apomesh.runtime.nats_permissions import credential_identity
     from apomesh.runtime.node import make_plugin_host, nats_options
-    from apomesh.runtime.protocol import check_worker_id, worker_inbox_prefix
+    from apomesh.runtime.protocol import check_worker_id, new_worker_id, worker_inbox_prefix
     from apomesh.runtime.worker import Worker
 
     config = _config(args, {"nats": {"urls": args.nats.split(",") if args.nats else None}})
@@ -98,15 +101,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # The id comes from the credentials unless given: NATS permissions name it, so a worker can
     # only beat, report and take dispatches as the identity it authenticated as.
     worker_id = args.id or credential_identity(config.nats)
+    name = args.name or worker_id or socket.gethostname()
     if worker_id is not None:
         try:
             check_worker_id(worker_id)
         except ValueError as exc:
             err.print(f"[red]error[/]: {exc}; give a usable one with --id")
             return 2
-    connect_options = nats_options(config)
-    if worker_id is not None:
-        connect_options["inbox_prefix"] = worker_inbox_prefix(worker_id)
+    else:
+        worker_id = new_worker_id(name)
+    # The daemon answers a worker only on its own inbox.
+    connect_options = {**nats_options(config), "inbox_prefix": worker_inbox_prefix(worker_id)}
 
     async def work() -> None:
         stop = asyncio.Event()
@@ -116,7 +121,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         plugins = make_plugin_host(config)
         nc = await connect(
             config.nats.urls,
-            name=f"apomesh-worker-{worker_id or args.name or ''}",
+            name=f"apomesh-worker-{worker_id}",
             **connect_options,
         )
         worker = Worker(
@@ -125,13 +130,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
             providers=plugins.model_providers(),
             supervisors=list(plugins.supervisor_policies().values()),
             workspace=workspace,
-            name=args.name or worker_id,
+            name=name,
             worker_id=worker_id,
             heartbeat_interval=config.liveness.heartbeat_interval,
         )
         await worker.start()
         console.print(
-            f"worker {worker.worker_id} on {', '.join(config.nats.urls)}, workspace {workspace}"
+            f"worker {worker.worker_id} on {redact_urls(config.nats.urls)}, workspace {workspace}"
         )
         await stop.wait()
         await worker.aclose()

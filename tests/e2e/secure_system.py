@@ -47,7 +47,11 @@ from apomesh.adapters.natsserver import (
     start_cluster,
     wait_jetstream_ready,
 )
-from apomesh.runtime.nats_permissions import ACCOUNT, apomesh_account, worker_permissions
+from apomesh.runtime.nats_permissions import (
+    ACCOUNT,
+    apomesh_account,
+    worker_permissions,
+)
 from apomesh.testing import DaemonProcess, WorkerProcess, _run_in_own_loop
 
 HEARTBEAT = "0.3"
@@ -175,6 +179,7 @@ class SecureSystem:
             daemon=logins["daemon"].user(),
             workers={logins[w].identity: logins[w].user() for w in cluster_workers},
             operators=[logins["operator"].user()],
+            leaves=[(logins["leaf"].user(), [logins["edge-1"].identity])],
         )
         server_tls = TlsConfig(
             cert=pki.server.cert, key=pki.server.key, ca=pki.ca, verify=True, timeout=5.0
@@ -189,9 +194,7 @@ class SecureSystem:
                 cluster_tls=server_tls,
                 leafnode_port=leaf_port,
                 leafnode_tls=server_tls,
-                leafnode_users=(
-                    NatsUser(user="leaf", password=logins["leaf"].password, account=ACCOUNT),
-                ),
+
             )
             for spec, leaf_port in zip(specs, leaf_ports, strict=True)
         ]

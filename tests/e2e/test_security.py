@@ -4,15 +4,20 @@ HTTPS with bearer tokens, and workers holding their own credentials.
 
 The session runs end to end over all of it; a worker's credentials cannot append to or read the
 log, touch KV, impersonate another worker's heartbeat or reports, or take another worker's
-dispatch — each refused by the server itself; the daemon refuses a worker whose tools are not
-allowed and fences a report that names another worker; wrong or missing NATS credentials and
-certificates fail with an error saying what is wrong; API tokens expire, are revoked and are
-rate-limited; and no secret, token or skill body reaches any log file or command line.
+dispatch — each refused by the server itself; the leaf login, even used by a leaf node of the
+edge host's own, carries only its edge worker's subjects; an operator hears only its own replies;
+the daemon answers a worker only on its own inbox (never on a reply subject pointing at the
+JetStream API, a log or KV), refuses a worker whose tools are not allowed and fences a report
+that names another worker; wrong or missing NATS credentials and certificates fail with an error
+saying what is wrong, and a server that does not offer TLS gets nothing; API tokens expire, are
+revoked and are rate-limited; and no secret, token or skill body reaches any log file or command
+line, NATS URLs with passwords included.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import subprocess
@@ -29,6 +34,7 @@ from tests.e2e.secure_system import SecureSystem, create_token
 from apomesh.adapters.nats_connect import NatsAuthError, NatsTlsError, connect, tls_context
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.demo import DEMO_AGENT
+from apomesh.runtime.nats_permissions import OPERATOR_INBOX_PREFIX
 from apomesh.runtime.protocol import (
     ENCODER,
     REGISTER_REPLY_DECODER,
@@ -36,6 +42,7 @@ from apomesh.runtime.protocol import (
     SUBJECT_NODE,
     SUBJECT_REGISTER,
     BudgetState,
+    Cancel,
     NodeReport,
     Register,
     bound_subject,
@@ -128,7 +135,13 @@ class Probe:
 
     @classmethod
     async def open(
-        cls, system: SecureSystem, login: str, *, on_leaf: bool = False, worker: bool = True
+        cls,
+        system: SecureSystem,
+        login: str,
+        *,
+        on_leaf: bool = False,
+        worker: bool = True,
+        inbox: str = "_INBOX",
     ) -> Probe:
         refusals: list[str] = []
 
@@ -147,7 +160,7 @@ class Probe:
             tls=options["tls"],
             error_cb=on_error,
             allow_reconnect=False,
-            inbox_prefix=worker_inbox_prefix(who.identity) if worker else "_INBOX",
+            inbox_prefix=worker_inbox_prefix(who.identity) if worker else inbox,
             **auth,
         )
         return cls(nc, refusals)
@@ -300,7 +313,7 @@ async def test_an_operator_reads_the_log_but_cannot_write_it(system: SecureSyste
         },
     )
     last = wait_status(system, session_id, ("completed",))["last_index"]
-    probe = await Probe.open(system, "operator", worker=False)
+    probe = await Probe.open(system, "operator", worker=False, inbox=OPERATOR_INBOX_PREFIX)
     try:
         js = probe.nc.jetstream(timeout=10.0)
         info = await js.stream_info("APOMESH_LOG", subjects_filter=f"apomesh.log.{session_id}")
@@ -312,8 +325,131 @@ async def test_an_operator_reads_the_log_but_cannot_write_it(system: SecureSyste
         await probe.publish_refused(f"apomesh.log.{session_id}", b"forged")
         await probe.publish_refused("$JS.API.STREAM.PURGE.APOMESH_LOG")
         await probe.publish_refused("apomesh.dispatch.worker-a")
+        # Its own replies only: not the daemon's (log reads, KV values) nor the workers'.
+        await probe.subscribe_refused("_INBOX.>")
+        await probe.subscribe_refused(f"{worker_inbox_prefix('worker-a')}.>")
     finally:
         await probe.aclose()
+
+
+async def arrives_in_order(
+    receive: nats.NATS,
+    send: nats.NATS,
+    marker_subject: str,
+    forbidden: list[str],
+    *,
+    send_forbidden: nats.NATS | None = None,
+) -> list[str]:
+    """Subscribe ``receive`` to ``forbidden`` and ``marker_subject``; once a marker from ``send``
+    crosses, publish on every forbidden subject and one more marker: the subjects heard before
+    that marker arrives (messages from one publisher on one path keep their order)."""
+    heard: list[str] = []
+    markers: asyncio.Queue[bytes] = asyncio.Queue()
+    marker = ENCODER.encode(Cancel("probe", "probe", 0))
+
+    async def on_message(msg: Any) -> None:
+        # The deployment's own traffic runs on some of these subjects: only ours counts.
+        if msg.subject == marker_subject and msg.data in (marker, b"last"):
+            await markers.put(msg.data)
+        elif msg.subject != marker_subject and msg.data == marker:
+            heard.append(msg.subject)
+
+    for subject in [*forbidden, marker_subject]:
+        await receive.subscribe(subject, cb=on_message)
+    await receive.flush()
+    deadline = time.monotonic() + TIMEOUT
+    while markers.empty():
+        assert time.monotonic() < deadline, f"no marker on {marker_subject} crossed"
+        await send.publish(marker_subject, marker)
+        await send.flush()
+        await asyncio.sleep(0.05)
+    while not markers.empty():
+        markers.get_nowait()
+    sender = send_forbidden or send
+    for subject in forbidden:
+        await sender.publish(subject.replace(">", "x").replace("*", "x"), marker)
+    await sender.flush()
+    await send.publish(marker_subject, b"last")
+    await send.flush()
+    while await asyncio.wait_for(markers.get(), TIMEOUT) != b"last":
+        pass
+    return heard
+
+
+async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: SecureSystem) -> None:
+    """An edge host that runs its own leaf node with the hub's ``leaf`` login (and no
+    permissions of its own) still cannot write onto a log, dispatch to or answer as a cluster
+    worker, or hear the control plane: the hub's permissions on the login filter the link."""
+    from dataclasses import replace as with_fields
+
+    from apomesh.adapters.natsserver import (
+        Account,
+        LeafRemote,
+        NatsServer,
+        NatsUser,
+        TlsConfig,
+        single_node,
+    )
+    from apomesh.runtime.nats_permissions import ACCOUNT
+
+    pki = system.pki
+    rogue_cert = pki.client("rogue-leaf")
+    password = secrets.token_urlsafe(12)
+    spec = with_fields(
+        single_node(system.base / "rogue", name="rogue-leaf", jetstream=False),
+        accounts=(
+            Account(ACCOUNT, users=(NatsUser(user="rogue", password=password),), jetstream=False),
+        ),
+        remotes=(
+            LeafRemote(
+                urls=tuple(
+                    f"nats-leaf://127.0.0.1:{server.spec.leafnode_port}"
+                    for server in system.cluster
+                ),
+                account=ACCOUNT,
+                user="leaf",
+                password=system.logins["leaf"].password,
+                tls=TlsConfig(cert=rogue_cert.cert, key=rogue_cert.key, ca=pki.ca),
+            ),
+        ),
+    )
+    rogue_leaf = NatsServer(spec)
+    rogue_leaf.start()
+    try:
+        rogue_leaf.wait_leafnode_connected()
+        rogue = await nats.connect(rogue_leaf.url, user="rogue", password=password)
+        daemon = await Probe.open(system, "daemon", worker=False)
+        edge = system.logins["edge-1"].identity
+        session = f"rogue-{secrets.token_hex(4)}"
+        try:
+            # From the edge host into the cluster: only the edge worker's own subjects.
+            heard = await arrives_in_order(
+                daemon.nc,
+                rogue,
+                f"apomesh.hb.{edge}",
+                [
+                    f"apomesh.log.{session}",
+                    "apomesh.dispatch.worker-a",
+                    bound_subject(SUBJECT_NODE, "worker-a"),
+                    "apomesh.hb.worker-a",
+                ],
+            )
+            assert heard == []
+            # From the cluster to the edge host: only the edge worker's dispatches and inbox.
+            heard = await arrives_in_order(
+                rogue,
+                daemon.nc,
+                f"apomesh.dispatch.{edge}",
+                ["apomesh.ctl.>", "apomesh.dispatch.worker-a", "_INBOX.>", "apomesh.hb.>"],
+            )
+            assert heard == []
+            _, on_session = await log_counts(daemon.nc, session)
+            assert on_session == 0
+        finally:
+            await rogue.close()
+            await daemon.aclose()
+    finally:
+        rogue_leaf.stop()
 
 
 def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_path: Path) -> None:
@@ -322,6 +458,7 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
     from apomesh.adapters.natsserver import find_nats_server
     from apomesh.runtime.nats_permissions import (
         daemon_permissions,
+        leaf_permissions,
         operator_permissions,
         worker_permissions,
     )
@@ -356,6 +493,8 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
     accounts = (samples / "accounts.conf").read_text() + (samples / "leaf.conf").read_text()
     roles = [daemon_permissions(), operator_permissions(), worker_permissions("worker-1")]
     roles.append(worker_permissions("edge-2"))
+    edge_nkey = "UCAXZNF7H2TXOBPUWC54FTW564DU6L4DCZZZG4D657A4QDOIIZMVTM4A"
+    roles.append(leaf_permissions([edge_nkey, "edge-2"]))
     for permissions in roles:
         for subject in (
             *permissions.publish,
@@ -464,6 +603,112 @@ async def test_a_worker_registering_again_from_a_new_process_replaces_its_predec
 
 
 # --------------------------------------------------------------------------------------------
+# the daemon answers a worker only on that worker's own inbox
+
+DROPPED_METRIC = "apomesh_control_requests_dropped_total"
+
+
+async def poison_replies(nc: nats.NATS, worker_id: str, session_id: str) -> None:
+    """Requests on ``worker_id``'s own control subjects whose reply subjects point where it may
+    not publish: the JetStream API (a purge of the log), a session's log, a KV key. Then one
+    with its own inbox, answered once the daemon has read the others."""
+    registration = ENCODER.encode(Register(worker_id, "prober", [], []))
+    for subject, reply in (
+        (bound_subject(SUBJECT_REGISTER, worker_id), "$JS.API.STREAM.PURGE.APOMESH_LOG"),
+        (bound_subject(SUBJECT_REGISTER, worker_id), f"apomesh.log.{session_id}"),
+        (bound_subject(SUBJECT_NODE, worker_id), f"apomesh.log.{session_id}"),
+        (bound_subject(SUBJECT_REGISTER, worker_id), "$KV.APOMESH_SKILLS.house-style"),
+        (bound_subject(SUBJECT_REGISTER, worker_id), f"{worker_inbox_prefix('worker-a')}.x.1"),
+    ):
+        await nc.publish(subject, registration, reply=reply)
+    answer = await nc.request(bound_subject(SUBJECT_REGISTER, worker_id), registration, timeout=10)
+    REGISTER_REPLY_DECODER.decode(answer.data)
+
+
+async def log_counts(nc: nats.NATS, session_id: str) -> tuple[int, int]:
+    """(messages on the whole log, messages of ``session_id``)."""
+    js = nc.jetstream(timeout=10.0)
+    info = await js.stream_info("APOMESH_LOG", subjects_filter=f"apomesh.log.{session_id}")
+    return info.state.messages, (info.state.subjects or {}).get(f"apomesh.log.{session_id}", 0)
+
+
+def wait_dropped(get_metrics: Callable[[], str], count: int) -> None:
+    """Until the daemon counts ``count`` dropped control requests (the report subscription
+    drops its own while the registration one answers)."""
+    deadline = time.monotonic() + TIMEOUT
+    seen = 0.0
+    while time.monotonic() < deadline:
+        lines = [line for line in get_metrics().splitlines() if line.startswith(DROPPED_METRIC)]
+        seen = float(lines[0].split()[-1]) if lines else 0.0
+        if seen >= count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{DROPPED_METRIC} is {seen}, not {count}")
+
+
+ECHO = {
+    "name": "echo",
+    "version": "1",
+    "model": {"provider": "scripted", "turns": [{"final": "ok"}]},
+}
+
+
+async def test_a_worker_cannot_make_the_daemon_answer_onto_jetstream_the_log_or_kv(
+    system: SecureSystem,
+) -> None:
+    with system.http() as client:
+        put = client.put("/v1/skills/house-style", json={"body": "Write plainly."})
+        assert put.status_code in (200, 201), put.text
+    session_id = start_session(system, ECHO)
+    wait_status(system, session_id, ("completed",))
+    daemon = await Probe.open(system, "daemon", worker=False)
+    probe = await Probe.open(system, "worker-c")
+    try:
+        before = await log_counts(daemon.nc, session_id)
+        assert before[0] > 0 and before[1] > 0
+        await poison_replies(probe.nc, "worker-c", session_id)
+        assert await log_counts(daemon.nc, session_id) == before
+    finally:
+        await probe.aclose()
+        await daemon.aclose()
+    with system.http() as client:
+        view = client.get(f"/v1/sessions/{session_id}")
+        assert view.status_code == 200 and view.json()["status"] == "completed"
+        skill = client.get("/v1/skills/house-style")
+        assert skill.status_code == 200 and "Write plainly." in skill.text
+        assert client.get("/v1/skills").status_code == 200
+        wait_dropped(lambda: client.get("/metrics").text, 5)
+    # The log and the control plane still work: a new session runs to the end.
+    assert wait_status(system, start_session(system, ECHO), ("completed",))["status"] == "completed"
+
+
+async def test_with_no_nats_permissions_the_daemon_still_answers_only_worker_inboxes(
+    mesh: Any,
+) -> None:
+    import httpx
+
+    session_id = httpx.post(
+        f"{mesh.url}/v1/sessions", json={"goal": "x", "definition": ECHO}, timeout=30
+    ).json()["session_id"]
+    deadline = time.monotonic() + TIMEOUT
+    while httpx.get(f"{mesh.url}/v1/sessions/{session_id}").json()["status"] != "completed":
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    nc = await nats.connect(mesh.nats_url, inbox_prefix=worker_inbox_prefix("prober"))
+    try:
+        before = await log_counts(nc, session_id)
+        await poison_replies(nc, "prober", session_id)
+        assert await log_counts(nc, session_id) == before
+        # The bare subjects of old are not served at all.
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request(SUBJECT_REGISTER, b"", timeout=10)
+    finally:
+        await nc.close()
+    wait_dropped(lambda: httpx.get(f"{mesh.url}/metrics").text, 5)
+    assert httpx.get(f"{mesh.url}/v1/skills").status_code == 200
+
+
+# --------------------------------------------------------------------------------------------
 # wrong or missing credentials say what is wrong
 
 
@@ -516,6 +761,99 @@ async def test_missing_credentials_and_certificates_fail_clearly(system: SecureS
         )  # fmt: skip
     nc = await connect(system.cluster.urls, **login.connect_options(pki))
     await nc.close()
+
+
+@pytest.mark.parametrize("scheme", ["tls", "nats"])
+async def test_tls_cannot_be_downgraded_by_a_server_that_does_not_offer_it(
+    system: SecureSystem, scheme: str
+) -> None:
+    """A fake server on 127.0.0.1 that answers in plain NATS, without ``tls_required``: with TLS
+    configured (a ``tls://`` URL, or a TLS context with a ``nats://`` one) the client sends it
+    nothing, and says why."""
+    received = bytearray()
+
+    async def plain_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {
+            "server_id": "fake",
+            "version": "2.10.0",
+            "auth_required": True,
+            "max_payload": 1 << 20,
+        }
+        writer.write(f"INFO {json.dumps(info)}\r\n".encode())
+        await writer.drain()
+        with contextlib.suppress(OSError):
+            while chunk := await reader.read(65536):
+                received.extend(chunk)
+        writer.close()
+
+    server = await asyncio.start_server(plain_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    login = system.logins["worker-c"]
+    try:
+        with pytest.raises(NatsTlsError, match="does not offer TLS") as refused:
+            await connect(
+                f"{scheme}://127.0.0.1:{port}",
+                connect_timeout=10,
+                **login.connect_options(system.pki),
+            )
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert login.password not in str(refused.value)
+    assert login.password.encode() not in received
+    assert b"CONNECT" not in received
+
+
+def test_nats_urls_with_credentials_are_logged_without_them(system: SecureSystem) -> None:
+    """A URL carrying a password (``tls://user:password@host``, from the environment) is never
+    written out whole: not when the worker says where it connected, not when it cannot connect."""
+    login = system.logins["worker-c"]
+    env = {k: v for k, v in login.env(system.pki, "worker-c").items() if "PASSWORD" not in k}
+    env.pop("APOMESH_NATS_USER")
+
+    def with_password(url: str) -> str:
+        return url.replace("://", f"://{login.name}:{login.password}@", 1)
+
+    unreachable = {
+        **env,
+        "APOMESH_NATS_URLS": with_password(f"tls://127.0.0.1:{free_port_number()}"),
+        "APOMESH_NATS_CONNECT_TIMEOUT": "2",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "apomesh", "worker", "--id", "worker-c",
+         "--workspace", str(system.base / "redacted")],
+        capture_output=True, text=True, timeout=60, env={**_environ(), **unreachable},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "cannot reach NATS" in result.stderr + result.stdout
+    assert f"{login.name}:***@" in result.stderr + result.stdout
+    assert login.password not in result.stderr + result.stdout
+    reachable = {**env, "APOMESH_NATS_URLS": ",".join(map(with_password, system.cluster.urls))}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "apomesh", "worker", "--id", "worker-c",
+         "--workspace", str(system.base / "redacted")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**_environ(), **reachable},
+    )  # fmt: skip
+    output = []
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            output.append(line)
+            if line.startswith("worker worker-c on"):
+                break
+    finally:
+        worker.terminate()
+        rest, _ = worker.communicate(timeout=30)
+    text = "".join(output) + rest
+    assert "worker worker-c on tls://worker-c:***@127.0.0.1:" in text, text
+    assert login.password not in text
+
+
+def free_port_number() -> int:
+    from apomesh.adapters.natsserver import free_port
+
+    return free_port()
 
 
 # --------------------------------------------------------------------------------------------

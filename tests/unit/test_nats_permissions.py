@@ -59,3 +59,65 @@ def test_a_worker_may_use_only_subjects_that_name_it() -> None:
     assert rules.allow_responses
     daemon = daemon_permissions()
     assert "$JS.API.>" in daemon.publish and "apomesh.>" in daemon.subscribe
+
+
+@pytest.mark.parametrize(
+    ("subject", "reply", "answered"),
+    [
+        ("apomesh.ctl.node.w1", "_INBOX.worker.w1.abc.1", True),
+        ("apomesh.ctl.register.w1", "_INBOX.worker.w1.x", True),
+        ("apomesh.ctl.node.w1", "", False),
+        ("apomesh.ctl.node.w1", "$JS.API.STREAM.PURGE.APOMESH_LOG", False),
+        ("apomesh.ctl.node.w1", "apomesh.log.s1", False),
+        ("apomesh.ctl.node.w1", "$KV.APOMESH_SKILLS.k", False),
+        ("apomesh.ctl.node.w1", "_INBOX.worker.w2.x", False),
+        ("apomesh.ctl.node.w1", "_INBOX.worker.w1", False),
+        ("apomesh.ctl.node.w1", "_INBOX.worker.w1.", False),
+        ("apomesh.ctl.node.w1", "_INBOX.worker.w10.x", False),
+        ("apomesh.ctl.node", "_INBOX.worker.node.x", False),
+        ("apomesh.hb.x.w1", "_INBOX.worker.w1.x", False),
+    ],
+)
+def test_the_daemon_answers_only_on_the_senders_own_inbox(
+    subject: str, reply: str, answered: bool
+) -> None:
+    from apomesh.runtime.protocol import answerable
+
+    assert answerable(subject, reply) is answered
+
+
+def test_a_leaf_login_carries_only_its_edge_workers_subjects() -> None:
+    from apomesh.runtime.nats_permissions import leaf_permissions
+
+    rules = leaf_permissions(["e1", "e2"])
+    assert rules.publish == (
+        "apomesh.hb.e1",
+        "apomesh.hb.e2",
+        "apomesh.ctl.*.e1",
+        "apomesh.ctl.*.e2",
+    )
+    assert rules.subscribe == (
+        "apomesh.dispatch.e1",
+        "apomesh.dispatch.e2",
+        "_INBOX.worker.e1.>",
+        "_INBOX.worker.e2.>",
+    )
+    assert rules.allow_responses
+    with pytest.raises(ValueError):
+        leaf_permissions(["a.b"])
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://u:secret@h:4222", "nats://u:***@h:4222"),
+        ("tls://tok@h:4222", "tls://***@h:4222"),
+        ("nats://h:4222", "nats://h:4222"),
+        ("u:p@h:4222", "u:***@h:4222"),
+        ("ws://u:p%40x@h:80/path", "ws://u:***@h:80/path"),
+    ],
+)
+def test_urls_are_logged_without_their_secrets(url: str, shown: str) -> None:
+    from apomesh.adapters.nats_connect import redact_url
+
+    assert redact_url(url) == shown

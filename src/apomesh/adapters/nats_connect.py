@@ -6,7 +6,10 @@ forever (a daemon outlives server restarts), but the first connection is bounded
 cannot be reached within ``connect_timeout`` seconds is a ``LogUnavailable``, never a hang, and a
 server that refuses who we say we are (``NatsAuthError``) or a TLS handshake that fails
 (``NatsTlsError``) is said as such, naming the credentials or certificates involved, never their
-secrets. A permissions violation the server reports on a live connection is logged as an error. ``unavailable_as_log_error``
+secrets. With TLS configured (``tls://`` URLs or a TLS context) a connection is TLS or nothing: a
+server whose INFO does not require TLS is refused before the login is sent (nats-py would
+otherwise send it in clear). URLs are logged through ``redact_url``, never with a password or
+token. A permissions violation the server reports on a live connection is logged as an error. ``unavailable_as_log_error``
 maps the nats-py failures that mean "NATS cannot be reached right now" to ``LogUnavailable``;
 ``direct_get_batch`` runs one batched direct-get request and collects its messages up to the
 end-of-batch status; ``api_request`` runs one raw ``$JS.API`` request.
@@ -40,6 +43,8 @@ __all__ = [
     "close_quietly",
     "connect",
     "direct_get_batch",
+    "redact_url",
+    "redact_urls",
     "split_urls",
     "tls_context",
     "unavailable_as_log_error",
@@ -111,8 +116,33 @@ def _is_auth_refusal(exc: BaseException) -> bool:
 
 def _is_tls_failure(exc: BaseException) -> bool:
     return isinstance(
-        exc, (ssl.SSLError, ssl.CertificateError, nats.errors.SecureConnRequiredError)
+        exc,
+        (ssl.SSLError, ssl.CertificateError, nats.errors.SecureConnRequiredError, TlsNotOffered),
     )
+
+
+class TlsNotOffered(nats.errors.Error):
+    """A server that does not require TLS answered a connection that must use it (``tls://``
+    URLs or a TLS context): nothing more is sent to it, credentials least of all."""
+
+    def __str__(self) -> str:
+        return "nats: the server does not offer TLS, which this connection requires"
+
+
+class _TlsRequiringClient(NATS):
+    """A nats-py client that refuses a server whose INFO does not require TLS.
+
+    nats-py upgrades to TLS only when the server's INFO asks for it, whatever the URL scheme or
+    TLS context: a server (or anything in between) that leaves ``tls_required`` out would get the
+    CONNECT line, password included, in clear. The INFO is read before anything is sent, so
+    refusing it here sends nothing; this holds for every reconnection too."""
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        server = self._current_server
+        secured_below = server is not None and server.uri.scheme == "wss"
+        if initial_connection and not secured_below and not info.get("tls_required", False):
+            raise TlsNotOffered()
+        await super()._process_info(info, initial_connection=initial_connection)
 
 
 def split_urls(urls: str | Sequence[str]) -> list[str]:
@@ -127,6 +157,26 @@ def split_urls(urls: str | Sequence[str]) -> list[str]:
     if not result:
         raise ValueError("no NATS server URL given")
     return result
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line: a password or token in it is replaced by ``***``
+    (``nats://user:***@host:4222``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority, slash, path = rest.partition("/")
+    if "@" not in authority:
+        return url
+    userinfo, host = authority.rsplit("@", 1)
+    user, colon, _ = userinfo.partition(":")
+    hidden = f"{user}:***" if colon else "***"
+    return f"{scheme}{sep}{hidden}@{host}{slash}{path}"
+
+
+def redact_urls(urls: Sequence[str]) -> str:
+    """Several URLs for a log line, each as ``redact_url`` gives it."""
+    return ", ".join(redact_url(url) for url in urls)
 
 
 def tls_context(
@@ -163,7 +213,12 @@ async def connect(
     URLs and the last error when no server answers within ``connect_timeout`` seconds.
     """
     servers = split_urls(urls)
-    client = NATS()
+    # TLS configured means TLS required: never a plain connection to a server that offers none.
+    client = (
+        _TlsRequiringClient()
+        if tls is not None or any(url.startswith("tls://") for url in servers)
+        else NATS()
+    )
     failures: list[BaseException] = []
     # Set when the first connection meets a refusal that trying again cannot fix (credentials,
     # certificates): it ends the attempt at once instead of at the timeout.
@@ -181,12 +236,12 @@ async def connect(
         _log.debug("nats connection error: %r", exc)
 
     async def on_disconnected() -> None:
-        _log.info("disconnected from NATS (%s); reconnecting", ", ".join(servers))
+        _log.info("disconnected from NATS (%s); reconnecting", redact_urls(servers))
 
     async def on_reconnected() -> None:
         _log.info(
             "reconnected to NATS at %s",
-            client.connected_url.netloc if client.connected_url else "?",
+            redact_url(client.connected_url.netloc) if client.connected_url else "?",
         )
 
     options: dict[str, Any] = {
@@ -232,17 +287,17 @@ async def connect(
                 credentials=credentials, nkey_seed_file=nkey_seed_file, token=token, user=user
             )
             raise NatsAuthError(
-                f"NATS at {', '.join(servers)} refused the connection (authorization violation)"
+                f"NATS at {redact_urls(servers)} refused the connection (authorization violation)"
                 f" for {presented}: check that the server knows these credentials"
             ) from None
         tls_failure = next((e for e in seen if _is_tls_failure(e)), None)
         if tls_failure is not None:
             raise NatsTlsError(
-                f"TLS with NATS at {', '.join(servers)} failed: {_tls_reason(tls_failure)}"
+                f"TLS with NATS at {redact_urls(servers)} failed: {_tls_reason(tls_failure)}"
                 f" ({_describe_tls(tls)})"
             ) from None
         raise LogUnavailable(
-            f"cannot reach NATS at {', '.join(servers)} within {connect_timeout:g} s"
+            f"cannot reach NATS at {redact_urls(servers)} within {connect_timeout:g} s"
             f" (last error: {last!r})"
         ) from None
     return client
@@ -272,6 +327,11 @@ async def _first_connection(
 def _tls_reason(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"the server's certificate was not accepted: {exc.verify_message}"
+    if isinstance(exc, TlsNotOffered):
+        return (
+            "the server does not offer TLS, which the connection requires: nothing was sent"
+            " to it (no credentials); check the URL and that this is the NATS server meant"
+        )
     if isinstance(exc, nats.errors.SecureConnRequiredError):
         return "the server requires TLS and none is configured ([nats] tls_ca, tls_cert, tls_key)"
     if isinstance(exc, ssl.SSLError) and exc.reason:

@@ -271,7 +271,9 @@ class ServerSpec:
     Security, all optional: ``accounts`` with their users and permissions (a server with
     accounts admits only their users), ``tls`` on the client listener, ``cluster_tls`` on routes,
     ``leafnode_tls`` and ``leafnode_users`` on the leaf-node listener of a hub, ``remotes`` for
-    a leaf's authenticated links (next to the plain ``leaf_remotes`` URLs).
+    a leaf's authenticated links (next to the plain ``leaf_remotes`` URLs). A leaf login that
+    must be held to some subjects is a user of an account, not one of ``leafnode_users``: only
+    account users carry permissions, and without ``leafnode_users`` leaf nodes log in as them.
     """
 
     name: str
@@ -475,6 +477,11 @@ def render_config(spec: ServerSpec) -> str:
             if spec.leafnode_tls is not None:
                 lines += _render_tls(spec.leafnode_tls, "  ")
             if spec.leafnode_users:
+                if any(user.permissions is not None for user in spec.leafnode_users):
+                    raise ValueError(
+                        "leaf-node authorization users cannot carry permissions (nats-server"
+                        " refuses them): make the leaf login a user of an account instead"
+                    )
                 lines += ["  authorization {", "    users: ["]
                 for user in spec.leafnode_users:
                     lines += _render_user(user, "      ", with_account=True)

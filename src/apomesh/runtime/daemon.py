@@ -3,7 +3,8 @@ heartbeat and the boot scan that recovers sessions after a restart.
 
 ``Daemon`` owns no sockets of its own beyond one NATS connection: it is handed the event log, the
 heartbeat stream, the KV buckets, the LMDB store and the plugin host (``apomesh.runtime.serve``
-builds them). It answers worker reports on ``apomesh.ctl.*`` (fenced by epoch and worker identity),
+builds them). It answers worker reports on ``apomesh.ctl.<verb>.<worker_id>`` (fenced by epoch and
+worker identity; answered only on that worker's own inbox),
 decides which events to append, dispatches agents, declares workers lost after missed beats (never
 while it is itself reconnecting), and at boot classifies every session it finds on the log.
 """
@@ -52,7 +53,6 @@ from apomesh.runtime.pinning import (
 from apomesh.runtime.protocol import (
     BEAT_DECODER,
     CTL_BOUND_WILDCARD,
-    CTL_WILDCARD,
     DISPATCH_ACK_DECODER,
     ENCODER,
     HB_PREFIX,
@@ -71,6 +71,7 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    answerable,
     beat_subject,
     dispatch_subject,
     subject_worker,
@@ -154,6 +155,11 @@ class Daemon:
         self.fenced_total = self.metrics.registry.counter(
             "apomesh_fenced_reports_total", "Worker reports rejected for a stale epoch or identity."
         )
+        self.dropped_requests = self.metrics.registry.counter(
+            "apomesh_control_requests_dropped_total",
+            "Control requests dropped unanswered: not on a worker's bound subject, or with a reply"
+            " subject outside that worker's own inbox.",
+        )
         self.snapshot_bytes = self.metrics.registry.counter(
             "apomesh_snapshot_bytes_total", "Bytes of snapshot records written to LMDB."
         )
@@ -186,9 +192,7 @@ class Daemon:
         self.daemon_id = await self._stable_id()
         await self.log.ensure()
         await self.heartbeats.ensure()
-        self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER, cb=self._on_register))
         self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
-        self._subs.append(await self.nc.subscribe(CTL_WILDCARD, cb=self._on_report))
         self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
         self._beat_sub = await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat)
         self._subs.append(self._beat_sub)
@@ -552,6 +556,8 @@ class Daemon:
     # --- workers -------------------------------------------------------------------------------------
 
     async def _on_register(self, msg: Msg) -> None:
+        if not self._answerable(msg):
+            return
         try:
             reg = REGISTER_DECODER.decode(msg.data)
         except Exception as exc:
@@ -786,10 +792,27 @@ class Daemon:
 
     # --- reports from workers ------------------------------------------------------------------------
 
+    def _answerable(self, msg: Msg) -> bool:
+        """Whether to read and answer a control request at all. One whose reply subject is not
+        the sending worker's own inbox is dropped unread: the daemon's answer would be
+        published with its rights (JetStream, KV, the log) wherever the sender chose."""
+        if answerable(msg.subject, msg.reply):
+            return True
+        self.dropped_requests.inc()
+        log.warning(
+            "dropped a request on %s: its reply subject %r is not that worker's inbox",
+            msg.subject,
+            msg.reply[:200],
+        )
+        return False
+
     async def _on_report(self, msg: Msg) -> None:
-        # nats-py runs one subscription's callbacks one after another: hand each report to its own
-        # task so sessions proceed concurrently (one agent's reports are sequential requests anyway).
-        if msg.subject != SUBJECT_REGISTER and not msg.subject.startswith(SUBJECT_REGISTER + "."):
+        if msg.subject.startswith(SUBJECT_REGISTER + "."):
+            return  # registrations have their own subscription
+        if self._answerable(msg):
+            # nats-py runs one subscription's callbacks one after another: hand each report to
+            # its own task so sessions proceed concurrently (one agent's reports are sequential
+            # requests anyway).
             self._spawn(self._process_report(msg))
 
     async def _process_report(self, msg: Msg) -> None:

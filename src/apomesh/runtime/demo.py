@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
+from apomesh.adapters.nats_connect import redact_url
 from apomesh.core.envelope import Envelope
 from apomesh.core.events import (
     AgentLifecycle,
@@ -138,7 +139,9 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
     async with Node(config, http=False) as node:
         assert node.daemon is not None and node.service is not None
         daemon = node.daemon
-        console.print(f"embedded nats-server at {node.urls[0]}; starting 2 worker processes")
+        console.print(
+            f"embedded nats-server at {redact_url(node.urls[0])}; starting 2 worker processes"
+        )
         for i in range(2):
             procs.append(
                 subprocess.Popen(

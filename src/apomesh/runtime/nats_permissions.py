@@ -1,4 +1,4 @@
-"""Who may do what on NATS: the subject permissions of apomesh's three identities, and the worker
+"""Who may do what on NATS: the subject permissions of apomesh's identities, and the worker
 id a worker's credentials bind it to.
 
 ``daemon_permissions`` is what ``apomesh serve`` needs and nothing more: the JetStream API, KV
@@ -6,9 +6,10 @@ writes, the log, and the control, heartbeat and dispatch subjects (its in-proces
 its connection). ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat
 and its own bound control subjects (``apomesh.ctl.<verb>.<worker_id>``), answer the dispatches it
 receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
-the log and the KV buckets are denied outright. ``operator_permissions`` is for people inspecting
+the log and the KV buckets are denied outright. ``leaf_permissions(worker_ids)`` is the hub's login for a leaf node: only its edge workers'
+own subjects cross the link. ``operator_permissions`` is for people inspecting
 a deployment and taking stream backups: read-only JetStream requests, never a write to the log.
-``apomesh_account`` puts users of the three roles into one account, the shape the sample configs
+``apomesh_account`` puts users of these roles into one account, the shape the sample configs
 in ``conf/nats/`` and the tests use. ``credential_identity`` reads, from the ``[nats]`` settings,
 the name a worker's credentials carry (user name, NKey public key or the creds file's JWT name),
 which a worker takes as its id so that the permissions above apply to it.
@@ -36,9 +37,11 @@ from apomesh.runtime.protocol import (
 
 __all__ = [
     "ACCOUNT",
+    "OPERATOR_INBOX_PREFIX",
     "apomesh_account",
     "credential_identity",
     "daemon_permissions",
+    "leaf_permissions",
     "operator_permissions",
     "worker_permissions",
 ]
@@ -50,6 +53,8 @@ JS_API = "$JS.API.>"
 KV_ALL = "$KV.>"
 LOG_ALL = f"{LOG_SUBJECT_PREFIX}.>"
 FORBIDDEN_TO_WORKERS = ("$JS.>", KV_ALL, LOG_ALL)
+OPERATOR_INBOX_PREFIX = "_INBOX.operator"
+"""The inbox prefix an operator's connection uses: the only replies it may hear."""
 
 
 def daemon_permissions() -> Permissions:
@@ -81,9 +86,36 @@ def worker_permissions(worker_id: str) -> Permissions:
     )
 
 
+def leaf_permissions(worker_ids: Iterable[str]) -> Permissions:
+    """The hub's login for a leaf node serving the edge workers ``worker_ids``. Leaf-node
+    permissions are the hub's filter on the link: what the leaf may publish is what the hub
+    takes from it, what it may subscribe to is what the hub sends it. Into the cluster only
+    those workers' heartbeats, bound control subjects and answers to requests sent to them; out
+    to the leaf only their dispatches and their own inboxes. So a host running the leaf, whatever
+    it does to its own server, can speak and hear only as its own workers: never the log, KV or
+    JetStream, never another worker's dispatch, reports or replies, never the control plane at
+    large."""
+    ids = [check_worker_id(worker_id) for worker_id in worker_ids]
+    return Permissions(
+        publish=(
+            *(beat_subject(worker_id) for worker_id in ids),
+            *(f"{CTL_PREFIX}*.{worker_id}" for worker_id in ids),
+        ),
+        subscribe=(
+            *(dispatch_subject(worker_id) for worker_id in ids),
+            *(f"{worker_inbox_prefix(worker_id)}.>" for worker_id in ids),
+        ),
+        publish_deny=FORBIDDEN_TO_WORKERS,
+        subscribe_deny=FORBIDDEN_TO_WORKERS,
+        allow_responses=True,
+    )
+
+
 def operator_permissions() -> Permissions:
     """A person's read-only view: stream and consumer info, direct gets of the log, stream
-    snapshots (backups), live heartbeats. No writes to the log, KV or the control plane."""
+    snapshots (backups), live heartbeats. No writes to the log, KV or the control plane, and
+    only its own replies (``_INBOX.operator.>``: connect with that inbox prefix, e.g. ``nats
+    --inbox-prefix _INBOX.operator``), never the daemon's or the workers'."""
     return Permissions(
         publish=(
             "$JS.API.INFO",
@@ -99,7 +131,7 @@ def operator_permissions() -> Permissions:
             "$JS.API.STREAM.SNAPSHOT.*",
             "$JS.SNAPSHOT.ACK.>",
         ),
-        subscribe=("_INBOX.>", f"{HB_PREFIX}>"),
+        subscribe=(f"{OPERATOR_INBOX_PREFIX}.>", f"{HB_PREFIX}>"),
         publish_deny=(LOG_ALL, KV_ALL, f"{CTL_PREFIX}>", f"{DISPATCH_PREFIX}>"),
     )
 
@@ -109,14 +141,18 @@ def apomesh_account(
     daemon: NatsUser,
     workers: Mapping[str, NatsUser],
     operators: Iterable[NatsUser] = (),
+    leaves: Iterable[tuple[NatsUser, Iterable[str]]] = (),
     name: str = ACCOUNT,
 ) -> Account:
-    """One JetStream-enabled account holding the daemon, each worker (keyed by worker id) and the
-    operators, each user given its role's permissions (any permissions on the users passed in
-    are replaced)."""
+    """One JetStream-enabled account holding the daemon, each worker (keyed by worker id), the
+    operators and the logins leaf nodes link with (each with the ids of the edge workers behind
+    it), each user given its role's permissions (any permissions on the users passed in are
+    replaced). A leaf login is an account user, not a ``leafnodes`` authorization user: only an
+    account user's permissions apply to the link."""
     users = [_with(daemon, daemon_permissions())]
     users += [_with(user, worker_permissions(worker_id)) for worker_id, user in workers.items()]
     users += [_with(user, operator_permissions()) for user in operators]
+    users += [_with(user, leaf_permissions(edge)) for user, edge in leaves]
     return Account(name=name, users=tuple(users))
 
 

@@ -22,7 +22,7 @@ from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
-from apomesh.adapters.nats_connect import connect, tls_context
+from apomesh.adapters.nats_connect import connect, redact_url, tls_context
 from apomesh.adapters.natsserver import embedded_server
 from apomesh.builtin.skills import DirectorySkillResolver
 from apomesh.plugins.api import SkillResolver
@@ -30,6 +30,7 @@ from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
 from apomesh.runtime.daemon import Daemon
+from apomesh.runtime.protocol import new_worker_id, worker_inbox_prefix
 from apomesh.runtime.service import Service
 from apomesh.runtime.worker import Worker
 
@@ -76,9 +77,16 @@ def make_plugin_host(config: Config) -> PluginHost:
 async def start_local_worker(
     urls: list[str], config: Config, plugins: PluginHost, *, name: str, workspace: Path
 ) -> tuple[Any, Worker]:
-    nc = await connect(urls, name=f"apomesh-worker-{name}", **nats_options(config))
+    # Its own id and inbox, like any worker: the daemon answers a worker only on its own inbox.
+    worker_id = new_worker_id(name)
+    nc = await connect(
+        urls,
+        name=f"apomesh-worker-{name}",
+        **{**nats_options(config), "inbox_prefix": worker_inbox_prefix(worker_id)},
+    )
     worker = Worker(
         nc,
+        worker_id=worker_id,
         tools=plugins.tools(),
         providers=plugins.model_providers(),
         supervisors=list(plugins.supervisor_policies().values()),
@@ -124,7 +132,9 @@ class Node:
             await asyncio.to_thread(self.server.start)
             self.urls = [self.server.url]
             log.info(
-                "embedded nats-server at %s (store %s)", self.server.url, config.nats_store_path()
+                "embedded nats-server at %s (store %s)",
+                redact_url(self.server.url),
+                config.nats_store_path(),
             )
         self.nc = await connect(
             self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config)

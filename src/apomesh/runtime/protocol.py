@@ -5,8 +5,11 @@ Workers never touch JetStream: they register (``apomesh.ctl.register.<worker_id>
 requests on ``apomesh.ctl.<verb>.<worker_id>``; their request inboxes are under
 ``_INBOX.worker.<worker_id>``. Every subject a worker uses names it, so NATS permissions can bind a
 worker id to the credentials it connects with, and the daemon refuses a message whose payload names
-another worker than its subject (the bare ``apomesh.ctl.<verb>`` subjects are still answered, for
-deployments without per-worker permissions). Every report names the agent and carries the fencing epoch of
+another worker than its subject. NATS does not check the reply subject of a request against the
+sender's permissions, and the daemon answers with its own (JetStream, KV, the log): it answers
+only a request on a bound subject whose reply subject is that worker's own inbox
+(``answerable``) and drops anything else, bare ``apomesh.ctl.<verb>`` subjects included. Every
+report names the agent and carries the fencing epoch of
 the dispatch it belongs to; the daemon answers ``Fenced`` to a stale epoch and appends nothing.
 Workers never send events: they send facts (a node's new messages, a journal step, an outcome) and
 the daemon decides which events to append. All messages are msgpack-encoded msgspec Structs.
@@ -14,6 +17,7 @@ the daemon decides which events to append. All messages are msgpack-encoded msgs
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 import msgspec
@@ -27,7 +31,6 @@ SUBJECT_JOURNAL = "apomesh.ctl.journal"
 SUBJECT_HITL = "apomesh.ctl.hitl"
 SUBJECT_JOB = "apomesh.ctl.job"
 SUBJECT_DONE = "apomesh.ctl.done"
-CTL_WILDCARD = "apomesh.ctl.*"
 CTL_BOUND_WILDCARD = "apomesh.ctl.*.*"
 """Control subjects that end in the sending worker's id."""
 CTL_PREFIX = "apomesh.ctl."
@@ -59,6 +62,27 @@ def subject_worker(subject: str) -> str | None:
     """The worker id a bound control subject names, or ``None`` for a bare one."""
     tokens = subject.split(".")
     return tokens[3] if len(tokens) == 4 else None
+
+
+def answerable(subject: str, reply: str) -> bool:
+    """Whether the daemon may answer a request on control ``subject`` at ``reply``: only when the
+    subject is bound to a worker (``apomesh.ctl.<verb>.<worker_id>``) and the reply subject lies in
+    that worker's own inbox (``_INBOX.worker.<worker_id>.``), the one place its permissions let it
+    hear. Any other reply subject (the JetStream API, a session's log, a KV key, another worker's
+    inbox) would be published with the daemon's rights on the sender's say-so."""
+    worker_id = subject_worker(subject)
+    if worker_id is None or not subject.startswith(CTL_PREFIX):
+        return False
+    inbox = worker_inbox_prefix(worker_id) + "."
+    rest = reply[len(inbox) :]
+    return reply.startswith(inbox) and bool(rest) and not any(c in rest for c in "*> \t\r\n")
+
+
+def new_worker_id(name: str) -> str:
+    """A fresh worker id for a worker whose credentials name none: ``name`` made one subject
+    token, and a random suffix."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in name) or "worker"
+    return check_worker_id(f"{safe}-{uuid.uuid4().hex[:8]}")
 
 
 def check_worker_id(worker_id: str) -> str:
