@@ -259,10 +259,18 @@ class DaemonProcess:
 
 
 class WorkerProcess:
-    """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT."""
+    """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT.
+    ``config`` is a config file it reads (``--config``): its NATS credentials, its model
+    providers' credentials."""
 
     def __init__(
-        self, nats_urls: list[str], workspace: Any, name: str, env: dict[str, str] | None = None
+        self,
+        nats_urls: list[str],
+        workspace: Any,
+        name: str,
+        env: dict[str, str] | None = None,
+        *,
+        config: Any = None,
     ) -> None:
         from pathlib import Path
 
@@ -270,6 +278,7 @@ class WorkerProcess:
         self.workspace = Path(workspace)
         self.name = name
         self.env = env or {}
+        self.config = Path(config) if config is not None else None
         self.log_file = self.workspace.parent / f"worker-{name}.log"
         self.proc: Any = None
 
@@ -290,6 +299,7 @@ class WorkerProcess:
             self.name,
             "--workspace",
             str(self.workspace),
+            *(["--config", str(self.config)] if self.config is not None else []),
         ]
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
@@ -358,9 +368,15 @@ class Mesh:
     def nats_url(self) -> str:
         return self.server.url
 
-    def worker(self, name: str | None = None) -> WorkerProcess:
+    def worker(
+        self, name: str | None = None, *, env: dict[str, str] | None = None, config: Any = None
+    ) -> WorkerProcess:
         worker = WorkerProcess(
-            [self.server.url], self.daemon.workspace, name or f"w{len(self.workers)}", env=self.env
+            [self.server.url],
+            self.daemon.workspace,
+            name or f"w{len(self.workers)}",
+            env={**self.env, **(env or {})},
+            config=config,
         )
         worker.start()
         self.workers.append(worker)

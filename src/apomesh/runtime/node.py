@@ -24,6 +24,8 @@ from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, tls_context
 from apomesh.adapters.natsserver import embedded_server
+from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
+from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
@@ -70,7 +72,18 @@ def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
 
 
 def make_plugin_host(config: Config) -> PluginHost:
-    return PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+    """The plugins ``[plugins]`` allows, with the built-in ``openai`` provider given the
+    ``[providers.openai]`` credentials (the only endpoints and keys its models may use)."""
+    host = PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+    openai = host.model_providers().get(OPENAI_PROVIDER)
+    if isinstance(openai, OpenAIProvider):
+        openai.use_credentials(
+            {
+                name: Credential(base_url=c.base_url, api_key_env=c.api_key_env)
+                for name, c in config.providers.openai.credentials.items()
+            }
+        )
+    return host
 
 
 async def start_local_worker(
