@@ -146,8 +146,9 @@ def nats_hub_leaf(
 
 
 class DaemonProcess:
-    """An ``apomesh serve`` process on a given NATS (no embedded server), with its HTTP API on a
-    free loopback port. ``kill()`` is SIGKILL; ``start()`` again reuses the same data dir and port,
+    """An ``apomesh serve`` process on a given NATS (its embedded server when ``nats_urls`` is
+    empty: then worker processes join with the credential files it writes under
+    ``<data_dir>/credentials``), with its HTTP API on a free loopback port. ``kill()`` is SIGKILL; ``start()`` again reuses the same data dir and port,
     which is how tests restart a daemon."""
 
     def __init__(
@@ -167,7 +168,7 @@ class DaemonProcess:
 
         self.nats_urls = list(nats_urls)
         self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.workspace = self.data_dir / "workspace"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -197,8 +198,7 @@ class DaemonProcess:
             "-m",
             "apomesh",
             "serve",
-            "--nats",
-            ",".join(self.nats_urls),
+            *(["--nats", ",".join(self.nats_urls)] if self.nats_urls else []),
             "--data",
             str(self.data_dir),
             "--workspace",

@@ -287,7 +287,7 @@ def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
             worker.stop()
         mesh.daemon.extra_args = ("--config", str(config))
         mesh.daemon.restart()
-        keyed = mesh.worker("keyed", env={"FAKE_OPENAI_KEY": "sk-test-123"}, config=config)
+        mesh.worker("keyed", env={"FAKE_OPENAI_KEY": "sk-test-123"}, config=config)
         agent = {
             "name": "openai-writer",
             "coordination": "solo",

@@ -43,6 +43,7 @@ class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     embedded_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     embedded_store_dir: str = ""
+    embedded_worker_credentials: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     server_binary: str = ""
     sync_interval: Literal["default", "always"] = "default"
     jetstream_domain: str = ""
