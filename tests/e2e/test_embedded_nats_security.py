@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -26,6 +27,13 @@ NOBODY = 65534
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def nats_url(daemon: DaemonProcess) -> str:
+    """The embedded server's URL, from the line ``apomesh serve`` prints when it is up."""
+    match = re.search(r"NATS\s+(nats://127\.0\.0\.1:\d+)", daemon.output_tail())
+    assert match, daemon.output_tail()
+    return match[1]
 
 
 def worker_file(daemon: DaemonProcess, n: int = 1) -> dict[str, Any]:
@@ -56,7 +64,7 @@ async def connect_and_collect(url: str, **options: Any) -> tuple[Any, list[str]]
 
 
 def test_an_unauthenticated_client_is_refused(embedded: DaemonProcess) -> None:
-    url = worker_file(embedded)["urls"][0]
+    url = nats_url(embedded)
 
     async def attempt(**options: Any) -> None:
         await connect_and_collect(url, connect_timeout=3, **options)
