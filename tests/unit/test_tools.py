@@ -228,13 +228,16 @@ async def test_a_symlink_swapped_in_during_writes_never_escapes(
     stop = threading.Event()
 
     def swap() -> None:
-        # Turn workspace/d into a symlink to `outside` and back, as fast as possible.
+        # Turn workspace/d into a symlink to `outside` and back, over and over, staying a
+        # moment in each state so that calls start in one and finish in the other.
         while not stop.is_set():
             with contextlib.suppress(OSError):
                 os.rename(workspace / "d", workspace / "d-real")
                 os.symlink(outside, workspace / "d")
+                stop.wait(0.0005)
                 os.unlink(workspace / "d")
                 os.rename(workspace / "d-real", workspace / "d")
+                stop.wait(0.0005)
 
     swapper = threading.Thread(target=swap)
     swapper.start()
