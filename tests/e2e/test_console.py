@@ -30,6 +30,7 @@ SHOTS = Path(os.environ.get("APOMESH_SHOTS", "/tmp"))
 pytestmark = pytest.mark.anyio
 
 
+
 async def start(url: str, goal: str, definition: dict[str, Any]) -> str:
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.post(

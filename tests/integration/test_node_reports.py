@@ -48,9 +48,7 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
         for _, worker in node.workers:
             await worker.wait_registered()
         agent = writer([[write("a.txt", "one")], [write("b.txt", "two"), write("c.txt", "three")]])
-        session_id = await node.service.create_session(
-            "write", agent=None, definition=agent, by="t"
-        )
+        session_id = await node.service.create_session("write", agent=None, definition=agent, by="t")
         runtime = node.daemon.sessions[session_id]
         assert runtime.task is not None
         await runtime.task
@@ -59,18 +57,12 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
 
     assert runtime.state.status == "completed"
     workspace = config.daemon.workspace_path()
-    assert [(workspace / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == [
-        "one",
-        "two",
-        "three",
-    ]
+    assert [(workspace / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == ["one", "two", "three"]
     events = [e.event for e in envelopes]
     steps: list[list[str]] = [[]]
     for ev in events:
         if isinstance(ev, ToolCallIntent | ToolCallRecorded):
-            steps[-1].append(
-                f"{type(ev).__name__}:{ev.tool}:{ev.outcome if isinstance(ev, ToolCallRecorded) else ''}"
-            )
+            steps[-1].append(f"{type(ev).__name__}:{ev.tool}:{ev.outcome if isinstance(ev, ToolCallRecorded) else ''}")
         elif isinstance(ev, AgentSnapshotted):
             steps.append([])
     assert steps[:2] == [

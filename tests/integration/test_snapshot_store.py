@@ -20,16 +20,11 @@ AGENT = "s1/root"
 
 def node(step: int, counts: dict[str, int], *, reset: bool = False) -> NodeReport:
     return NodeReport(
-        "w1",
-        "s1",
-        "root",
-        1,
+        "w1", "s1", "root", 1,
         step=step,
         new_messages=[
             Message(role="assistant", content=f"call {step}"),
-            Message(
-                role="tool", content=f"wrote file {step}", tool_call_id=f"{step}.0", name="fs.write"
-            ),
+            Message(role="tool", content=f"wrote file {step}", tool_call_id=f"{step}.0", name="fs.write"),
         ],
         model={"script_pos": step},
         budget=BudgetState(steps=step, tool_calls=step),
@@ -90,24 +85,13 @@ async def test_a_record_that_holds_its_counts_whole_still_loads(tmp_path: Path) 
     store = AsyncStore(LmdbStore(tmp_path / "db"))
     encoder = msgspec.msgpack.Encoder()
     old_record = SnapshotRecord(
-        step=1,
-        base_seq=0,
-        last_seq=0,
-        model={},
-        budget=BudgetState(steps=1),
-        source="node",
+        step=1, base_seq=0, last_seq=0, model={}, budget=BudgetState(steps=1), source="node",
         call_counts={"a": 3},
     )
-    await store.write_batch(
-        [
-            (
-                "segments",
-                segment_key(AGENT, 0),
-                encoder.encode([Message(role="user", content="hi")]),
-            ),
-            ("snapshots", snapshot_key(AGENT, 1), encoder.encode(old_record)),
-        ]
-    )
+    await store.write_batch([
+        ("segments", segment_key(AGENT, 0), encoder.encode([Message(role="user", content="hi")])),
+        ("snapshots", snapshot_key(AGENT, 1), encoder.encode(old_record)),
+    ])
     snapshots = SnapshotStore(store)
     memory = await snapshots.load(AGENT)
     assert memory is not None

@@ -66,9 +66,7 @@ async def test_a_bad_batch_in_a_group_fails_only_its_caller(tmp_path: Path) -> N
     async def write(i: int) -> None:
         database = "no-such-db" if i == 7 else "segments"
         try:
-            await facade.write_batch(
-                [(database, f"k{i:02d}", b"v"), ("segments", f"x{i:02d}", b"v")]
-            )
+            await facade.write_batch([(database, f"k{i:02d}", b"v"), ("segments", f"x{i:02d}", b"v")])
             outcomes[i] = "ok"
         except StoreError as exc:
             outcomes[i] = str(exc)
