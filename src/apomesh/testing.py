@@ -146,9 +146,10 @@ def nats_hub_leaf(
 
 
 class DaemonProcess:
-    """An ``apomesh serve`` process on a given NATS (no embedded server), with its HTTP API on a
-    free loopback port. ``kill()`` is SIGKILL; ``start()`` again reuses the same data dir and port,
-    which is how tests restart a daemon.
+    """An ``apomesh serve`` process on a given NATS (its embedded server when ``nats_urls`` is
+    empty: then worker processes join with the credential files it writes under
+    ``<data_dir>/credentials``), with its HTTP API on a free loopback port. ``kill()`` is SIGKILL;
+    ``start()`` again reuses the same data dir and port, which is how tests restart a daemon.
 
     Its API asks for no token (``[http] auth = "off"``) unless ``auth=True``, so a test of
     something else can call it bare; ``auth=None`` leaves the daemon's own default (on). With auth
@@ -172,7 +173,7 @@ class DaemonProcess:
 
         self.nats_urls = list(nats_urls)
         self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.workspace = self.data_dir / "workspace"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -211,8 +212,7 @@ class DaemonProcess:
             "-m",
             "apomesh",
             "serve",
-            "--nats",
-            ",".join(self.nats_urls),
+            *(["--nats", ",".join(self.nats_urls)] if self.nats_urls else []),
             "--data",
             str(self.data_dir),
             "--workspace",
@@ -273,10 +273,18 @@ class DaemonProcess:
 
 
 class WorkerProcess:
-    """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT."""
+    """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT.
+    ``config`` is a config file it reads (``--config``): its NATS credentials, its model
+    providers' credentials."""
 
     def __init__(
-        self, nats_urls: list[str], workspace: Any, name: str, env: dict[str, str] | None = None
+        self,
+        nats_urls: list[str],
+        workspace: Any,
+        name: str,
+        env: dict[str, str] | None = None,
+        *,
+        config: Any = None,
     ) -> None:
         from pathlib import Path
 
@@ -284,6 +292,7 @@ class WorkerProcess:
         self.workspace = Path(workspace)
         self.name = name
         self.env = env or {}
+        self.config = Path(config) if config is not None else None
         self.log_file = self.workspace.parent / f"worker-{name}.log"
         self.proc: Any = None
 
@@ -304,6 +313,7 @@ class WorkerProcess:
             self.name,
             "--workspace",
             str(self.workspace),
+            *(["--config", str(self.config)] if self.config is not None else []),
         ]
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
@@ -373,9 +383,15 @@ class Mesh:
     def nats_url(self) -> str:
         return self.server.url
 
-    def worker(self, name: str | None = None) -> WorkerProcess:
+    def worker(
+        self, name: str | None = None, *, env: dict[str, str] | None = None, config: Any = None
+    ) -> WorkerProcess:
         worker = WorkerProcess(
-            [self.server.url], self.daemon.workspace, name or f"w{len(self.workers)}", env=self.env
+            [self.server.url],
+            self.daemon.workspace,
+            name or f"w{len(self.workers)}",
+            env={**self.env, **(env or {})},
+            config=config,
         )
         worker.start()
         self.workers.append(worker)

@@ -18,7 +18,7 @@ from tests.fakes.openai_server import FakeOpenAIServer
 
 from apomesh.runtime.composition import load_definition_file
 from apomesh.sdk.client import EventRecord, SyncClient
-from apomesh.testing import Mesh, WorkerProcess
+from apomesh.testing import Mesh
 
 DEFINITIONS = Path(__file__).parent / "definitions"
 TIMEOUT = 60.0
@@ -275,15 +275,19 @@ def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
             None, tool_calls=[("fs__write", {"path": "openai.txt", "content": "from the model"})]
         )
         fake.reply("the file is written", total_tokens=12)
-        # A worker of its own, with the API key in its environment; the mesh's scripted-only
-        # workers cannot be told apart by provider, so stop them first.
+        # The endpoint and its key are configured on the daemon (checked when the session is
+        # created) and on a worker of its own, with the API key in its environment; the mesh's
+        # scripted-only workers cannot be told apart by provider, so stop them first.
+        config = mesh.base / "openai.toml"
+        config.write_text(
+            "[providers.openai.credentials.fake]\n"
+            f'base_url = "{fake.base_url}"\napi_key_env = "FAKE_OPENAI_KEY"\n'
+        )
         for worker in mesh.workers:
             worker.stop()
-        keyed = WorkerProcess(
-            [mesh.nats_url], mesh.daemon.workspace, "keyed", env={"FAKE_OPENAI_KEY": "sk-test-123"}
-        )
-        keyed.start()
-        mesh.workers.append(keyed)
+        mesh.daemon.extra_args = ("--config", str(config))
+        mesh.daemon.restart()
+        mesh.worker("keyed", env={"FAKE_OPENAI_KEY": "sk-test-123"}, config=config)
         agent = {
             "name": "openai-writer",
             "coordination": "solo",
@@ -292,8 +296,7 @@ def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
             "model": {
                 "provider": "openai",
                 "model": "fake-model",
-                "base_url": fake.base_url,
-                "api_key_env": "FAKE_OPENAI_KEY",
+                "credential": "fake",
                 "temperature": 0,
             },
         }

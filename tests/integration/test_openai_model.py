@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from tests.fakes.openai_server import FakeOpenAIServer
 
-from apomesh.builtin.openai_model import PLAN_INSTRUCTIONS, OpenAIProvider
+from apomesh.builtin.openai_model import PLAN_INSTRUCTIONS, Credential, OpenAIProvider
 from apomesh.builtin.tools import BUILTIN_TOOLS
 from apomesh.core.definition import ModelSpec, ToolCallSpec
-from apomesh.core.errors import ApomeshError
+from apomesh.core.errors import ApomeshError, DefinitionError
 from apomesh.plugins.api import Message, Model, ModelError, ModelRequest, describe_tool
 
 pytestmark = pytest.mark.anyio
@@ -27,12 +27,12 @@ def server() -> Iterator[FakeOpenAIServer]:
 
 
 def make_model(base_url: str, **options: Any) -> Model:
-    provider = OpenAIProvider(environ={"TEST_KEY": "sk-test"})
-    spec = ModelSpec(
-        provider="openai",
-        model="gpt-test",
-        options={"base_url": base_url, "api_key_env": "TEST_KEY", **options},
+    # The worker's configuration names the endpoint and its key; the definition names the credential.
+    provider = OpenAIProvider(
+        credentials={"test": Credential(base_url=base_url, api_key_env="TEST_KEY")},
+        environ={"TEST_KEY": "sk-test"},
     )
+    spec = ModelSpec(provider="openai", model="gpt-test", options={"credential": "test", **options})
     return provider.create(spec)
 
 
@@ -141,7 +141,9 @@ async def test_http_500_is_a_typed_retryable_error(server: FakeOpenAIServer) -> 
     assert isinstance(caught.value, ApomeshError)
     assert caught.value.status == 500
     assert caught.value.retryable
-    assert "the model is overloaded" in caught.value.message
+    assert "500" in caught.value.message and "server_error" in caught.value.message
+    # The body of an error answer is never copied into the message (it lands on the log).
+    assert "the model is overloaded" not in caught.value.message
 
 
 async def test_http_401_is_not_retryable(server: FakeOpenAIServer) -> None:
@@ -165,10 +167,69 @@ async def test_an_unreachable_endpoint_is_a_retryable_error_without_status() -> 
 
 
 async def test_no_authorization_header_without_a_key(server: FakeOpenAIServer) -> None:
-    provider = OpenAIProvider(environ={})
-    model = provider.create(
-        ModelSpec(provider="openai", model="local", options={"base_url": server.base_url})
+    provider = OpenAIProvider(
+        credentials={"default": Credential(base_url=server.base_url)}, environ={}
     )
+    model = provider.create(ModelSpec(provider="openai", model="local"))
     server.reply("hi")
     await model.respond(request([Message(role="user", content="hi")]))
     assert "Authorization" not in server.requests[0].headers
+
+
+def test_a_definition_cannot_choose_the_endpoint_or_the_key(server: FakeOpenAIServer) -> None:
+    provider = OpenAIProvider(
+        credentials={"test": Credential(base_url=server.base_url, api_key_env="TEST_KEY")},
+        environ={"TEST_KEY": "sk-test", "APOMESH_HTTP_TOKEN": "secret"},
+    )
+    for options, key in (
+        ({"base_url": server.base_url}, "base_url"),
+        ({"credential": "test", "api_key_env": "APOMESH_HTTP_TOKEN"}, "api_key_env"),
+        ({"credential": "elsewhere"}, "credential"),
+        ({}, "credential"),  # no "default" credential is configured here
+    ):
+        with pytest.raises(DefinitionError) as caught:
+            provider.create(ModelSpec(provider="openai", model="m", options=options))
+        assert caught.value.where == f"[model].{key}"
+    assert server.requests == []
+
+
+def test_a_credential_may_not_carry_an_apomesh_secret() -> None:
+    with pytest.raises(DefinitionError) as caught:
+        OpenAIProvider(
+            credentials={
+                "x": Credential(base_url="http://127.0.0.1:1/v1", api_key_env="APOMESH_HTTP_TOKEN")
+            }
+        )
+    assert "APOMESH_HTTP_TOKEN" in caught.value.message
+
+
+async def test_a_redirect_is_not_followed_with_the_key() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    with FakeOpenAIServer() as capture:
+        target = capture.base_url
+
+        class Redirect(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.send_response(307)
+                self.send_header("Location", f"{target}/chat/completions")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        redirector = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+        thread = threading.Thread(target=redirector.serve_forever, daemon=True)
+        thread.start()
+        try:
+            model = make_model(f"http://127.0.0.1:{redirector.server_address[1]}/v1")
+            capture.reply("should never be asked")
+            with pytest.raises(ModelError) as caught:
+                await model.respond(request([Message(role="user", content="hi")]))
+            assert caught.value.status == 307
+        finally:
+            redirector.shutdown()
+            redirector.server_close()
+        assert capture.requests == []

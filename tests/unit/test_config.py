@@ -257,3 +257,29 @@ def test_ipv6_listen_addresses_split_into_host_and_port() -> None:
 
 def test_a_worker_is_lost_after_the_missed_beats() -> None:
     assert LivenessConfig(heartbeat_interval=0.5, missed_beats=4).lost_after == 2.0
+
+
+# -- model provider credentials -------------------------------------------------------------------
+
+
+def test_provider_credentials_replace_the_default_and_never_name_an_apomesh_variable(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path,
+        '[providers.openai.credentials.local]\nbase_url = "http://127.0.0.1:11434/v1"\n',
+    )
+    credentials = load_config(path, env={}).providers.openai.credentials
+    assert list(credentials) == ["local"] and credentials["local"].api_key_env == ""
+    path = write(
+        tmp_path,
+        '[providers.openai.credentials.x]\nbase_url = "http://h/v1"\n'
+        'api_key_env = "APOMESH_HTTP_TOKEN"\n',
+    )
+    with pytest.raises(DefinitionError) as caught:
+        load_config(path, env={})
+    assert caught.value.where.endswith("$.providers.openai.credentials.x.api_key_env")
+    path = write(tmp_path, '[providers.openai.credentials.x]\nbase_url = "file:///etc"\n')
+    with pytest.raises(DefinitionError) as caught:
+        load_config(path, env={})
+    assert caught.value.where.endswith("$.providers.openai.credentials.x.base_url")

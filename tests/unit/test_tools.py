@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,79 @@ async def test_checkpoint_now_asks_the_context_for_a_snapshot(ctx: FakeToolConte
 async def test_sleep_job_reports_what_it_did(ctx: FakeToolContext) -> None:
     assert await call(ctx, "jobs.sleep", seconds=0) == "slept 0 s"
     assert await call(ctx, "jobs.sleep", seconds=0.01) == "slept 0.01 s"
+
+
+# -- races, hard links and special files (openat-style resolution) ------------------------------
+
+
+async def test_a_symlink_swapped_in_during_writes_never_escapes(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    import threading
+
+    outside = workspace.parent / "swap-target"
+    outside.mkdir()
+    (workspace / "d").mkdir()
+    stop = threading.Event()
+
+    def swap() -> None:
+        # Turn workspace/d into a symlink to `outside` and back, over and over, staying a
+        # moment in each state so that calls start in one and finish in the other.
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                os.rename(workspace / "d", workspace / "d-real")
+                os.symlink(outside, workspace / "d")
+                stop.wait(0.0005)
+                os.unlink(workspace / "d")
+                os.rename(workspace / "d-real", workspace / "d")
+                stop.wait(0.0005)
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        for i in range(1500):
+            with contextlib.suppress(ToolError):
+                await call(ctx, "fs.write", path=f"d/w{i % 7}.txt", content="x")
+            with contextlib.suppress(ToolError):
+                await call(ctx, "fs.append", path=f"d/a{i % 7}.txt", line="x")
+    finally:
+        stop.set()
+        swapper.join()
+    assert list(outside.iterdir()) == []
+
+
+async def test_a_hard_link_to_a_file_outside_is_refused(
+    ctx: FakeToolContext, workspace: Path
+) -> None:
+    secret = workspace.parent / "hard-secret.txt"
+    secret.write_text("secret\n")
+    os.link(secret, workspace / "linked.txt")
+    with pytest.raises(ToolError, match="hard links"):
+        await call(ctx, "fs.read", path="linked.txt")
+    with pytest.raises(ToolError, match="hard links"):
+        await call(ctx, "fs.append", path="linked.txt", line="appended")
+    assert secret.read_text() == "secret\n"
+
+
+async def test_a_fifo_is_refused_without_blocking(ctx: FakeToolContext, workspace: Path) -> None:
+    import asyncio
+
+    fifo = workspace / "pipe"
+    os.mkfifo(fifo)
+
+    def release() -> None:
+        # On code that blocks, a writer (reader) coming along lets the blocked open return.
+        for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, flags))
+
+    for tool, args in (("fs.read", {"path": "pipe"}), ("fs.append", {"path": "pipe", "line": "x"})):
+        task = asyncio.ensure_future(call(ctx, tool, **args))
+        done, _ = await asyncio.wait({task}, timeout=10)
+        if not done:
+            while not task.done():
+                release()
+                await asyncio.sleep(0.05)
+            pytest.fail(f"{tool} blocked on a FIFO")
+        with pytest.raises(ToolError, match=r"regular file|cannot open"):
+            task.result()

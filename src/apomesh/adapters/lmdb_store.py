@@ -10,13 +10,15 @@ a half-written record. A full map surfaces as ``StoreFull`` naming the data dir 
 (``snapshot_key``, ``journal_key``) are the layout the in-memory twin uses too, so callers can build
 ``write_batch`` records that either store understands. ``AsyncStore`` runs any ``StateStore`` off
 the event loop; its writes are group-committed by one writer thread (the writes that queue while
-one transaction commits share the next, and its fsync).
+one transaction commits share the next, and its fsync). The environment's directory is private
+(0700, refused when another user owns it) and its files 0600.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +31,7 @@ import anyio.to_thread
 import lmdb
 import msgspec
 
+from apomesh.adapters.private_files import PRIVATE_FILE_MODE, private_dir
 from apomesh.core.errors import StoreError, StoreFull
 from apomesh.core.ports import StateStore
 
@@ -125,7 +128,7 @@ class LmdbStore:
         self.map_size = map_size
         self.sync = sync
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path)
             self._env: lmdb.Environment | None = lmdb.open(
                 str(self.path),
                 map_size=map_size,
@@ -134,7 +137,10 @@ class LmdbStore:
                 metasync=sync,
                 lock=True,
                 subdir=True,
+                mode=PRIVATE_FILE_MODE,
             )
+            for name in ("data.mdb", "lock.mdb"):  # files an older start made 0644
+                os.chmod(self.path / name, PRIVATE_FILE_MODE)
             with self._env.begin(write=True) as txn:
                 self._dbs = {
                     name: self._env.open_db(name.encode(), txn=txn, create=True)

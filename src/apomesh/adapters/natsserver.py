@@ -58,6 +58,7 @@ import nats.js.api
 import nats.js.errors
 import psutil
 
+from apomesh.adapters.private_files import open_private_append, private_dir, write_private_file
 from apomesh.core.errors import ApomeshError
 
 __all__ = [
@@ -268,8 +269,9 @@ class ServerSpec:
     write before acknowledging it, or a duration such as ``"10s"``. ``extra`` is raw config text
     appended at the end (anything the fields below do not say).
 
-    Security, all optional: ``accounts`` with their users and permissions (a server with
-    accounts admits only their users), ``tls`` on the client listener, ``cluster_tls`` on routes,
+    Security, all optional: ``users`` of the default account with their permissions (a server
+    with users admits only them; the embedded server of ``apomesh serve`` uses these),
+    ``accounts`` with their users and permissions (a server with accounts admits only their users), ``tls`` on the client listener, ``cluster_tls`` on routes,
     ``leafnode_tls`` and ``leafnode_users`` on the leaf-node listener of a hub, ``remotes`` for
     a leaf's authenticated links (next to the plain ``leaf_remotes`` URLs). A leaf login that
     must be held to some subjects is a user of an account, not one of ``leafnode_users``: only
@@ -297,6 +299,7 @@ class ServerSpec:
     leafnode_tls: TlsConfig | None = None
     leafnode_users: tuple[NatsUser, ...] = ()
     remotes: tuple[LeafRemote, ...] = ()
+    users: tuple[NatsUser, ...] = ()
 
     @property
     def url(self) -> str:
@@ -497,6 +500,11 @@ def render_config(spec: ServerSpec) -> str:
         lines += _render_tls(spec.tls, "")
     if spec.accounts:
         lines += _render_accounts(spec.accounts)
+    if spec.users:
+        lines += ["authorization {", "  users: ["]
+        for user in spec.users:
+            lines += _render_user(user, "    ")
+        lines += ["  ]", "}"]
     if spec.extra:
         lines.append(spec.extra.rstrip("\n"))
     return "\n".join(lines) + "\n"
@@ -773,10 +781,11 @@ class NatsServer:
         self._release()
         binary = self.binary or find_nats_server()
         spec = self.spec
-        spec.store_dir.mkdir(parents=True, exist_ok=True)
+        # The config holds the users' passwords: the store dir is 0700, its files 0600.
+        private_dir(spec.store_dir)
         _stop_leftover(spec, STOP_GRACE)
-        spec.config_file.write_text(render_config(spec))
-        output = spec.log_file.open("ab")
+        write_private_file(spec.config_file, render_config(spec).encode())
+        output = open_private_append(spec.log_file)
         self._output_start = output.tell()
         command = [str(binary), "-c", str(spec.config_file)]
 
@@ -800,7 +809,7 @@ class NatsServer:
         self._output = output
         # The server writes this file itself once it is up; writing it now covers a parent that
         # dies in between.
-        spec.pid_file.write_text(f"{self._process.pid}\n")
+        write_private_file(spec.pid_file, f"{self._process.pid}\n".encode())
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Wait until ``/healthz`` answers ok; raise ``NatsServerError`` with the server's last
@@ -1059,10 +1068,13 @@ class EmbeddedServerConfig(Protocol):
     def nats_store_path(self) -> Path: ...
 
 
-def embedded_server(config: EmbeddedServerConfig, *, name: str = "apomesh") -> NatsServer:
+def embedded_server(
+    config: EmbeddedServerConfig, *, name: str = "apomesh", users: Sequence[NatsUser] = ()
+) -> NatsServer:
     """The single node ``apomesh serve`` starts when it is given no NATS URL: JetStream on,
-    127.0.0.1 only, its store in ``config.nats_store_path()``, on ``embedded_port`` (a free port
-    when 0). Not started yet; call ``start()``."""
+    127.0.0.1 only, its store in ``config.nats_store_path()`` (0700; the config file in it 0600),
+    on ``embedded_port`` (a free port when 0), admitting only ``users`` when any are given (the
+    daemon passes its per-start credentials). Not started yet; call ``start()``."""
     settings = config.nats
     spec = single_node(
         config.nats_store_path().parent,
@@ -1074,5 +1086,6 @@ def embedded_server(config: EmbeddedServerConfig, *, name: str = "apomesh") -> N
         spec,
         store_dir=config.nats_store_path(),
         jetstream_domain=settings.jetstream_domain or None,
+        users=tuple(users),
     )
     return NatsServer(spec, binary=find_nats_server(settings.server_binary or None))

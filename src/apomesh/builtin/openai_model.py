@@ -1,10 +1,18 @@
 """The ``openai`` model provider: any OpenAI-compatible chat-completions endpoint, with tool calling.
 
-``[model]`` keys: ``model`` (required), and in ``options``: ``base_url`` (default
-``https://api.openai.com/v1``), ``api_key_env`` (the environment variable holding the key, default
-``OPENAI_API_KEY``; no ``Authorization`` header is sent when it is unset, for local servers),
-``timeout`` in seconds (default 60). Every other option (``temperature``, ``top_p``,
-``max_tokens``, ``seed`` ...) is passed through in the request body unchanged.
+``[model]`` keys: ``model`` (required), and in ``options``: ``credential`` (the name of one of the
+worker's configured credentials, default ``default``), ``timeout`` in seconds (default 60). Every
+other option (``temperature``, ``top_p``, ``max_tokens``, ``seed`` ...) is passed through in the
+request body unchanged.
+
+Where a call goes and which key it carries is the worker's choice, never the definition's: the
+provider is built with named ``Credential`` objects (``[providers.openai.credentials.<name>]`` in the
+worker's config: an endpoint ``base_url`` and the environment variable ``api_key_env`` holding its
+key), and a definition can only name one. A definition giving ``base_url`` or ``api_key_env``
+itself, or naming a credential the worker does not have, is refused with a ``DefinitionError``
+naming the key (``check`` is what the daemon runs when a session is created, and ``create`` runs it
+again on the worker). The key goes only to its credential's own ``base_url``; redirects are not
+followed; no ``Authorization`` header is sent when the variable is unset (local servers).
 
 Mapping: the agent's instructions become the system message; tool names are mapped to the API's
 allowed characters reversibly (``fs.read`` <-> ``fs__read``); tool-result messages answer the
@@ -12,7 +20,9 @@ preceding assistant message's calls in order (ids are assigned here, positionall
 conversation stores calls without ids). For ``purpose="plan"`` the system message asks for a JSON
 array of sub-tasks, and an answer that parses as one becomes ``plan``; any other answer without
 tool calls is ``final``. ``usage.total_tokens`` is reported as ``tokens``. HTTP errors and an
-unreachable endpoint raise ``ModelError`` with the status and the server's message.
+unreachable endpoint raise ``ModelError`` with the status and, at most, the API's short error code
+(``rate_limit_exceeded``): the body of an error answer is never copied into the message, which ends
+up on the session's log.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -32,8 +43,39 @@ from apomesh.plugins.api import Message, Model, ModelError, ModelRequest, ModelR
 PROVIDER_NAME = "openai"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+DEFAULT_CREDENTIAL = "default"
 DEFAULT_TIMEOUT = 60.0
-OWN_OPTIONS = frozenset({"base_url", "api_key_env", "timeout", "model"})
+OWN_OPTIONS = frozenset({"credential", "timeout", "model"})
+WORKER_ONLY_OPTIONS = ("base_url", "api_key_env")
+"""Options a definition may not give: they are the worker's configured credentials."""
+RESERVED_ENV_PREFIX = "APOMESH_"
+"""apomesh's own secrets (API and NATS credentials) live in these variables: never a model key."""
+
+_ERROR_CODE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One endpoint a worker may call and the environment variable holding its key."""
+
+    base_url: str
+    api_key_env: str = ""
+
+
+def check_credential(name: str, credential: Credential) -> None:
+    """Refuse a credential that is not an http(s) endpoint or whose key is apomesh's own secret."""
+    where = f"[providers.openai.credentials.{name}]"
+    if not credential.base_url.startswith(("http://", "https://")):
+        raise DefinitionError(
+            f"`base_url` {credential.base_url!r} is not an http(s) URL", where=where
+        )
+    if credential.api_key_env.upper().startswith(RESERVED_ENV_PREFIX):
+        raise DefinitionError(
+            f"`api_key_env` {credential.api_key_env!r} is one of apomesh's own variables"
+            f" ({RESERVED_ENV_PREFIX}*), never a model key",
+            where=where,
+        )
+
 
 PLAN_INSTRUCTIONS = (
     "Plan the work before doing it. Answer with only a JSON array of strings, one "
@@ -184,7 +226,10 @@ class OpenAIModel:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
             async with httpx.AsyncClient(timeout=self.timeout) as client:
-                reply = await client.post(self.url, json=body, headers=headers)
+                # Never follow a redirect: the key goes to this endpoint and nowhere else.
+                reply = await client.post(
+                    self.url, json=body, headers=headers, follow_redirects=False
+                )
         except httpx.TimeoutException:
             raise ModelError(
                 f"no answer from {self.url} within {self.timeout:g} s",
@@ -197,7 +242,7 @@ class OpenAIModel:
                 provider=PROVIDER_NAME,
                 retryable=True,
             ) from None
-        if reply.status_code >= 400:
+        if reply.status_code >= 300:
             raise ModelError(
                 _error_message(reply), provider=PROVIDER_NAME, status=reply.status_code
             )
@@ -243,49 +288,82 @@ def _tool_call(raw: Any, names: dict[str, str]) -> ToolCallSpec:
 
 
 def _error_message(reply: httpx.Response) -> str:
+    """The status and, when the API gives one, its short error code: never the body, which a
+    hostile or confused endpoint could fill with anything (the message lands on the log)."""
+    code = None
     try:
         data = reply.json()
     except ValueError:
         data = None
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-    text = reply.text.strip()
-    return text[:500] if text else reply.reason_phrase
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        for key in ("code", "type"):
+            value = error.get(key)
+            if isinstance(value, str) and _ERROR_CODE.match(value):
+                code = value
+                break
+    text = f"the endpoint answered {reply.status_code}"
+    return f"{text} ({code})" if code else text
 
 
 class OpenAIProvider:
-    """The ``openai`` provider. ``environ`` (default ``os.environ``) is where API keys are read."""
+    """The ``openai`` provider: ``credentials`` are the endpoints this process may call, by name
+    (none until ``use_credentials`` is called); ``environ`` (default ``os.environ``) is where their
+    keys are read."""
 
     name: str = PROVIDER_NAME
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        credentials: Mapping[str, Credential] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         self._environ = environ
+        self.credentials: dict[str, Credential] = {}
+        self.use_credentials(credentials or {})
 
-    def create(self, spec: ModelSpec) -> Model:
+    def use_credentials(self, credentials: Mapping[str, Credential]) -> None:
+        """Replace the configured credentials (each is checked first)."""
+        for name, credential in credentials.items():
+            check_credential(name, credential)
+        self.credentials = dict(credentials)
+
+    def check(self, spec: ModelSpec, where: str = "[model]") -> Credential:
+        """The credential ``spec`` names; a ``DefinitionError`` naming the key when the definition
+        sets an endpoint or key itself, names an unknown credential or a bad option."""
         options = dict(spec.options)
         model = spec.model or options.get("model")
         if not isinstance(model, str) or not model:
-            raise DefinitionError("the openai provider needs `model`", where="[model]")
-        base_url = options.get("base_url", DEFAULT_BASE_URL)
-        key_env = options.get("api_key_env", DEFAULT_API_KEY_ENV)
-        timeout = options.get("timeout", DEFAULT_TIMEOUT)
-        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
-            raise DefinitionError(f"`base_url` {base_url!r} is not an http(s) URL", where="[model]")
-        if not isinstance(key_env, str):
+            raise DefinitionError("the openai provider needs `model`", where=where)
+        for key in WORKER_ONLY_OPTIONS:
+            if key in options:
+                raise DefinitionError(
+                    f"`{key}` is not set by a definition: the worker's config holds endpoints and"
+                    " keys ([providers.openai.credentials.<name>]); name one with `credential`",
+                    where=f"{where}.{key}",
+                )
+        name = options.get("credential", DEFAULT_CREDENTIAL)
+        if not isinstance(name, str) or name not in self.credentials:
+            known = ", ".join(sorted(self.credentials)) or "none"
             raise DefinitionError(
-                "`api_key_env` must name an environment variable", where="[model]"
+                f"unknown credential {name!r}; configured: {known}", where=f"{where}.credential"
             )
+        timeout = options.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise DefinitionError("`timeout` must be a positive number of seconds", where="[model]")
+            raise DefinitionError(
+                "`timeout` must be a positive number of seconds", where=f"{where}.timeout"
+            )
+        return self.credentials[name]
+
+    def create(self, spec: ModelSpec) -> Model:
+        credential = self.check(spec)
+        options = dict(spec.options)
         environ = os.environ if self._environ is None else self._environ
+        key = environ.get(credential.api_key_env) if credential.api_key_env else None
         return OpenAIModel(
-            model=model,
-            base_url=base_url,
-            api_key=environ.get(key_env) or None,
-            timeout=float(timeout),
+            model=str(spec.model or options.get("model")),
+            base_url=credential.base_url,
+            api_key=key or None,
+            timeout=float(options.get("timeout", DEFAULT_TIMEOUT)),
             passthrough={k: v for k, v in options.items() if k not in OWN_OPTIONS},
         )

@@ -1,8 +1,14 @@
 """The built-in tools: workspace file tools, asking a human, explicit checkpoints and a sleep job.
 
-File tools are confined to the ``ToolContext``'s workspace: ``resolve_in_workspace`` refuses
-absolute paths and ``..`` traversal that leave it, and symlinks that resolve outside it. File I/O
-runs in a worker thread (``anyio.to_thread.run_sync``) so a tool never blocks the event loop.
+File tools are confined to the ``ToolContext``'s workspace. A path is resolved the way
+``openat2(RESOLVE_BENEATH)`` does it: one component at a time, each directory opened with
+``O_NOFOLLOW`` relative to the file descriptor of the one before (``WorkspacePath``), a symlink met
+on the way read with ``readlinkat`` and its target resolved by the same rules, so neither an
+absolute path elsewhere, ``..`` past the root, a symlink pointing outside, nor a symlink swapped in
+while a call runs can reach outside the workspace; the final open is ``O_NOFOLLOW`` too. Reading
+and appending refuse what is not a regular file (a FIFO is opened ``O_NONBLOCK`` and refused
+without blocking) and a file with other hard links (which could be a file outside). File I/O runs
+in a worker thread (``anyio.to_thread.run_sync``) so a tool never blocks the event loop.
 ``fs.write`` rewrites a whole file (idempotent: the same call leaves the same file, so an unknown
 outcome is simply re-run); ``fs.append`` appends one line (not idempotent: an unknown outcome fails
 rather than risk a second line).
@@ -10,9 +16,14 @@ rather than risk a second line).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-import tempfile
-from pathlib import Path
+import stat
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
@@ -23,14 +34,34 @@ from apomesh.plugins.api import Tool, ToolContext
 
 MAX_READ_BYTES = 1 << 20
 """``fs.read`` refuses files larger than this, so one call cannot flood a conversation."""
+MAX_SYMLINKS = 40
+"""Symlinks one path may go through (the kernel's own limit), so a loop ends in an error."""
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_MODE = 0o644
 
 
-def resolve_in_workspace(workspace: Path, path: str, *, tool: str = "") -> Path:
-    """The absolute path ``path`` names inside ``workspace``, or ``ToolError`` when it would leave
-    it (an absolute path elsewhere, ``..`` past the root, or a symlink pointing outside).
+@dataclass
+class WorkspacePath:
+    """A resolved path: ``dir_fd`` is the open directory holding the final component ``name``,
+    or, when ``name`` is ``""``, the directory the path names; ``parts`` are the components from
+    the workspace root. Valid inside ``open_in_workspace`` only, which closes the descriptors."""
 
-    Touches the file system (symlinks are followed), so call it off the event loop.
-    """
+    dir_fd: int
+    name: str
+    parts: tuple[str, ...]
+
+
+def _parts(path: str) -> list[str]:
+    return [part for part in PurePosixPath(path).parts if part not in ("/", ".")]
+
+
+@contextlib.contextmanager
+def open_in_workspace(
+    workspace: Path, path: str, *, tool: str = "", make_dirs: bool = False
+) -> Iterator[WorkspacePath]:
+    """``path`` resolved inside ``workspace`` component by component (see the module text);
+    ``ToolError`` when it would leave it. ``make_dirs`` creates missing parent directories."""
     prefix = f"{tool}: " if tool else ""
     if not path or "\x00" in path:
         raise ToolError(f"{prefix}path {path!r} is not a usable file name")
@@ -41,10 +72,86 @@ def resolve_in_workspace(workspace: Path, path: str, *, tool: str = "") -> Path:
         if candidate.is_absolute():
             raise ToolError(f"{prefix}absolute path {path!r} is outside the workspace")
         raise ToolError(f"{prefix}path {path!r} climbs out of the workspace with '..'")
-    resolved = lexical.resolve()
-    if not resolved.is_relative_to(root):
-        raise ToolError(f"{prefix}path {path!r} goes through a symlink to outside the workspace")
-    return resolved
+    outside = ToolError(f"{prefix}path {path!r} goes through a symlink to outside the workspace")
+    pending = list(lexical.relative_to(root).parts)
+    stack: list[tuple[str, int]] = [("", os.open(root, _DIR_FLAGS))]
+    links = 0
+    try:
+        while pending:
+            part = pending.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if len(stack) == 1:
+                    raise outside
+                os.close(stack.pop()[1])
+                continue
+            current = stack[-1][1]
+            target = _symlink_target(part, current)
+            if target is not None:
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise ToolError(f"{prefix}path {path!r} goes through too many symlinks")
+                if os.path.isabs(target):
+                    absolute = Path(os.path.normpath(target))
+                    if not absolute.is_relative_to(root):
+                        raise outside
+                    while len(stack) > 1:
+                        os.close(stack.pop()[1])
+                    target = str(absolute.relative_to(root))
+                pending[:0] = _parts(target)
+                continue
+            if not pending:
+                # The final component: the caller opens it with O_NOFOLLOW.
+                yield WorkspacePath(current, part, (*(n for n, _ in stack[1:]), part))
+                return
+            stack.append((part, _open_dir(part, current, prefix, path, make_dirs)))
+        # Every component was a directory (the root itself, say): the path names stack[-1].
+        yield WorkspacePath(stack[-1][1], "", tuple(n for n, _ in stack[1:]))
+    finally:
+        for _, fd in stack:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _symlink_target(name: str, dir_fd: int) -> str | None:
+    """What the symlink ``name`` in ``dir_fd`` points to, or None when it is not a symlink."""
+    try:
+        return os.readlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise
+
+
+def _open_dir(name: str, dir_fd: int, prefix: str, path: str, make_dirs: bool) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not make_dirs:
+            raise ToolError(f"{prefix}no such directory on the way to {path!r}: {name}") from None
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=dir_fd)
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            raise ToolError(
+                f"{prefix}cannot open {name} on the way to {path!r}: {exc.strerror}"
+            ) from None
+    except NotADirectoryError:
+        raise ToolError(f"{prefix}{name} on the way to {path!r} is not a directory") from None
+    except OSError as exc:
+        # ELOOP: swapped to a symlink after it was checked; the call is refused, never followed.
+        raise ToolError(
+            f"{prefix}cannot open {name} on the way to {path!r}: {exc.strerror}"
+        ) from None
+
+
+def resolve_in_workspace(workspace: Path, path: str, *, tool: str = "") -> Path:
+    """The path ``path`` names inside ``workspace`` (symlinks inside it resolved), or
+    ``ToolError`` when it would leave it. Touches the file system, so call it off the event loop."""
+    with open_in_workspace(workspace, path, tool=tool) as where:
+        return workspace.resolve().joinpath(*where.parts)
 
 
 def _str_arg(tool: str, args: dict[str, Any], key: str, default: str | None = None) -> str:
@@ -54,62 +161,117 @@ def _str_arg(tool: str, args: dict[str, Any], key: str, default: str | None = No
     return value
 
 
-def _read(workspace: Path, path: str) -> str:
-    target = resolve_in_workspace(workspace, path, tool="fs.read")
-    if not target.exists():
-        raise ToolError(f"fs.read: no such file: {path}")
-    if target.is_dir():
-        raise ToolError(f"fs.read: {path} is a directory (use fs.list)")
-    size = target.stat().st_size
-    if size > MAX_READ_BYTES:
-        raise ToolError(f"fs.read: {path} is {size} bytes, over the limit of {MAX_READ_BYTES}")
+def _open_file(where: WorkspacePath, flags: int, tool: str, path: str) -> int:
+    """The final component opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked to be a regular
+    file with no other hard links."""
+    if not where.name:
+        raise ToolError(f"{tool}: {path} is a directory")
     try:
-        return target.read_text(encoding="utf-8")
+        fd = os.open(
+            where.name,
+            flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            _FILE_MODE,
+            dir_fd=where.dir_fd,
+        )
+    except FileNotFoundError:
+        raise ToolError(f"{tool}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ToolError(f"{tool}: {path} is a directory (use fs.list)") from None
+    except OSError as exc:
+        # ELOOP (a symlink swapped in), ENXIO (a FIFO with no reader) and the like.
+        raise ToolError(f"{tool}: cannot open {path}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    problem = None
+    if stat.S_ISDIR(info.st_mode):
+        problem = f"{path} is a directory (use fs.list)"
+    elif not stat.S_ISREG(info.st_mode):
+        problem = f"{path} is not a regular file"
+    elif info.st_nlink > 1:
+        problem = f"{path} has other hard links, which could be files outside the workspace"
+    if problem is not None:
+        os.close(fd)
+        raise ToolError(f"{tool}: {problem}")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read(workspace: Path, path: str) -> str:
+    with open_in_workspace(workspace, path, tool="fs.read") as where:
+        fd = _open_file(where, os.O_RDONLY, "fs.read", path)
+        with os.fdopen(fd, "rb") as handle:
+            size = os.fstat(fd).st_size
+            if size > MAX_READ_BYTES:
+                raise ToolError(
+                    f"fs.read: {path} is {size} bytes, over the limit of {MAX_READ_BYTES}"
+                )
+            data = handle.read(MAX_READ_BYTES + 1)
+    if len(data) > MAX_READ_BYTES:
+        raise ToolError(f"fs.read: {path} is over the limit of {MAX_READ_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise ToolError(f"fs.read: {path} is not UTF-8 text") from None
 
 
 def _list(workspace: Path, path: str) -> str:
-    target = resolve_in_workspace(workspace, path, tool="fs.list")
-    if not target.exists():
-        raise ToolError(f"fs.list: no such directory: {path}")
-    if not target.is_dir():
-        raise ToolError(f"fs.list: {path} is not a directory")
-    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in target.iterdir())
+    with open_in_workspace(workspace, path, tool="fs.list") as where:
+        if where.name:
+            try:
+                fd = os.open(where.name, _DIR_FLAGS, dir_fd=where.dir_fd)
+            except FileNotFoundError:
+                raise ToolError(f"fs.list: no such directory: {path}") from None
+            except OSError:
+                raise ToolError(f"fs.list: {path} is not a directory") from None
+        else:
+            fd = os.dup(where.dir_fd)
+        try:
+            with os.scandir(fd) as entries:
+                names = sorted(
+                    e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries
+                )
+        finally:
+            os.close(fd)
     return "\n".join(names)
 
 
 def _write(workspace: Path, path: str, content: str) -> str:
-    target = resolve_in_workspace(workspace, path, tool="fs.write")
-    if target.is_dir():
-        raise ToolError(f"fs.write: {path} is a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode("utf-8")
-    # Write then rename, so a crash mid-write never leaves a half file for a re-run to find.
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with open_in_workspace(workspace, path, tool="fs.write", make_dirs=True) as where:
+        if not where.name:
+            raise ToolError(f"fs.write: {path} is a directory")
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(
+                os.stat(where.name, dir_fd=where.dir_fd, follow_symlinks=False).st_mode
+            ):
+                raise ToolError(f"fs.write: {path} is a directory")
+        # Write then rename, so a crash mid-write never leaves a half file for a re-run to find;
+        # the rename replaces whatever is at the name (a symlink swapped in is replaced, not
+        # followed).
+        tmp = f".{where.name[:200]}.{uuid.uuid4().hex[:12]}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, _FILE_MODE, dir_fd=where.dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, where.name, src_dir_fd=where.dir_fd, dst_dir_fd=where.dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=where.dir_fd)
+            raise
     return f"wrote {len(data)} bytes to {path}"
 
 
 def _append(workspace: Path, path: str, line: str) -> str:
     if "\n" in line or "\r" in line:
         raise ToolError("fs.append: `line` must be one line (no line breaks)")
-    target = resolve_in_workspace(workspace, path, tool="fs.append")
-    if target.is_dir():
-        raise ToolError(f"fs.append: {path} is a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("a", encoding="utf-8") as handle:
-        handle.write(line + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    with open_in_workspace(workspace, path, tool="fs.append", make_dirs=True) as where:
+        fd = _open_file(where, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "fs.append", path)
+        with os.fdopen(fd, "ab") as handle:
+            handle.write((line + "\n").encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
     return f"appended 1 line to {path}"
 
 

@@ -90,6 +90,19 @@ def _names_skills(definition: AgentDefinition, role: str) -> bool:
     return spec is not None and spec.skills is not None
 
 
+def check_model_options(definition: AgentDefinition, host: PluginHost) -> None:
+    """Let each model provider that can (a ``check(spec, where)`` method, as the ``openai`` one
+    has) refuse the options a definition gives it, such as a credential the daemon's config does
+    not have, before a session is started; the worker checks again when it builds the model."""
+    providers = host.model_providers()
+    for where, model in [("$.model", definition.model)] + [
+        (f"$.roles.{r}.model", s.model) for r, s in definition.roles.items() if s.model is not None
+    ]:
+        check = getattr(providers.get(model.provider), "check", None)
+        if callable(check):
+            check(model, where)
+
+
 def compose_shape(
     definition: AgentDefinition,
     *,
@@ -114,6 +127,7 @@ def compose_shape(
                 "the model script must be inlined as `turns` (load the file with the CLI)",
                 where=where,
             )
+    check_model_options(definition, host)
     params = kind.fold_params(dict(definition.coordination_params))
     # ``skills`` holds every skill the definition names, its roles' too; the root and the roles
     # that name none get the top-level ones only.

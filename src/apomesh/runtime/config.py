@@ -2,7 +2,7 @@
 
 ``Config`` is a tree of frozen ``msgspec`` structs, one per section of the TOML file
 (``[nats]``, ``[daemon]``, ``[http]``, ``[liveness]``, ``[snapshots]``, ``[limits]``, ``[plugins]``,
-``[workers]``, ``[store]``, ``[skills]``); ``Config()`` is the whole default configuration, and the sample file
+``[workers]``, ``[providers]``, ``[store]``, ``[skills]``); ``Config()`` is the whole default configuration, and the sample file
 ``apomesh config sample`` prints (``sample_config()``) shows every key at exactly that default.
 ``load_config`` layers, later winning: the TOML file, then environment variables
 ``APOMESH_<SECTION>_<KEY>`` (lists comma-separated, numbers and booleans parsed by the key's type),
@@ -42,6 +42,7 @@ class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     embedded_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     embedded_store_dir: str = ""
+    embedded_worker_credentials: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 2
     server_binary: str = ""
     sync_interval: Literal["default", "always"] = "default"
     jetstream_domain: str = ""
@@ -161,6 +162,36 @@ class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allowed_providers: list[str] = []
 
 
+class ProviderCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One endpoint a worker's model provider may call, and the variable holding its key."""
+
+    base_url: str
+    api_key_env: str = ""
+
+
+def _default_openai_credentials() -> dict[str, ProviderCredential]:
+    return {
+        "default": ProviderCredential(
+            base_url="https://api.openai.com/v1", api_key_env="OPENAI_API_KEY"
+        )
+    }
+
+
+class OpenAIProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``openai`` provider's named credentials; a definition can only name one of these."""
+
+    credentials: dict[str, ProviderCredential] = msgspec.field(
+        default_factory=_default_openai_credentials
+    )
+
+
+class ProvidersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where this process's model providers may send requests and with which keys. Set in the
+    config file only (a table of tables has no environment-variable form)."""
+
+    openai: OpenAIProviderConfig = OpenAIProviderConfig()
+
+
 class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The LMDB store under the data dir (snapshots, tool-call journal, completed index)."""
 
@@ -190,6 +221,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     limits: LimitsConfig = LimitsConfig()
     plugins: PluginsConfig = PluginsConfig()
     workers: WorkersConfig = WorkersConfig()
+    providers: ProvidersConfig = ProvidersConfig()
     store: StoreConfig = StoreConfig()
     skills: SkillsConfig = SkillsConfig()
 
@@ -210,6 +242,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "limits": LimitsConfig,
     "plugins": PluginsConfig,
     "workers": WorkersConfig,
+    "providers": ProvidersConfig,
     "store": StoreConfig,
     "skills": SkillsConfig,
 }
@@ -286,6 +319,8 @@ def _merge_env(
         if section not in SECTIONS:
             continue
         fields = {field.name: field for field in _section_fields(section)}
+        if section == "providers":
+            raise DefinitionError("[providers] is set in the config file only", where=f"env {name}")
         if key not in fields:
             raise DefinitionError(
                 f"unknown setting; [{section}] has {', '.join(sorted(fields))}",
@@ -398,3 +433,17 @@ def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], defa
         if bool(cert) != bool(key):
             missing = "tls_key" if cert else "tls_cert"
             raise _fail("tls_cert and tls_key go together", section, missing, sources, default)
+    for name, credential in config.providers.openai.credentials.items():
+        where = (
+            f"{sources.get(('providers', 'openai'), default)} $.providers.openai.credentials.{name}"
+        )
+        if not credential.base_url.startswith(("http://", "https://")):
+            raise DefinitionError(
+                f"base_url {credential.base_url!r} is not an http(s) URL", where=where + ".base_url"
+            )
+        if credential.api_key_env.upper().startswith(ENV_PREFIX):
+            raise DefinitionError(
+                f"api_key_env {credential.api_key_env!r} is one of apomesh's own variables"
+                f" ({ENV_PREFIX}*), never a model key",
+                where=where + ".api_key_env",
+            )

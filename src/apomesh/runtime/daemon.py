@@ -25,6 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.adapters.private_files import read_private_file, write_private_file
 from apomesh.core import decisions
 from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, Fenced, FoldError, NotFound
@@ -212,14 +213,14 @@ class Daemon:
         stored = await self.store.get("meta", "daemon_id")
         from_file = None
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            from_file = id_file.read_text("utf-8").strip() or None
+            from_file = read_private_file(id_file).decode("utf-8").strip() or None
         daemon_id = from_file or (stored.decode() if stored is not None else self.daemon_id)
         if stored is None or stored.decode() != daemon_id:
             await self.store.write_batch([("meta", "daemon_id", daemon_id.encode())])
         if from_file != daemon_id:
             with contextlib.suppress(OSError):
-                id_file.parent.mkdir(parents=True, exist_ok=True)
-                id_file.write_text(daemon_id + "\n", "utf-8")
+                # 0600, and never through a symlink planted at that name.
+                write_private_file(id_file, (daemon_id + "\n").encode())
         return daemon_id
 
     async def aclose(self) -> None:

@@ -156,6 +156,13 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
                         f"demo-{i}",
                         "--workspace",
                         str(workspace),
+                        # The embedded server admits only known users: each worker process
+                        # logs in with a credential file the daemon wrote for this start.
+                        *(
+                            ["--config", str(node.worker_credential_files[i])]
+                            if node.worker_credential_files
+                            else []
+                        ),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,

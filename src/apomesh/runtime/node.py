@@ -5,16 +5,26 @@ daemon, its local in-process workers and the HTTP API.
 ``Node`` is an async context manager; ``start`` brings the parts up in dependency order and
 ``aclose`` takes them down in reverse, so a SIGTERM leaves nothing acknowledged behind: every event
 is on the log before it is acknowledged and snapshots are written at each node boundary.
+
+The data dir is private (``private_dir``: created 0700; one owned by another user or writable by
+others is refused with ``UnsafeDataDir``). The embedded nats-server admits only the users of
+``EmbeddedCredentials``, made afresh at every start: the daemon (its role's permissions), each
+in-process worker under its own worker id, and ``[nats] embedded_worker_credentials`` identities
+for worker processes, each written as a config file ``<data_dir>/credentials/worker-<n>.toml``
+(0600) that ``apomesh worker --config FILE`` joins with. An unauthenticated client is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +33,17 @@ from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, redact_url, tls_context
-from apomesh.adapters.natsserver import embedded_server
+from apomesh.adapters.natsserver import NatsUser, embedded_server
+from apomesh.adapters.private_files import private_dir, write_private_file
+from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
+from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
 from apomesh.runtime.daemon import Daemon
+from apomesh.runtime.nats_permissions import apomesh_account
 from apomesh.runtime.protocol import new_worker_id, worker_inbox_prefix
 from apomesh.runtime.service import Service
 from apomesh.runtime.worker import Worker
@@ -63,6 +77,61 @@ def nats_options(config: Config) -> dict[str, Any]:
     return options
 
 
+EMBEDDED_DAEMON_USER = "apomesh-daemon"
+CREDENTIALS_DIR = "credentials"
+
+
+def _secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class EmbeddedCredentials:
+    """The users of one start of the embedded server, passwords fresh from ``secrets``: the
+    daemon, the in-process workers and the worker processes (both keyed by worker id), each with
+    its role's permissions (``apomesh.runtime.nats_permissions``)."""
+
+    daemon: NatsUser
+    local_workers: dict[str, NatsUser]
+    remote_workers: dict[str, NatsUser]
+
+    @classmethod
+    def generate(cls, local_ids: list[str], remote_count: int) -> EmbeddedCredentials:
+        def user(name: str) -> NatsUser:
+            return NatsUser(user=name, password=_secret())
+
+        return cls(
+            daemon=user(EMBEDDED_DAEMON_USER),
+            local_workers={worker_id: user(worker_id) for worker_id in local_ids},
+            remote_workers={f"worker-{n}": user(f"worker-{n}") for n in range(1, remote_count + 1)},
+        )
+
+    def users(self) -> tuple[NatsUser, ...]:
+        """Every user, with its permissions, as the embedded server's config lists them."""
+        account = apomesh_account(
+            daemon=self.daemon, workers={**self.local_workers, **self.remote_workers}
+        )
+        return account.users
+
+    def write_worker_files(self, data_dir: Path, url: str) -> list[Path]:
+        """One ``apomesh worker --config`` file per worker-process identity, in a 0700 dir under
+        ``data_dir``, each 0600; answers their paths."""
+        directory = private_dir(data_dir / CREDENTIALS_DIR)
+        written = []
+        for worker_id, user in self.remote_workers.items():
+            path = directory / f"{worker_id}.toml"
+            text = (
+                f"# NATS credentials of worker {worker_id} for this start of the embedded server"
+                " (they change at every start).\n"
+                "# Run: apomesh worker --config THIS_FILE\n"
+                f"[nats]\nurls = [{json.dumps(url)}]\nuser = {json.dumps(user.user)}\n"
+                f"password = {json.dumps(user.password)}\n"
+            )
+            write_private_file(path, text.encode())
+            written.append(path)
+        return written
+
+
 def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
     """The skill resolvers the configuration names, asked after the catalog and before the
     resolver plugins: the ``[skills] directory``, when one is set."""
@@ -71,19 +140,39 @@ def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
 
 
 def make_plugin_host(config: Config) -> PluginHost:
-    return PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+    """The plugins ``[plugins]`` allows, with the built-in ``openai`` provider given the
+    ``[providers.openai]`` credentials (the only endpoints and keys its models may use)."""
+    host = PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+    openai = host.model_providers().get(OPENAI_PROVIDER)
+    if isinstance(openai, OpenAIProvider):
+        openai.use_credentials(
+            {
+                name: Credential(base_url=c.base_url, api_key_env=c.api_key_env)
+                for name, c in config.providers.openai.credentials.items()
+            }
+        )
+    return host
 
 
 async def start_local_worker(
-    urls: list[str], config: Config, plugins: PluginHost, *, name: str, workspace: Path
+    urls: list[str],
+    config: Config,
+    plugins: PluginHost,
+    *,
+    name: str,
+    workspace: Path,
+    user: NatsUser | None = None,
 ) -> tuple[Any, Worker]:
-    # Its own id and inbox, like any worker: the daemon answers a worker only on its own inbox.
+    """An in-process worker on its own connection, with its own id and inbox like any worker (the
+    daemon answers a worker only on its own inbox); with ``user`` (the embedded server) it logs in
+    as that user and takes the user name as its worker id, so its permissions apply to it."""
+    options = nats_options(config)
     worker_id = new_worker_id(name)
-    nc = await connect(
-        urls,
-        name=f"apomesh-worker-{name}",
-        **{**nats_options(config), "inbox_prefix": worker_inbox_prefix(worker_id)},
-    )
+    if user is not None:
+        worker_id = user.user
+        options.update(user=user.user, password=user.password)
+    options["inbox_prefix"] = worker_inbox_prefix(worker_id)
+    nc = await connect(urls, name=f"apomesh-worker-{name}", **options)
     worker = Worker(
         nc,
         worker_id=worker_id,
@@ -111,6 +200,8 @@ class Node:
         self.service: Service | None = None
         self.workers: list[tuple[Any, Worker]] = []
         self.urls: list[str] = []
+        self.credentials: EmbeddedCredentials | None = None
+        self.worker_credential_files: list[Path] = []
         self._http_endpoint: Any = None
         self.http_url = ""
 
@@ -123,21 +214,31 @@ class Node:
 
     async def start(self) -> None:
         config = self.config
-        data = config.daemon.data_path()
-        data.mkdir(parents=True, exist_ok=True)
+        data = private_dir(config.daemon.data_path())
+        local_ids = [f"local-{os.getpid()}-{i}" for i in range(config.daemon.workers)]
+        daemon_options = nats_options(config)
         if config.nats.urls:
             self.urls = list(config.nats.urls)
         else:
-            self.server = embedded_server(config)
+            self.credentials = EmbeddedCredentials.generate(
+                local_ids, config.nats.embedded_worker_credentials
+            )
+            self.server = embedded_server(config, users=self.credentials.users())
             await asyncio.to_thread(self.server.start)
             self.urls = [self.server.url]
+            self.worker_credential_files = self.credentials.write_worker_files(
+                data, self.server.url
+            )
+            daemon_user = self.credentials.daemon
+            daemon_options.update(user=daemon_user.user, password=daemon_user.password)
             log.info(
-                "embedded nats-server at %s (store %s)",
+                "embedded nats-server at %s (store %s); worker credentials in %s",
                 redact_url(self.server.url),
                 config.nats_store_path(),
+                data / CREDENTIALS_DIR,
             )
         self.nc = await connect(
-            self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **nats_options(config)
+            self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **daemon_options
         )
         js = self.nc.jetstream()
         replicas = config.nats.replicas
@@ -168,10 +269,11 @@ class Node:
         self.service = Service(
             self.daemon, Catalog(kv, plugins, resolvers=configured_skill_resolvers(config))
         )
-        for i in range(config.daemon.workers):
+        for worker_id in local_ids:
+            user = self.credentials.local_workers[worker_id] if self.credentials else None
             self.workers.append(
                 await start_local_worker(
-                    self.urls, config, plugins, name=f"local-{os.getpid()}-{i}", workspace=workspace
+                    self.urls, config, plugins, name=worker_id, workspace=workspace, user=user
                 )
             )
         await self.daemon.start()

@@ -1,0 +1,109 @@
+"""The daemon's private state on disk: a data dir only its user can enter, and files only its user
+can read, written without following a symlink someone planted.
+
+``private_dir`` creates a directory ``0700`` (tightening one of ours that is looser) and refuses,
+with ``UnsafeDataDir``, one that another user owns or that others may write to: a pre-existing
+directory is not trusted just because it is where the config points. ``write_private_file``
+replaces a file atomically (a temp file made with ``O_EXCL | O_NOFOLLOW`` at ``0600``, then a
+rename, which replaces a symlink instead of writing through it); ``read_private_file`` reads one
+with ``O_NOFOLLOW`` (a symlink there is an ``OSError``); ``open_private_append`` opens a file for
+appending with ``O_NOFOLLOW`` at ``0600``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import uuid
+from pathlib import Path
+from typing import BinaryIO
+
+from apomesh.core.errors import ApomeshError
+
+__all__ = [
+    "UnsafeDataDir",
+    "open_private_append",
+    "private_dir",
+    "read_private_file",
+    "write_private_file",
+]
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+class UnsafeDataDir(ApomeshError):
+    """A directory the daemon keeps secrets in is owned by another user, or others may write to
+    it: starting there would trust whatever they left in it."""
+
+    code = "unsafe_data_dir"
+    retryable = False
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user may enter: created ``0700`` when missing (parents
+    too), tightened to ``0700`` when it is ours; ``UnsafeDataDir`` when it is not a directory,
+    belongs to another user, or is group- or world-writable (a symlink is judged by what it
+    points to, and must itself be ours or root's)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    me = os.geteuid()
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
+        raise UnsafeDataDir(f"{path} is a symlink owned by uid {link.st_uid}, not by this user")
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise UnsafeDataDir(f"{path} cannot be used: {exc.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeDataDir(f"{path} is not a directory")
+    if info.st_uid != me:
+        raise UnsafeDataDir(
+            f"{path} belongs to uid {info.st_uid}, not to this user (uid {me}): refusing to trust"
+            " what another user may have put there; use a directory of your own"
+        )
+    if info.st_mode & 0o022:
+        raise UnsafeDataDir(
+            f"{path} is writable by {'others' if info.st_mode & 0o002 else 'its group'}"
+            f" (mode {stat.S_IMODE(info.st_mode):04o}): anyone who can write there could plant"
+            " files the daemon trusts; `chmod 700` it or use another directory"
+        )
+    if stat.S_IMODE(info.st_mode) != PRIVATE_DIR_MODE:
+        os.chmod(path, PRIVATE_DIR_MODE)
+    return path
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, mode ``0600``, atomically and without following a symlink
+    at ``path`` (the rename replaces the link itself)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(tmp, flags, PRIVATE_FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_private_file(path: Path) -> bytes:
+    """The bytes of ``path``; ``OSError`` when it is missing or a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
+
+
+def open_private_append(path: Path) -> BinaryIO:
+    """``path`` opened for appending (created ``0600``); refuses a symlink at ``path``."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)
+    return os.fdopen(fd, "ab")
