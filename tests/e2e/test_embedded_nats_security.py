@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from tests.e2e.api_support import wait_until
 
 from apomesh.testing import DaemonProcess, WorkerProcess
 
@@ -30,10 +31,14 @@ def mode(path: Path) -> int:
 
 
 def nats_url(daemon: DaemonProcess) -> str:
-    """The embedded server's URL, from the line ``apomesh serve`` prints when it is up."""
-    match = re.search(r"NATS\s+(nats://127\.0\.0\.1:\d+)", daemon.output_tail())
-    assert match, daemon.output_tail()
-    return match[1]
+    """The embedded server's URL, from the line ``apomesh serve`` prints when it is up (its API
+    may answer a moment before that line reaches the log file)."""
+    match = wait_until(
+        lambda: re.search(r"NATS\s+(nats://127\.0\.0\.1:\d+)", daemon.output_tail()),
+        timeout=TIMEOUT,
+        what="the serve line naming the embedded NATS URL",
+    )
+    return str(match[1])
 
 
 def worker_file(daemon: DaemonProcess, n: int = 1) -> dict[str, Any]:
