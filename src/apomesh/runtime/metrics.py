@@ -347,6 +347,16 @@ class DaemonMetrics:
         self.recoverable_sessions = r.gauge(
             "apomesh_recoverable_sessions", "Sessions on the recoverable list."
         )
+        self.fenced_reports = r.counter(
+            "apomesh_fenced_reports_total", "Worker reports rejected for a stale epoch or identity."
+        )
+        self.snapshot_bytes = r.counter(
+            "apomesh_snapshot_bytes_total", "Bytes of snapshot records written to LMDB."
+        )
+        self.append_conflicts = r.counter(
+            "apomesh_append_conflicts_total",
+            "Sessions this daemon stopped driving because another writer appended to their log.",
+        )
 
     def render(self) -> str:
         return self.registry.render()
