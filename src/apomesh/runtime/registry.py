@@ -7,7 +7,8 @@ session's ``SessionStarted``, an operator's actions), starts it, and rolls all o
 step fails; ``end`` is every writer's ``on_end`` callback (finished, stranded for an operator, or
 lost to another writer after an append conflict). ``state(session_id)`` answers from the live
 writer, else the stranded entry, else the fold cache over the log. The lease of every live session
-is renewed here and given back when this daemon stops driving it.
+is renewed here (a lease found held by another owner stops this daemon's writer, as an append
+conflict does) and given back when this daemon stops driving it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
-from apomesh.core.errors import ApomeshError, NotFound
+from apomesh.core.errors import ApomeshError, AppendConflict, NotFound
 from apomesh.core.events import Event
-from apomesh.core.ports import EventLog
+from apomesh.core.ports import EventLog, SessionLeases
 from apomesh.core.state import SessionState, fold
 from apomesh.runtime.folds import FoldCache
 from apomesh.runtime.sessions import Ending, SessionRuntime
@@ -33,16 +34,6 @@ from apomesh.runtime.snapshots import SnapshotStore
 log = logging.getLogger("apomesh.daemon")
 
 LEASE_RENEW_SECONDS = 5.0
-
-
-class Leases(Protocol):
-    """Session ownership leases (``adapters.kv.LeaseTable``)."""
-
-    async def acquire(self, session_id: str, owner: str) -> bool: ...
-
-    async def renew(self, session_id: str, owner: str) -> bool: ...
-
-    async def release(self, session_id: str, owner: str) -> bool: ...
 
 
 @dataclass
@@ -84,7 +75,7 @@ class SessionRegistry:
         self,
         *,
         log_adapter: EventLog,
-        leases: Leases,
+        leases: SessionLeases,
         store: AsyncStore,
         snapshots: SnapshotStore,
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
@@ -232,9 +223,15 @@ class SessionRegistry:
     async def renew_leases_forever(self) -> None:
         while True:
             await asyncio.sleep(LEASE_RENEW_SECONDS)
-            for session_id in list(self.live):
+            for session_id, runtime in list(self.live.items()):
                 with contextlib.suppress(Exception):
-                    await self.leases.renew(session_id, self.owner)
+                    if await self.leases.renew(session_id, self.owner):
+                        continue
+                    # Expired (a long outage, say): take it again, unless another owner has it.
+                    if await self.leases.acquire(session_id, self.owner):
+                        continue
+                    message = f"the lease of session {session_id} is held by another owner"
+                    runtime.superseded(AppendConflict(message), message)
 
     # --- completed records -----------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
-from apomesh.core import envelope
+from apomesh.core import decisions, envelope
 from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import (
     ApomeshError,
@@ -174,7 +174,6 @@ class SessionRuntime:
         self.held_reason: str | None = None
         self.conflict: AppendConflict | None = None
         """Set when another writer appended to this session's log: nothing more is written here."""
-        self._reserved: set[str] = set()
         self._recovering = fresh_children or bool(state.agents)
         self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
 
@@ -247,17 +246,23 @@ class SessionRuntime:
 
     def _lost_to_another_writer(self, exc: AppendConflict) -> None:
         """Another writer appended to this session's log: stop driving it here, at once."""
+        if self.conflict is None:
+            self.deps.metrics.append_conflicts.inc()
+        self.superseded(exc, f"another writer appended to its log ({exc.message})")
+
+    def superseded(self, exc: AppendConflict, why: str) -> None:
+        """Another owner writes this session now (its appends conflict, or it holds the lease):
+        nothing more is written here, and ``on_end`` hands the session back to the log."""
         if self.conflict is not None:
             return
         self.conflict = exc
-        self.deps.metrics.append_conflicts.inc()
         log.error(
-            "session %s: another writer appended to its log (%s); this daemon stops driving it "
-            "and gives back its lease; it is read from the log from now on",
+            "session %s: %s; this daemon stops driving it and gives back its lease; it is read "
+            "from the log from now on",
             self.session_id,
-            exc.message,
+            why,
         )
-        self.deps.spawn(self.deps.on_end(self, Ending("conflict", reason=exc.message)))
+        self.deps.spawn(self.deps.on_end(self, Ending("conflict", reason=why)))
 
     async def wait_for(self, predicate: Any, timeout: float | None = None) -> None:
         async with self.changed:
@@ -638,9 +643,11 @@ class SessionRuntime:
                     )
                     child = None
                 if child is None or child.terminal:
-                    ref = self._reserve_child_ref(root)
-                    await self.append(
-                        AgentLifecycle(
+
+                    def birth(state: SessionState) -> tuple[list[Event], str]:
+                        # Decided by the writer: concurrent births never pick the same ref.
+                        ref = decisions.next_child_ref(state, root)
+                        born = AgentLifecycle(
                             ref,
                             "born",
                             parent=root,
@@ -649,8 +656,9 @@ class SessionRuntime:
                             task_index=index,
                             batch=batch,
                         )
-                    )
-                    child = self.state.agents[ref]
+                        return [born], ref
+
+                    child = self.state.agents[await self.decide(birth)]
                 await self.drive_agent(child.ref, purpose="act", prompt=task)
                 child = self.state.agents[child.ref]
                 ok = child.phase == "completed"
@@ -659,15 +667,6 @@ class SessionRuntime:
                 )
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
-
-    def _reserve_child_ref(self, parent: str) -> str:
-        # Concurrent spawns must not pick the same ref before either birth is on the log.
-        n = len(self.state.children_of(parent))
-        while f"{parent}/{n}" in self.state.agents or f"{parent}/{n}" in self._reserved:
-            n += 1
-        ref = f"{parent}/{n}"
-        self._reserved.add(ref)
-        return ref
 
     # --- driving one agent -------------------------------------------------------------------------
 
