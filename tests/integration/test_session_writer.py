@@ -15,25 +15,29 @@ from tests.strategies import born, session_started
 
 from apomesh.adapters.memory_log import MemoryLog
 from apomesh.core import envelope
-from apomesh.core.errors import AppendConflict, CommandRefused, Fenced
+from apomesh.core.errors import ApomeshError, AppendConflict, CommandRefused, Fenced
 from apomesh.core.events import (
     AsyncJobStarted,
     CoordinatorCheckpoint,
     Event,
     HitlAnswered,
     HitlPaused,
+    OperatorAction,
 )
 from apomesh.core.state import SessionState, fold, new_state
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import load_config
 from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.registry import SessionRegistry
 from apomesh.runtime.sessions import Ending, SessionDeps, SessionRuntime
 
 pytestmark = pytest.mark.anyio
 SID = "s-writer"
 
 
-def writer(log: MemoryLog, tmp_path: Path, ended: list[Ending]) -> SessionRuntime:
+def writer(
+    log: MemoryLog, tmp_path: Path, ended: list[Ending], state: SessionState | None = None
+) -> SessionRuntime:
     async def on_end(runtime: SessionRuntime, ending: Ending) -> None:
         ended.append(ending)
 
@@ -51,7 +55,7 @@ def writer(log: MemoryLog, tmp_path: Path, ended: list[Ending]) -> SessionRuntim
         spawn=asyncio.ensure_future,
         closing=lambda: False,
     )
-    return SessionRuntime(deps, new_state(SID))
+    return SessionRuntime(deps, state or new_state(SID))
 
 
 async def paused_writer(tmp_path: Path, ended: list[Ending]) -> tuple[MemoryLog, SessionRuntime]:
@@ -116,3 +120,44 @@ async def test_an_append_conflict_ends_the_writers_run(tmp_path: Path) -> None:
         await runtime.answer_hitl("p1", "yes", by="alice")
     assert await log.last_index(SID) == index  # nothing of this writer's after the conflict
     assert runtime.state.last_index == index - 1
+
+
+class SlowLeases:
+    """Leases that are always free, granted after a pause (another task runs meanwhile)."""
+
+    async def acquire(self, session_id: str, owner: str) -> bool:
+        await asyncio.sleep(0.01)
+        return True
+
+    async def renew(self, session_id: str, owner: str) -> bool:
+        return True
+
+    async def release(self, session_id: str, owner: str) -> bool:
+        return True
+
+
+async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Path) -> None:
+    log, _ = await paused_writer(tmp_path, [])
+    state = fold(await log.read(SID), SID)
+    registry = SessionRegistry(
+        log_adapter=log,
+        leases=SlowLeases(),
+        store=cast(Any, None),
+        snapshots=cast(Any, None),
+        spawn=asyncio.ensure_future,
+    )
+    registry.make_runtime = lambda state, fresh: writer(log, tmp_path, [], state)
+    resume = OperatorAction(action="resume", by="op")
+    results = await asyncio.gather(
+        *(
+            registry.adopt(state, recovered=None, fresh_children=False, opening=[resume], start=False)
+            for _ in range(2)
+        ),
+        return_exceptions=True,
+    )
+    opened = [r for r in results if isinstance(r, SessionRuntime)]
+    refused = [r for r in results if isinstance(r, ApomeshError)]
+    assert len(opened) == 1 and len(refused) == 1 and "already running" in str(refused[0])
+    assert registry.writer(SID) is opened[0]
+    kinds = [type(e.event).__name__ for e in await log.read(SID)]
+    assert kinds.count("OperatorAction") == 1

@@ -134,12 +134,14 @@ class SessionRegistry:
         assert self.make_runtime is not None, "the daemon sets make_runtime before any session"
         stranded = self.stranded.pop(session_id, None)
         runtime = self.make_runtime(state, fresh_children)
+        # Claimed before the first await: a concurrent open of the same session (two operators
+        # resuming it) is refused above, never a second writer.
+        self.live[session_id] = runtime
         leased = False
         try:
             leased = await self.leases.acquire(session_id, self.owner)
             if not leased:
                 raise ApomeshError(f"session {session_id} is driven by another daemon")
-            self.live[session_id] = runtime
             if opening:
                 await runtime.append(*opening)
         except BaseException:
