@@ -87,8 +87,9 @@ async def test_concurrent_answers_to_one_pause_store_exactly_one(mesh: Mesh) -> 
     assert verified["ok"], verified
 
 
-def slow_lister(turns: int) -> dict[str, Any]:
-    """A root agent that lists the workspace ``turns`` times, slowly, then answers."""
+def slow_lister(turns: int, delay: float = 0.3) -> dict[str, Any]:
+    """A root agent that lists the workspace ``turns`` times (under its step budget), ``delay``
+    seconds each, then answers."""
     return {
         "name": "slow-lister",
         "version": "1.0.0",
@@ -97,7 +98,7 @@ def slow_lister(turns: int) -> dict[str, Any]:
         "model": {
             "provider": "scripted",
             "turns": [
-                {"tool_calls": [{"tool": "fs.list", "args": {"path": "."}}], "delay": 0.3}
+                {"tool_calls": [{"tool": "fs.list", "args": {"path": "."}}], "delay": delay}
                 for _ in range(turns)
             ]
             + [{"final": "listed"}],
@@ -166,3 +167,47 @@ async def test_an_append_conflict_stops_this_daemon_driving_the_session(mesh: Me
     assert view(mesh.url, session_id)["last_index"] == after[-1].index
     metrics = httpx.get(f"{mesh.url}/metrics", timeout=30).text
     assert "apomesh_append_conflicts_total 1" in metrics
+
+
+async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str | None:
+    """Move the session's lease to ``owner`` as another daemon would; answers the old owner."""
+    nc = await connect([nats_url])
+    try:
+        kv = await KvBuckets.open(nc.jetstream())
+        first = await kv.leases.owner(session_id)
+        while True:
+            held = await kv.leases.owner(session_id)
+            if held is not None:
+                await kv.leases.release(session_id, held)
+            if await kv.leases.acquire(session_id, owner):
+                return first  # (a renewal between the two calls takes it back: go again)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_lease_held_by_another_owner_stops_this_daemon_driving_the_session(
+    mesh: Mesh,
+) -> None:
+    session_id = start(mesh.url, "list slowly", slow_lister(45, delay=0.8))
+    with anyio.fail_after(60):
+        while not any(
+            isinstance(e.event, AgentSnapshotted)
+            for e in await read_log(mesh.nats_url, session_id)
+        ):
+            await anyio.sleep(0.1)
+    daemon_owner = await take_the_lease(mesh.nats_url, session_id, "another-daemon")
+    assert daemon_owner not in (None, "another-daemon")
+
+    def driven() -> int:
+        sessions: int = httpx.get(f"{mesh.url}/healthz", timeout=30).json()["sessions"]
+        return sessions
+
+    # At its next renewal the daemon finds the lease is not its own: it stops driving the session
+    # (and never takes the lease back from its owner).
+    wait_until(lambda: driven() == 0, timeout=30, what="the session no longer driven")
+    assert "held by another owner" in mesh.daemon.output_tail(200_000)
+    assert await lease_owner(mesh.nats_url, session_id) == "another-daemon"
+    settled = await read_log(mesh.nats_url, session_id)
+    await anyio.sleep(2.0)
+    assert len(await read_log(mesh.nats_url, session_id)) == len(settled)
