@@ -213,7 +213,7 @@ async def running_system(
             for _, worker in node.workers:
                 await worker.wait_registered()
             deadline = time.monotonic() + 60
-            while len(node.daemon.workers) < (worker_processes or workers):
+            while len(node.daemon.workers.workers) < (worker_processes or workers):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the workers did not register within 60 s")
                 await asyncio.sleep(0.05)
@@ -262,7 +262,8 @@ async def run_sessions(node: Node, definition: dict[str, Any], sessions: int) ->
             for i in range(sessions)
         )
     )
-    tasks = [daemon.sessions[sid].task for sid in ids if sid in daemon.sessions]
+    live = daemon.registry.live
+    tasks = [live[sid].task for sid in ids if sid in live]
     await asyncio.gather(*(t for t in tasks if t is not None))
     return list(ids)
 
@@ -335,7 +336,7 @@ async def measure_long_agent(
         sid = await node.service.create_session(
             "long", agent=None, definition=agent_definition("fs.write", steps), by="bench"
         )
-        runtime = node.daemon.sessions[sid]
+        runtime = node.daemon.registry.live[sid]
         assert runtime.task is not None
         await runtime.task
         sizes: dict[int, int] = {}

@@ -147,7 +147,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from apomesh.runtime.demo import run_demo
+    from apomesh.demo import run_demo
 
     logging.basicConfig(level=logging.ERROR)
     return asyncio.run(run_demo(console))
@@ -170,7 +170,7 @@ def _load_definition(path: str) -> dict[str, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from apomesh.runtime.demo import DEFAULT_AGENT
+    from apomesh.builtin.agents import DEFAULT_AGENT
 
     client = _client(args)
     if args.agent:

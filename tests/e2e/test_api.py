@@ -530,7 +530,7 @@ def test_a_pause_is_answered_once(http: httpx.Client, system: Mesh) -> None:
     assert response.json() == {"session_id": session_id, "action": "answer_hitl"}
     done = wait_status(system.url, session_id)
     assert done["status"] == "completed" and done["hitl_pending"] == []
-    error_of(http.post(path, json={"answer": "Red."}), 404, "not_found")
+    error_of(http.post(path, json={"answer": "Red."}), 409, "command_refused")
     answered = wait_event(system.url, session_id, lambda e: e["kind"] == "HitlAnswered")
     assert answered["event"]["answer"] == "Blue." and answered["event"]["by"] == "operator"
 

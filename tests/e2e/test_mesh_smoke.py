@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from apomesh.runtime.demo import DEMO_AGENT
+from apomesh.demo import DEMO_AGENT
 from apomesh.testing import Mesh
 
 

@@ -354,8 +354,8 @@ async def boot_scan_with(
         await daemon.start()
         return (
             dict(daemon.boot_report),
-            {sid: rec.category for sid, rec in daemon.recoverable.items()},
-            set(daemon.sessions),
+            {sid: rec.category for sid, rec in daemon.registry.stranded.items()},
+            set(daemon.registry.live),
         )
     finally:
         await daemon.aclose()

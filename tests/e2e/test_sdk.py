@@ -156,8 +156,9 @@ async def test_a_pause_is_answered_from_the_event_stream(system: Mesh) -> None:
                 assert (await client.get_session(session_id)).status == "paused"
                 await client.answer_hitl(session_id, record.event["pause_id"], "Yes, green.")
                 answered = True
-                with pytest.raises(NotFoundError):
+                with pytest.raises(ConflictError) as again:
                     await client.answer_hitl(session_id, record.event["pause_id"], "Again.")
+                assert again.value.code == "command_refused"
         assert answered and kinds[-1] == "SessionEnded"
         assert kinds.index("HitlAnswered") > kinds.index("HitlPaused")
         assert (await client.get_session(session_id)).status == "completed"
@@ -295,7 +296,7 @@ def test_cli_answers_a_pause(system: Mesh, sync: SyncClient) -> None:
     assert sync.wait(session_id, timeout=30).status == "completed"
     again = cli(system.url, "hitl", "answer", session_id, pause.pause_id, "Coffee.")
     assert again.returncode == 1
-    assert "not_found" in again.stderr or "NotFound" in again.stderr
+    assert "command_refused" in again.stderr
 
 
 def test_cli_lists_and_resumes_a_recoverable_session(mesh: Mesh) -> None:

@@ -32,8 +32,8 @@ import pytest
 from tests.e2e.secure_system import SecureSystem, create_token
 
 from apomesh.adapters.nats_connect import NatsAuthError, NatsTlsError, connect, tls_context
+from apomesh.demo import DEMO_AGENT
 from apomesh.plugins.manager import PluginHost
-from apomesh.runtime.demo import DEMO_AGENT
 from apomesh.runtime.nats_permissions import OPERATOR_INBOX_PREFIX
 from apomesh.runtime.protocol import (
     ENCODER,

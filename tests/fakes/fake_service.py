@@ -30,6 +30,7 @@ from apomesh.core.envelope import Envelope, make
 from apomesh.core.errors import (
     ApomeshError,
     CatalogError,
+    CommandRefused,
     DefinitionError,
     NotFound,
     PayloadTooLarge,
@@ -305,6 +306,8 @@ class FakeService:
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
         self._check_broken()
         state = await self._state(session_id)
+        if pause_id in state.hitl_answers:
+            raise CommandRefused(f"pause {pause_id} is not open: it was already answered")
         if pause_id not in state.hitl_pending:
             raise NotFound(f"open pause {pause_id} in session {session_id}")
         self.calls.append(("answer_hitl", session_id, pause_id, answer, by))

@@ -303,7 +303,7 @@ def test_a_pause_is_answered_once(client: AppClient, fake: FakeService, run: Run
     assert fake.calls[-1] == ("answer_hitl", session_id, pause_id, "dry", "operator")
     assert client.get(f"/v1/sessions/{session_id}").json()["status"] == "running"
     again = client.post(path, json={"answer": "dry"})
-    assert again.status_code == 404 and error_of(again) == "not_found"
+    assert again.status_code == 409 and error_of(again) == "command_refused"
 
 
 def test_resume_needs_confirmation_after_the_preview(

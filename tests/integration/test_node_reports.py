@@ -49,7 +49,7 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
             await worker.wait_registered()
         agent = writer([[write("a.txt", "one")], [write("b.txt", "two"), write("c.txt", "three")]])
         session_id = await node.service.create_session("write", agent=None, definition=agent, by="t")
-        runtime = node.daemon.sessions[session_id]
+        runtime = node.daemon.registry.live[session_id]
         assert runtime.task is not None
         await runtime.task
         envelopes = await node.daemon.log.read(session_id)

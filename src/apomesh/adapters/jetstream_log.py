@@ -88,6 +88,7 @@ from apomesh.adapters.nats_connect import (
     direct_get_batch,
     unavailable_as_log_error,
 )
+from apomesh.adapters.stream_fold import StreamFold, fold_stream
 from apomesh.core.envelope import Envelope, decode
 from apomesh.core.errors import AppendConflict, LogError, LogUnavailable
 from apomesh.core.ports import EventLog
@@ -711,6 +712,13 @@ class JetStreamLog:
                 yield envelope
         finally:
             await _unsubscribe_quietly(subscription)
+
+    # -- the whole stream ----------------------------------------------------------------------
+
+    async def fold_all(self, skip: set[str]) -> StreamFold:
+        """Every session folded in one pass over the stream (``adapters.stream_fold``), passing
+        over the sessions in ``skip``; those the pass cannot vouch for are ``suspect``."""
+        return await fold_stream(self._nc, self.stream, self.subject_prefix, skip=skip)
 
     # -- listing and deleting ----------------------------------------------------------------
 

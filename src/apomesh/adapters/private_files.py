@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import BinaryIO
 
-from apomesh.core.errors import ApomeshError
+from apomesh.core.errors import StoreError
 
 __all__ = [
     "UnsafeDataDir",
@@ -33,7 +33,7 @@ PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
 
-class UnsafeDataDir(ApomeshError):
+class UnsafeDataDir(StoreError):
     """A directory the daemon keeps secrets in is owned by another user, or others may write to
     it: starting there would trust whatever they left in it."""
 

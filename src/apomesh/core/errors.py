@@ -23,6 +23,7 @@ ApomeshError                       base; ``retryable`` says whether trying again
 │   └── PublishConflict            a published (name, version) exists with other content
 ├── NotFound                       an unknown session, agent, skill or worker (what)
 ├── Fenced                         a message carried a stale fencing epoch
+├── CommandRefused                 a duplicate or stale command a session's state refuses
 ├── PayloadTooLarge                an input over its configured limit (what, size, limit)
 ├── ToolError                      a tool call failed in a way the model should see
 │   └── OutcomeUnknown             a side effect whose result was never recorded
@@ -169,6 +170,13 @@ class Fenced(ApomeshError):
         self.agent = agent
         self.epoch = epoch
         self.current = current
+
+
+class CommandRefused(ApomeshError):
+    """A command a session's folded state refuses (a second answer to one pause, an answer to a
+    pause that is not open, a job started twice): it is a duplicate or stale, nothing was written."""
+
+    code = "command_refused"
 
 
 class PayloadTooLarge(ApomeshError):

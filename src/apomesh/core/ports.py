@@ -1,4 +1,4 @@
-"""The ports the runtime depends on, as Protocols: the event log, the state store, the catalogs.
+"""The ports the runtime depends on, as Protocols: the event log, session leases, the state store.
 
 Adapters (``apomesh.adapters``) implement them on NATS JetStream and LMDB; in-memory twins
 implement them for fast unit tests. One contract test suite runs against both.
@@ -37,6 +37,20 @@ class EventLog(Protocol):
 
     async def list_sessions(self) -> list[str]:
         """Every session id with at least one log entry."""
+
+
+class SessionLeases(Protocol):
+    """Session ownership leases with a TTL (``adapters.kv.LeaseTable``): one daemon drives a
+    session at a time."""
+
+    async def acquire(self, session_id: str, owner: str) -> bool:
+        """Take the lease; True when ``owner`` now holds it (already holding it renews)."""
+
+    async def renew(self, session_id: str, owner: str) -> bool:
+        """Extend ``owner``'s lease; False when it is no longer theirs."""
+
+    async def release(self, session_id: str, owner: str) -> bool:
+        """Give the lease up if ``owner`` holds it; True when it was released."""
 
 
 class StateStore(Protocol):

@@ -1,7 +1,8 @@
 """Session state: the fold of a session's log, and the narrower bootstrap view.
 
 ``apply(state, envelope)`` folds one envelope into ``state`` in place and returns it; ``fold``
-folds a whole log. Folding is O(events): each event touches only the entries it names. The index of
+folds a whole log; ``check(state, envelopes)`` folds a step into a trial copy and raises what the
+fold would raise, leaving ``state`` untouched (a session's writer checks a step before appending it). Folding is O(events): each event touches only the entries it names. The index of
 every envelope must be exactly the next one (``IndexGap``/``DuplicateIndex`` otherwise), and facts
 that contradict the log so far raise ``InvalidLog``, so a log is never folded from a partial or
 inconsistent picture. Everything here is derived: spawn-tree edges from lifecycle parents,
@@ -13,6 +14,7 @@ the started one from then on; the ``BootstrapView`` always stays the record of t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +206,31 @@ def fold(envelopes: Iterable[Envelope], session_id: str | None = None) -> Sessio
     if state is None:
         raise InvalidLog("an empty log has no session", session_id=session_id, index=None)
     return state
+
+
+def check(state: SessionState, envelopes: Iterable[Envelope]) -> None:
+    """Raise the error folding ``envelopes`` into ``state`` would raise; ``state`` is untouched."""
+    trial = trial_copy(state)
+    for env in envelopes:
+        apply(trial, env)
+
+
+def trial_copy(state: SessionState) -> SessionState:
+    """A copy of ``state`` that ``apply`` can mutate without touching the original: every
+    container and every mutable entry (agent, journal entry) is copied; events, configs and shapes
+    are immutable and shared."""
+    return dataclasses.replace(
+        state,
+        agents={ref: dataclasses.replace(a) for ref, a in state.agents.items()},
+        children={ref: list(kids) for ref, kids in state.children.items()},
+        jobs_in_flight=dict(state.jobs_in_flight),
+        jobs_done=dict(state.jobs_done),
+        hitl_pending=dict(state.hitl_pending),
+        hitl_answers=dict(state.hitl_answers),
+        journal={key: dataclasses.replace(e) for key, e in state.journal.items()},
+        operator_actions=list(state.operator_actions),
+        pin_overrides=dict(state.pin_overrides),
+    )
 
 
 def bootstrap_view(state: SessionState) -> BootstrapView | None:

@@ -347,6 +347,21 @@ class DaemonMetrics:
         self.recoverable_sessions = r.gauge(
             "apomesh_recoverable_sessions", "Sessions on the recoverable list."
         )
+        self.fenced_reports = r.counter(
+            "apomesh_fenced_reports_total", "Worker reports rejected for a stale epoch or identity."
+        )
+        self.snapshot_bytes = r.counter(
+            "apomesh_snapshot_bytes_total", "Bytes of snapshot records written to LMDB."
+        )
+        self.dropped_requests = r.counter(
+            "apomesh_control_requests_dropped_total",
+            "Control requests dropped unanswered: not on a worker's bound subject, or with a reply"
+            " subject outside that worker's own inbox.",
+        )
+        self.append_conflicts = r.counter(
+            "apomesh_append_conflicts_total",
+            "Sessions this daemon stopped driving because another writer appended to their log.",
+        )
 
     def render(self) -> str:
         return self.registry.render()

@@ -266,8 +266,19 @@ class Node:
             plugins=plugins,
             workspace=workspace,
         )
+        daemon = self.daemon
         self.service = Service(
-            self.daemon, Catalog(kv, plugins, resolvers=configured_skill_resolvers(config))
+            registry=daemon.registry,
+            workers=daemon.workers,
+            plugins=plugins,
+            log_adapter=log_adapter,
+            store=self.store,
+            catalog=Catalog(kv, plugins, resolvers=configured_skill_resolvers(config)),
+            limits=config.limits,
+            metrics=daemon.metrics,
+            nc=self.nc,
+            incarnation=daemon.incarnation,
+            boot_report=lambda: daemon.boot_report,
         )
         for worker_id in local_ids:
             user = self.credentials.local_workers[worker_id] if self.credentials else None

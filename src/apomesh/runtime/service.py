@@ -1,7 +1,10 @@
-"""The daemon as a service: ``DaemonService`` (what the REST API and the console call) on top of
-the orchestrator, the catalogs and the log.
+"""The daemon as a service: ``DaemonService`` (what the REST API and the console call), the one
+application facade over the session registry, the worker pool, the catalogs and the log.
 
-Session creation lives here: it validates the request against the configured limits, resolves the
+Every use case lives here: create, answer a pause, resume (with a migration), cancel, and the
+reads. A use case that changes a session does it through the session's single writer
+(``SessionRuntime.decide``), opened through the registry; it never touches a writer's internals.
+Session creation validates the request against the configured limits, resolves the
 agent (a sealed published bundle, or an inline definition whose skills are resolved now and frozen),
 composes the pinned shape and makes ``SessionStarted`` durable before answering. So does moving a
 stranded session to another published version of its agent (``migrate_pins`` key ``agent``): the
@@ -11,18 +14,33 @@ migration records.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 
 import msgspec
 
+from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.builtin.agents import DEFAULT_AGENT
 from apomesh.core.definition import parse_definition
 from apomesh.core.envelope import Envelope
-from apomesh.core.errors import ApomeshError, MigrationRefused, NotFound, PayloadTooLarge
-from apomesh.core.events import AgentLifecycle, PluginPin, SessionShape, SessionStarted
+from apomesh.core.errors import (
+    ApomeshError,
+    CommandRefused,
+    MigrationRefused,
+    NotFound,
+    PayloadTooLarge,
+)
+from apomesh.core.events import (
+    AgentLifecycle,
+    Event,
+    OperatorAction,
+    PluginPin,
+    SessionShape,
+    SessionStarted,
+)
+from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
     AgentRecordView,
@@ -37,14 +55,24 @@ from apomesh.core.views import (
     session_view,
     unknown_outcomes,
 )
+from apomesh.plugins.manager import PluginHost
 from apomesh.plugins.pins import check_pins
 from apomesh.runtime.catalog import Catalog, skill_names
 from apomesh.runtime.composition import compose_shape
-from apomesh.runtime.daemon import Daemon
-from apomesh.runtime.folds import FoldCache
-from apomesh.runtime.pinning import AGENT_PIN, agent_diff, published_agent
-from apomesh.runtime.sessions import SessionRuntime
+from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.pinning import (
+    AGENT_PIN,
+    agent_diff,
+    check_shape,
+    plan_agent_migration,
+    plan_migration,
+    published_agent,
+)
+from apomesh.runtime.registry import Recoverable, SessionRegistry
+from apomesh.runtime.sessions import Ending
 from apomesh.runtime.tails import SessionTails
+from apomesh.runtime.workers import WorkerPool
 
 
 def _check_size(what: str, data: Any, limit: int) -> None:
@@ -56,15 +84,34 @@ def _check_size(what: str, data: Any, limit: int) -> None:
 class Service:
     """Implements ``apomesh.api.service.DaemonService``."""
 
-    def __init__(self, daemon: Daemon, catalog: Catalog) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        *,
+        registry: SessionRegistry,
+        workers: WorkerPool,
+        plugins: PluginHost,
+        log_adapter: EventLog,
+        store: AsyncStore,
+        catalog: Catalog,
+        limits: LimitsConfig,
+        metrics: DaemonMetrics,
+        nc: Any,
+        incarnation: str,
+        boot_report: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.registry = registry
+        self.workers = workers
+        self.plugins = plugins
+        self.log = log_adapter
+        self.store = store
         self.catalog = catalog
-        self.limits = daemon.config.limits
-        # Sessions this daemon does not drive (ended ones above all) are read through this cache,
-        # so a request folds only what was appended since the last one, not the whole log.
-        self.folds = FoldCache(daemon.log.read)
+        self.limits = limits
+        self.metrics = metrics
+        self.nc = nc
+        self.incarnation = incarnation
+        self._boot_report = boot_report
         # Every event-stream reader of a session shares one tail of its log.
-        self.tails = SessionTails(daemon.log)
+        self.tails = SessionTails(log_adapter)
 
     # --- sessions ------------------------------------------------------------------------------------
 
@@ -81,36 +128,27 @@ class Service:
             shape = await self._published_shape(agent[0], agent[1], check={})
         else:
             if definition is None:
-                from apomesh.runtime.demo import DEFAULT_AGENT  # runtime.demo imports the node
-
                 definition = DEFAULT_AGENT
             _check_size("the agent definition", definition, self.limits.max_definition_bytes)
             parsed = parse_definition(definition)
             skills = await self.catalog.resolve_skills(skill_names(parsed))
             shape = compose_shape(
                 parsed,
-                host=self.daemon.plugins,
+                host=self.plugins,
                 skills=skills,
                 source="catalog" if parsed.skills else "inline",
             )
         session_id = uuid.uuid4().hex
-        state = new_state(session_id)
-        if not await self.daemon.kv_lease(session_id):
-            raise ApomeshError(f"session {session_id} is already driven elsewhere")
-        runtime = SessionRuntime(self.daemon, state)
-        self.daemon.sessions[session_id] = runtime
-        try:
-            await runtime.append(
+        # Nothing written (an event over the limit, say) leaves no session behind.
+        await self.registry.adopt(
+            new_state(session_id),
+            recovered=None,
+            fresh_children=False,
+            opening=[
                 SessionStarted(goal=goal, root="root", shape=shape),
                 AgentLifecycle("root", "born", config=shape.root, task=goal, task_index=0),
-            )
-        except BaseException:
-            # Nothing was written (an event over the limit, say): no session is left behind.
-            self.daemon.sessions.pop(session_id, None)
-            with contextlib.suppress(Exception):
-                await self.daemon.kv.leases.release(session_id, self.daemon.daemon_id)
-            raise
-        runtime.start()
+            ],
+        )
         return session_id
 
     async def _published_shape(
@@ -127,10 +165,10 @@ class Service:
         if check is not None:
             # The bundle was sealed with these plugins: running it on other code is refused.
             moved = [PluginPin(p.name, check.get(p.name, p.version)) for p in bundle.plugins]
-            check_pins(self.daemon.plugins, moved)
+            check_pins(self.plugins, moved)
         shape = compose_shape(
             parsed,
-            host=self.daemon.plugins,
+            host=self.plugins,
             skills=skills,
             source="published",
             agent=f"{bundle.name}@{bundle.version}",
@@ -156,7 +194,7 @@ class Service:
         self, *, status: str | None, query: str | None, limit: int
     ) -> list[SessionSummary]:
         rows: dict[str, SessionSummary] = {}
-        for record in await self.daemon.completed_records():
+        for record in await self.registry.completed_records():
             rows[record.session_id] = SessionSummary(
                 session_id=record.session_id,
                 status=record.status,
@@ -165,7 +203,7 @@ class Service:
                 updated_at=record.ended_at,
                 side_effects=record.side_effects,
             )
-        for sid, rec in self.daemon.recoverable.items():
+        for sid, rec in self.registry.stranded.items():
             rows[sid] = SessionSummary(
                 session_id=sid,
                 status="recoverable",
@@ -174,7 +212,7 @@ class Service:
                 updated_at=rec.last_event_at,
                 side_effects=rec.side_effects,
             )
-        for sid, runtime in self.daemon.sessions.items():
+        for sid, runtime in self.registry.live.items():
             rows[sid] = session_summary(runtime.state)
         out = [
             r
@@ -186,21 +224,21 @@ class Service:
         return out[:limit]
 
     async def get_session(self, session_id: str) -> SessionView:
-        rec = self.daemon.recoverable.get(session_id)
+        rec = self.registry.stranded.get(session_id)
         if rec is not None:
             if rec.state is None:
                 return SessionView(
                     session_id=session_id, status="recoverable", goal="", reason=rec.reason
                 )
             return session_view(rec.state, status="recoverable", reason=rec.reason)
-        runtime = self.daemon.sessions.get(session_id)
+        runtime = self.registry.writer(session_id)
         if runtime is not None:
             return session_view(runtime.state)
-        return await self.folds.view(session_id)
+        return await self.registry.folds.view(session_id)
 
     async def read_events(self, session_id: str, after: int) -> list[Envelope]:
-        envelopes: list[Envelope] = await self.daemon.log.read(session_id, after)
-        if not envelopes and await self.daemon.log.last_index(session_id) < 0:
+        envelopes: list[Envelope] = await self.log.read(session_id, after)
+        if not envelopes and await self.log.last_index(session_id) < 0:
             raise NotFound(f"session {session_id}")
         return envelopes
 
@@ -209,17 +247,67 @@ class Service:
             yield env
 
     async def verify_session(self, session_id: str) -> VerificationView:
-        return await self.daemon.verify(session_id)
+        """Fold the session's log from its start and check it against the stored snapshots,
+        journal and completed record (see ``apomesh.runtime.verify``)."""
+        from apomesh.runtime.verify import verify_session
+
+        return await verify_session(self.log, self.store, session_id)
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
-        await self.daemon.answer_hitl(session_id, pause_id, answer, by=by)
+        """Answer an open pause through the session's writer: a second answer to the same pause
+        (a double click, two operators, a retry) is refused (``CommandRefused``), never logged."""
+        runtime = self.registry.writer(session_id)
+        if runtime is not None:
+            await runtime.answer_hitl(pause_id, answer, by=by)
+            return
+        state = await self.registry.state(session_id)
+        if pause_id not in state.hitl_pending:
+            if pause_id in state.hitl_answers:
+                raise CommandRefused(f"pause {pause_id} is not open: it was already answered")
+            raise NotFound(f"open pause {pause_id} in session {session_id}")
+        raise ApomeshError(f"session {session_id} is not running here; resume it first")
 
     async def resume(self, session_id: str, *, migrate_pins: dict[str, str], by: str) -> None:
-        rec = self.daemon.recoverable.get(session_id)
+        """Resume a session from the recoverable list (``OperatorAction(resume)``), first moving
+        its plugin pins and/or its agent to another published version (``migrate_pins``, key
+        ``agent``), each move logged as ``OperatorAction(migrate_pin)``. A pin that cannot be
+        satisfied is a typed error naming it; a migration is checked whole before anything is
+        logged."""
+        rec = self.registry.stranded.get(session_id)
         if rec is None:
             await self._not_stranded(session_id, migrate_pins)
-        shape, plugins = await self._migration_target(rec.state if rec else None, migrate_pins)
-        await self.daemon.resume(session_id, by=by, migrate_pins=plugins or None, agent_shape=shape)
+        shape, plugins = await self._migration_target(rec.state, migrate_pins)
+        if rec.state is None:
+            if rec.error is not None:
+                raise rec.error
+            raise ApomeshError(f"session {session_id} cannot be resumed: {rec.reason}")
+        state = rec.state
+        if state.bootstrap is None:
+            raise ApomeshError(
+                f"session {session_id} has no durable SessionStarted; it cannot be resumed"
+            )
+        migration: dict[str, Any] | None = None
+        if shape is not None:
+            migration = plan_agent_migration(self.plugins, state, shape, plugins or None)
+        elif plugins:
+            migration = {
+                "pins": dict(plugins),
+                "from": plan_migration(self.plugins, state, plugins),
+            }
+        else:
+            check_shape(self.plugins, state)
+        actions: list[Event] = []
+        if migration is not None:
+            actions.append(OperatorAction(action="migrate_pin", by=by, detail=migration))
+        unknown = len(state.unknown_outcomes)
+        actions.append(
+            OperatorAction(
+                action="resume", by=by, detail={"unknown_outcomes": unknown, "reason": rec.reason}
+            )
+        )
+        await self.registry.adopt(
+            state, recovered="operator", fresh_children=False, opening=actions
+        )
 
     async def _not_stranded(self, session_id: str, migrate_pins: dict[str, str] | None) -> NoReturn:
         """404 for an unknown session, else 409: only a session on the recoverable list resumes."""
@@ -232,7 +320,7 @@ class Service:
     async def recovery_preview(
         self, session_id: str, migrate_pins: dict[str, str] | None = None
     ) -> RecoverableView:
-        rec = self.daemon.recoverable.get(session_id)
+        rec = self.registry.stranded.get(session_id)
         if rec is None:
             await self._not_stranded(session_id, migrate_pins)
         view = self._recoverable_view(rec)
@@ -241,16 +329,16 @@ class Service:
         if shape is None:
             return view
         assert rec.state is not None  # an undecodable session has no agent to move
-        diff = agent_diff(self.daemon.plugins, rec.state, shape, plugins)
+        diff = agent_diff(self.plugins, rec.state, shape, plugins)
         return msgspec.structs.replace(view, agent_diff=diff)
 
-    def _recoverable_view(self, rec: Any) -> RecoverableView:
+    def _recoverable_view(self, rec: Recoverable) -> RecoverableView:
         diff: list[PinDiff] = []
         outcomes = []
         if rec.state is not None:
             outcomes = unknown_outcomes(rec.state)
             if rec.state.bootstrap is not None:
-                installed = self.daemon.plugins.installed_versions()
+                installed = self.plugins.installed_versions()
                 for pin in rec.state.plugin_pins:
                     now = installed.get(pin.name)
                     if now != pin.version:
@@ -267,13 +355,25 @@ class Service:
         )
 
     async def cancel(self, session_id: str, *, by: str) -> None:
-        await self.daemon.cancel(session_id, by=by)
+        """Cancel a live or stranded session through its writer (opened, lease and all, for a
+        session this daemon does not drive); refused once it has ended."""
+        stranded = self.registry.stranded.get(session_id)
+        runtime = await self.registry.open_writer(session_id)
+        try:
+            await runtime.cancel(by=by)
+        except BaseException:
+            if runtime.task is None and not runtime.state.terminal:
+                # Opened for the cancel alone: give it back as it was.
+                reason, category = (stranded.reason, stranded.category) if stranded else ("", "")
+                await self.registry.end(runtime, Ending("stranded", reason, category))
+            raise
 
     async def list_recoverable(self) -> list[RecoverableView]:
-        return [self._recoverable_view(r) for r in self.daemon.recoverable.values()]
+        return [self._recoverable_view(r) for r in self.registry.stranded.values()]
 
     async def list_workers(self) -> list[WorkerView]:
         now = time.monotonic()
+        pool = self.workers
         alive = [
             WorkerView(
                 id=w.worker_id,
@@ -282,9 +382,9 @@ class Service:
                 agents=list(w.agents),
                 tools=list(w.tools),
                 providers=list(w.providers),
-                alive=now - w.last_seen <= self.daemon.threshold,
+                alive=now - w.last_seen <= pool.threshold,
             )
-            for w in self.daemon.workers.values()
+            for w in pool.workers.values()
         ]
         lost = [
             WorkerView(
@@ -296,8 +396,8 @@ class Service:
                 providers=list(w.providers),
                 alive=False,
             )
-            for w in reversed(self.daemon.lost_workers.values())
-            if w.worker_id not in self.daemon.workers
+            for w in reversed(pool.lost_workers.values())
+            if w.worker_id not in pool.workers
         ]
         return alive + lost
 
@@ -332,30 +432,29 @@ class Service:
     # --- health --------------------------------------------------------------------------------------
 
     async def metrics_text(self) -> str:
-        d = self.daemon
-        m = d.metrics
+        m = self.metrics
         counts: dict[tuple[str, ...], float] = {}
         phases: dict[tuple[str, ...], float] = {}
-        for runtime in d.sessions.values():
+        for runtime in self.registry.live.values():
             key = (runtime.state.status,)
             counts[key] = counts.get(key, 0) + 1
             for agent in runtime.state.agents.values():
                 phases[(agent.phase,)] = phases.get((agent.phase,), 0) + 1
-        counts[("recoverable",)] = len(d.recoverable)
+        counts[("recoverable",)] = len(self.registry.stranded)
         m.sessions.replace(counts)
         m.agents.replace(phases)
-        m.recoverable_sessions.set(len(d.recoverable))
-        m.workers_alive.set(len(d.workers))
+        m.recoverable_sessions.set(len(self.registry.stranded))
+        m.workers_alive.set(len(self.workers.workers))
         return m.render()
 
     async def health(self) -> dict[str, Any]:
-        d = self.daemon
+        connected = self.nc.is_connected
         return {
-            "ok": d.nc.is_connected,
-            "incarnation": d.incarnation,
-            "nats": "connected" if d.nc.is_connected else "reconnecting",
-            "sessions": len(d.sessions),
-            "recoverable": len(d.recoverable),
-            "workers": len(d.workers),
-            "boot": d.boot_report,
+            "ok": connected,
+            "incarnation": self.incarnation,
+            "nats": "connected" if connected else "reconnecting",
+            "sessions": len(self.registry.live),
+            "recoverable": len(self.registry.stranded),
+            "workers": len(self.workers.workers),
+            "boot": self._boot_report(),
         }

@@ -1,14 +1,25 @@
-"""One live session on the daemon: its folded state, its appends, its coordinator loop and the
-driving of its agents onto workers.
+"""One live session on the daemon: its single writer, its coordinator loop and the driving of its
+agents onto workers.
 
-The daemon is the single writer of a session: ``append`` numbers events, appends them to the log
-and only then folds them into the in-memory state, one step at a time under a lock. The coordinator
-loop (a coordination kind) runs against ``SessionRuntime`` as its ``CoordinatorContext``. Each agent
-run is driven by ``drive_agent``: dispatch to a worker with a new fencing epoch, wait for the
-outcome, and when the worker is lost append ``AgentResuming`` and re-dispatch under the same ref.
-Agents are composed from the session's effective shape: after an operator moved the session to
-another agent version, new children are born with the new role configs and an agent dispatched
-again is moved to its role's new config on its ``dispatched`` event.
+``SessionRuntime`` is the one writer of its session. Every change (a worker's node report, a
+journal intent or result, a HITL pause or answer, a job's start or finish, an operator action, a
+lifecycle step) goes through ``decide``: under the writer's one lock the change is decided against
+the folded state, the candidate events are checked by folding them into a trial copy of the state
+(``core.state.check``), and only then appended to the log and applied. A duplicate or stale command
+is refused with ``CommandRefused`` and nothing is written. When the log refuses an append because
+another writer got there first (``AppendConflict``), this daemon stops driving the session at once
+(``on_end`` with ``Ending("conflict")``): its lease is given back and the session is read from the
+log from then on.
+
+The runtime is built with narrow collaborators (``SessionDeps``: the event log, the worker pool,
+the snapshot store, the plugin host, an ``on_end`` callback, a spawn callback, its limits and
+metrics); it never sees the daemon. The coordinator loop (a coordination kind) runs against it as
+its ``CoordinatorContext``. Each agent run is driven by ``drive_agent``: dispatch to a worker with a
+new fencing epoch, wait for the outcome, and when the worker is lost append ``AgentResuming`` and
+re-dispatch under the same ref. Agents are composed from the session's effective shape: after an
+operator moved the session to another agent version, new children are born with the new role
+configs and an agent dispatched again is moved to its role's new config on its ``dispatched``
+event.
 """
 
 from __future__ import annotations
@@ -18,38 +29,68 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
-from apomesh.core import envelope
+import msgspec
+
+from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.core import decisions, envelope
 from apomesh.core.definition import AgentConfig
-from apomesh.core.errors import Fenced, LogUnavailable
+from apomesh.core.errors import (
+    ApomeshError,
+    AppendConflict,
+    CommandRefused,
+    Fenced,
+    FoldError,
+    LogUnavailable,
+    NotFound,
+)
 from apomesh.core.events import (
     AgentLifecycle,
     AgentResumed,
     AgentResuming,
+    AgentSnapshotted,
+    AsyncJobFinished,
+    AsyncJobStarted,
     CoordinatorCheckpoint,
     Event,
+    HitlAnswered,
+    HitlPaused,
+    OperatorAction,
     SessionEnded,
     SessionRecovered,
     SessionShape,
+    ToolCallIntent,
+    ToolCallRecorded,
     event_name,
 )
-from apomesh.core.state import AgentView, SessionState, apply
+from apomesh.core.ports import EventLog
+from apomesh.core.state import AgentView, SessionState, apply, check
 from apomesh.plugins.api import ChildResult, RootAnswer
-from apomesh.runtime.protocol import Done, Run
-
-if TYPE_CHECKING:
-    from apomesh.runtime.daemon import Daemon
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.protocol import (
+    ENCODER,
+    Done,
+    HitlAsk,
+    JobStart,
+    JournalBegin,
+    JournalFinish,
+    NodeReport,
+    Reply,
+    Report,
+    Run,
+)
+from apomesh.runtime.snapshots import SnapshotStore
+from apomesh.runtime.workers import Dispatch, WorkerLost, WorkerPool
 
 log = logging.getLogger("apomesh.session")
 
-
-class WorkerLost(Exception):
-    def __init__(self, worker_id: str, reason: str) -> None:
-        super().__init__(reason)
-        self.worker_id = worker_id
-        self.reason = reason
+T = TypeVar("T")
 
 
 class AgentFailed(Exception):
@@ -60,6 +101,38 @@ class Held(Exception):
     """The session waits for an operator (an unknown side-effect outcome under a ``hold`` policy)."""
 
 
+@dataclass(frozen=True)
+class Ending:
+    """Why a runtime stops driving its session: it ``finished`` (its log is terminal), it is
+    ``stranded`` (held for an operator: ``reason``, ``category``), or its append met a
+    ``conflict`` (another writer appended to its log)."""
+
+    kind: Literal["finished", "stranded", "conflict"]
+    reason: str = ""
+    category: str = ""
+
+
+@dataclass(frozen=True)
+class SessionDeps:
+    """What a session's writer is built with; the same for every session of one daemon."""
+
+    log: EventLog
+    workers: WorkerPool
+    snapshots: SnapshotStore
+    store: AsyncStore
+    plugins: PluginHost
+    limits: LimitsConfig
+    metrics: DaemonMetrics
+    incarnation: str
+    workspace: Path
+    on_end: Callable[[SessionRuntime, Ending], Coroutine[Any, Any, None]]
+    """Called once when the runtime stops driving its session (the registry's bookkeeping)."""
+    spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+    """Runs a background task the daemon cancels at shutdown."""
+    closing: Callable[[], bool]
+    """True once the daemon shuts down: nothing waits for the log any more."""
+
+
 @dataclass
 class DispatchSlot:
     """The one in-flight dispatch of an agent: the only epoch and worker it accepts reports from."""
@@ -67,7 +140,7 @@ class DispatchSlot:
     agent: str
     epoch: int
     worker_id: str
-    future: asyncio.Future[Done]
+    dispatch: Dispatch
     intents: set[str] = field(default_factory=set)
     running_logged: bool = False
     nodes: set[tuple[int, str, bool]] = field(default_factory=set)
@@ -75,49 +148,79 @@ class DispatchSlot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this dispatch's reports, so a retry never races its first copy."""
 
+    @property
+    def future(self) -> asyncio.Future[Any]:
+        return self.dispatch.future
+
+
+Rule = Callable[[SessionState], tuple[Sequence[Event], T]]
+"""A decision against the folded state: the events to append (maybe none) and the answer."""
+
 
 class SessionRuntime:
     """A session the daemon drives. Implements ``CoordinatorContext`` for the coordination kind."""
 
     def __init__(
-        self, daemon: Daemon, state: SessionState, *, fresh_children: bool = False
+        self, deps: SessionDeps, state: SessionState, *, fresh_children: bool = False
     ) -> None:
-        self.daemon = daemon
+        self.deps = deps
         self.state = state
         self.session_id = state.session_id
         self.fresh_children = fresh_children
         self.slots: dict[str, DispatchSlot] = {}
         self.changed = asyncio.Condition()
-        self._append_lock = asyncio.Lock()
+        self._writer = asyncio.Lock()
         self.task: asyncio.Task[None] | None = None
         self.held_reason: str | None = None
-        self._reserved: set[str] = set()
+        self.conflict: AppendConflict | None = None
+        """Set when another writer appended to this session's log: nothing more is written here."""
         self._recovering = fresh_children or bool(state.agents)
+        self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
 
-    # --- appends ---------------------------------------------------------------------------------
+    # --- the single writer -----------------------------------------------------------------------
 
-    async def append(self, *events: Event) -> int:
-        """Append a step's events (numbered from the next index) and fold them in; answers the
-        index of the last one."""
-        async with self._append_lock:
+    async def decide(self, rule: Rule[T]) -> T:
+        """Decide a change against the folded state under the writer's lock, check its events with
+        the pure fold, append them, apply them; answers the rule's answer. A rule refuses a
+        duplicate or stale command by raising (``CommandRefused``): nothing is written then."""
+        async with self._writer:
+            if self.conflict is not None:
+                raise Fenced(f"session {self.session_id} is driven by another writer")
             if self.state.terminal:
                 # A report or request that raced the session's end: refused, never appended.
                 raise Fenced(f"session {self.session_id} has ended; nothing more is appended")
+            events, answer = rule(self.state)
+            if not events:
+                return answer
             now = time.time()
             first = self.state.last_index + 1
             envs = [
                 envelope.make(self.session_id, first + i, now, uuid.uuid4().hex, ev)
                 for i, ev in enumerate(events)
             ]
+            try:
+                check(self.state, envs)
+            except FoldError as exc:
+                raise CommandRefused(
+                    f"session {self.session_id} refuses {', '.join(map(event_name, events))}: "
+                    f"{exc.message}"
+                ) from None
             started = time.perf_counter()
             await self._append_durably(envs)
-            self.daemon.metrics_appended(
-                len(envs), time.perf_counter() - started, [event_name(e) for e in events]
-            )
+            seconds = time.perf_counter() - started
+            for ev in events:
+                self.deps.metrics.events_appended.labels(event_name(ev)).inc()
+            self.deps.metrics.append_seconds.observe(seconds)
             for env in envs:
                 apply(self.state, env)
         async with self.changed:
             self.changed.notify_all()
+        return answer
+
+    async def append(self, *events: Event) -> int:
+        """Append a step's events unconditionally decided (checked by the fold all the same);
+        answers the index of the last one."""
+        await self.decide(lambda state: (events, None))
         return self.state.last_index
 
     async def _append_durably(self, envs: list[envelope.Envelope]) -> None:
@@ -127,16 +230,39 @@ class SessionRuntime:
         warned = False
         while True:
             try:
-                await self.daemon.log.append(self.session_id, envs)
+                await self.deps.log.append(self.session_id, envs)
                 return
             except LogUnavailable as exc:
-                if self.daemon.closing:
+                if self.deps.closing():
                     raise
                 if not warned:
                     log.warning("session %s waits for the log: %s", self.session_id, exc)
                     warned = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except AppendConflict as exc:
+                self._lost_to_another_writer(exc)
+                raise
+
+    def _lost_to_another_writer(self, exc: AppendConflict) -> None:
+        """Another writer appended to this session's log: stop driving it here, at once."""
+        if self.conflict is None:
+            self.deps.metrics.append_conflicts.inc()
+        self.superseded(exc, f"another writer appended to its log ({exc.message})")
+
+    def superseded(self, exc: AppendConflict, why: str) -> None:
+        """Another owner writes this session now (its appends conflict, or it holds the lease):
+        nothing more is written here, and ``on_end`` hands the session back to the log."""
+        if self.conflict is not None:
+            return
+        self.conflict = exc
+        log.error(
+            "session %s: %s; this daemon stops driving it and gives back its lease; it is read "
+            "from the log from now on",
+            self.session_id,
+            why,
+        )
+        self.deps.spawn(self.deps.on_end(self, Ending("conflict", reason=why)))
 
     async def wait_for(self, predicate: Any, timeout: float | None = None) -> None:
         async with self.changed:
@@ -145,6 +271,310 @@ class SessionRuntime:
     async def poke(self) -> None:
         async with self.changed:
             self.changed.notify_all()
+
+    # --- commands from operators -----------------------------------------------------------------
+
+    async def answer_hitl(self, pause_id: str, answer: str, *, by: str) -> None:
+        """Answer an open pause; a second answer, or one to a closed pause, is refused."""
+
+        def rule(state: SessionState) -> tuple[list[Event], None]:
+            if pause_id in state.hitl_answers:
+                raise CommandRefused(f"pause {pause_id} is not open: it was already answered")
+            if pause_id not in state.hitl_pending:
+                raise NotFound(f"open pause {pause_id} in session {self.session_id}")
+            return [HitlAnswered(pause_id=pause_id, answer=answer, by=by)], None
+
+        await self.decide(rule)
+
+    # --- reports from workers (routed here by the control plane) ---------------------------------
+
+    async def handle_report(self, report: Report) -> Reply:
+        """Fence a worker's report against the agent's current dispatch, then decide it."""
+        slot = self.slots.get(report.agent)
+        if slot is None or slot.epoch != report.epoch or slot.worker_id != report.worker_id:
+            agent = self.state.agents.get(report.agent)
+            if (
+                isinstance(report, Done)
+                and agent is not None
+                and agent.epoch == report.epoch
+                and agent.terminal
+            ):
+                return Reply("ok")  # a retried Done whose first copy was taken
+            log.warning(
+                "fenced %s from %s for %s/%s epoch %s (current %s)",
+                type(report).__name__,
+                report.worker_id,
+                report.session_id,
+                report.agent,
+                report.epoch,
+                slot.epoch if slot else None,
+            )
+            return Reply("fenced", message=f"epoch {report.epoch} of {report.agent} is not current")
+        self.deps.workers.heard_from(report.worker_id)
+        async with slot.lock:
+            if self.slots.get(report.agent) is not slot or self.conflict is not None:
+                log.warning(
+                    "fenced %s from %s for %s/%s: its dispatch ended while it waited",
+                    type(report).__name__,
+                    report.worker_id,
+                    report.session_id,
+                    report.agent,
+                )
+                return Reply(
+                    "fenced", message=f"epoch {report.epoch} of {report.agent} is not current"
+                )
+            if isinstance(report, NodeReport):
+                return await self._on_node(slot, report)
+            if isinstance(report, JournalBegin):
+                return await self._on_journal_begin(slot, report)
+            if isinstance(report, JournalFinish):
+                return await self._on_journal_finish(report)
+            if isinstance(report, HitlAsk):
+                return await self._on_hitl(report)
+            if isinstance(report, JobStart):
+                return await self._on_job(report)
+            assert isinstance(report, Done)
+            if not slot.future.done():
+                slot.future.set_result(report)
+            return Reply("ok")
+
+    async def _on_node(self, slot: DispatchSlot, report: NodeReport) -> Reply:
+        node = (report.step, report.source, report.reset)
+        if node in slot.nodes:
+            return Reply("ok")  # a retry of a node already stored
+        size = len(ENCODER.encode(report))
+        limit = self.deps.limits.max_snapshot_bytes
+        if size > limit:
+            return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
+        if any((report.agent, call.key) not in self.state.journal for call in report.results):
+            return Reply("error", message="a result with no intent")
+        agent = self.state.agents[report.agent]
+        agent_key = f"{self.session_id}/{report.agent}"
+
+        def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
+            recorded = [
+                ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
+                for call in report.results
+                if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
+            ]
+            return list(recorded), recorded
+
+        snapshot = self.deps.snapshots.write(
+            agent_key, agent.config, report, after_id=agent.snapshot_id or 0
+        )
+        # The node's results and its snapshot bytes do not depend on each other: log the one
+        # while LMDB takes the other. The pointer waits for the bytes.
+        (snapshot_id, written), recorded = await asyncio.gather(snapshot, self.decide(results))
+        events: list[Event] = []
+        if not slot.running_logged:
+            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
+        events.append(
+            AgentSnapshotted(
+                report.agent,
+                snapshot_id=snapshot_id,
+                source=report.source,
+                step=report.step,
+                size=written,
+            )
+        )
+
+        async def copy_results() -> None:
+            # LMDB's journal copy of a result follows the log's (so it goes with the pointer) and
+            # replaces the copy of its intent (so it waits for that one).
+            await self._journal_copies_written(agent_key)
+            for r in recorded:
+                record = {"tool": r.tool, "outcome": r.outcome, "result": r.result}
+                await self.deps.store.put_journal(agent_key, r.key, msgspec.msgpack.encode(record))
+
+        await asyncio.gather(self.append(*events), copy_results())
+        slot.running_logged = True
+        slot.nodes.add(node)
+        self.deps.metrics.snapshot_bytes.inc(written)
+        return Reply("ok")
+
+    async def _on_journal_begin(self, slot: DispatchSlot, report: JournalBegin) -> Reply:
+        agent_key = f"{self.session_id}/{report.agent}"
+        size = len(msgspec.json.encode(report.args))
+        limit = self.deps.limits.max_tool_args_bytes
+
+        def rule(state: SessionState) -> tuple[list[Event], tuple[Reply, bool]]:
+            entry = state.journal.get((report.agent, report.key))
+            if entry is not None and entry.outcome in ("ok", "error"):
+                self.deps.metrics.journal_hits.inc()
+                reply = Reply(
+                    "ok", decision="done", result=entry.result or "", outcome=entry.outcome
+                )
+                return [], (reply, False)
+            if entry is not None and report.key in slot.intents:
+                # The same dispatch asking again after a lost reply.
+                return [], (Reply("ok", decision="run"), False)
+            if entry is not None:
+                return self._unknown_outcome(state, report, entry.outcome)
+            if size > limit:
+                message = f"tool arguments of {size} bytes are over the limit of {limit}"
+                return [], (Reply("error", message=message), False)
+            intent = ToolCallIntent(
+                report.agent, report.key, report.tool, report.args, idempotent=report.idempotent
+            )
+            return [intent], (Reply("ok", decision="run"), True)
+
+        reply, new_intent = await self.decide(rule)
+        if reply.decision == "run":
+            slot.intents.add(report.key)
+        if new_intent:
+            self._copy_to_journal(agent_key, report.key, {"tool": report.tool, "args": report.args})
+        return reply
+
+    def _unknown_outcome(
+        self, state: SessionState, report: JournalBegin, outcome: str | None
+    ) -> tuple[list[Event], tuple[Reply, bool]]:
+        """An intent with no result from an earlier dispatch: the outcome is unknown."""
+        if report.on_unknown == "rerun" and report.idempotent:
+            intent = ToolCallIntent(
+                report.agent, report.key, report.tool, report.args, idempotent=True
+            )
+            return [intent], (Reply("ok", decision="run"), False)
+        if outcome == "unknown" and report.on_unknown == "hold" and state.operator_actions:
+            message = "the operator resumed past this unknown outcome"
+            return [], (Reply("ok", decision="failed", message=message), False)
+        if report.on_unknown == "hold" and not state.operator_actions:
+            events: list[Event] = []
+            if outcome is None:
+                events.append(
+                    ToolCallRecorded(
+                        report.agent,
+                        report.key,
+                        report.tool,
+                        "unknown",
+                        "outcome unknown: held for an operator",
+                    )
+                )
+            message = f"outcome of {report.tool} unknown"
+            return events, (Reply("ok", decision="hold", message=message), False)
+        events = []
+        if outcome is None:
+            events.append(
+                ToolCallRecorded(
+                    report.agent,
+                    report.key,
+                    report.tool,
+                    "unknown",
+                    "outcome unknown after a crash; not re-run",
+                )
+            )
+        message = "a crash interrupted this call and it is not idempotent, so it was not run again"
+        return events, (Reply("ok", decision="failed", message=message), False)
+
+    def _copy_to_journal(self, agent_key: str, call_key: str, record: dict[str, Any]) -> None:
+        """Write LMDB's copy of a journal entry the log already holds. The effect does not wait
+        for it (the log is what makes the intent durable; nothing decides from the copy), the
+        agent's next node report does, so the copy is on disk by the node boundary."""
+        task = self.deps.spawn(
+            self.deps.store.put_journal(agent_key, call_key, msgspec.msgpack.encode(record))
+        )
+        pending = self._journal_copies.setdefault(agent_key, set())
+        pending.add(task)
+
+        def written(done: asyncio.Task[Any]) -> None:
+            pending.discard(done)
+            if not pending and self._journal_copies.get(agent_key) is pending:
+                del self._journal_copies[agent_key]
+            if not done.cancelled() and done.exception() is not None:
+                log.error(
+                    "journal copy of %s %s not written: %s",
+                    agent_key,
+                    call_key[:12],
+                    done.exception(),
+                )
+
+        task.add_done_callback(written)
+
+    async def _journal_copies_written(self, agent_key: str) -> None:
+        pending = self._journal_copies.get(agent_key)
+        if pending:
+            await asyncio.wait(list(pending))
+
+    async def _on_journal_finish(self, report: JournalFinish) -> Reply:
+        def rule(state: SessionState) -> tuple[list[Event], Reply | None]:
+            entry = state.journal.get((report.agent, report.key))
+            if entry is None:
+                return [], Reply("error", message="a result with no intent")
+            if entry.outcome in ("ok", "error"):
+                return [], Reply("ok")
+            recorded = ToolCallRecorded(
+                report.agent, report.key, report.tool, report.outcome, report.result
+            )
+            return [recorded], None
+
+        early = await self.decide(rule)
+        if early is not None:
+            return early
+        agent_key = f"{self.session_id}/{report.agent}"
+        await self._journal_copies_written(agent_key)
+        record = {"tool": report.tool, "outcome": report.outcome, "result": report.result}
+        await self.deps.store.put_journal(agent_key, report.key, msgspec.msgpack.encode(record))
+        return Reply("ok")
+
+    async def _on_hitl(self, report: HitlAsk) -> Reply:
+        def rule(state: SessionState) -> tuple[list[Event], Reply]:
+            if report.pause_id in state.hitl_answers:
+                answer = state.hitl_answers[report.pause_id]
+                return [], Reply("ok", decision="answered", result=answer)
+            if report.pause_id in state.hitl_pending:
+                return [], Reply("ok", decision="paused")
+            paused = HitlPaused(report.agent, report.pause_id, report.question)
+            return [paused], Reply("ok", decision="paused")
+
+        return await self.decide(rule)
+
+    async def _on_job(self, report: JobStart) -> Reply:
+        def rule(state: SessionState) -> tuple[list[Event], Reply | AsyncJobStarted]:
+            done = state.jobs_done.get(report.job_id)
+            if done is not None:
+                result = done.result if done.ok else f"error: {done.result}"
+                return [], Reply("ok", decision="done", result=result)
+            if report.job_id in state.jobs_in_flight:
+                return [], Reply("ok", decision="waiting")
+            if report.tool not in self.deps.plugins.tools():
+                message = f"no tool {report.tool!r} to run as a job on the daemon"
+                return [], Reply("error", message=message)
+            job = AsyncJobStarted(report.agent, report.job_id, report.tool, report.args)
+            return [job], job
+
+        answer = await self.decide(rule)
+        if isinstance(answer, Reply):
+            return answer
+        self.start_job(answer)
+        return Reply("ok", decision="waiting")
+
+    def start_job(self, job: AsyncJobStarted) -> None:
+        """Run an async job on the daemon; its completion is appended and wakes the agent."""
+        from apomesh.runtime.agent_loop import LoopContext
+
+        async def run_job() -> None:
+            tool = self.deps.plugins.tools()[job.tool]
+            config = self.state.agents[job.agent].current_config
+            assert config is not None  # every agent is born with its config
+            ctx = LoopContext(
+                Run(self.session_id, job.agent, 0, config, "job", ""),
+                worker_id="daemon",
+                workspace_root=self.deps.workspace,
+                send=_no_send,
+            )
+            try:
+                result, ok = await tool.run(ctx, job.args), True
+            except Exception as exc:
+                result, ok = f"{type(exc).__name__}: {exc}", False
+
+            def finished(state: SessionState) -> tuple[list[Event], None]:
+                if job.job_id not in state.jobs_in_flight:
+                    return [], None
+                return [AsyncJobFinished(job.agent, job.job_id, ok, result)], None
+
+            with contextlib.suppress(Fenced):  # the session ended (or moved) meanwhile
+                await self.decide(finished)
+
+        self.deps.spawn(run_job())
 
     # --- CoordinatorContext ------------------------------------------------------------------------
 
@@ -213,9 +643,11 @@ class SessionRuntime:
                     )
                     child = None
                 if child is None or child.terminal:
-                    ref = self._reserve_child_ref(root)
-                    await self.append(
-                        AgentLifecycle(
+
+                    def birth(state: SessionState) -> tuple[list[Event], str]:
+                        # Decided by the writer: concurrent births never pick the same ref.
+                        ref = decisions.next_child_ref(state, root)
+                        born = AgentLifecycle(
                             ref,
                             "born",
                             parent=root,
@@ -224,8 +656,9 @@ class SessionRuntime:
                             task_index=index,
                             batch=batch,
                         )
-                    )
-                    child = self.state.agents[ref]
+                        return [born], ref
+
+                    child = self.state.agents[await self.decide(birth)]
                 await self.drive_agent(child.ref, purpose="act", prompt=task)
                 child = self.state.agents[child.ref]
                 ok = child.phase == "completed"
@@ -234,15 +667,6 @@ class SessionRuntime:
                 )
 
         return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
-
-    def _reserve_child_ref(self, parent: str) -> str:
-        # Concurrent spawns must not pick the same ref before either birth is on the log.
-        n = len(self.state.children_of(parent))
-        while f"{parent}/{n}" in self.state.agents or f"{parent}/{n}" in self._reserved:
-            n += 1
-        ref = f"{parent}/{n}"
-        self._reserved.add(ref)
-        return ref
 
     # --- driving one agent -------------------------------------------------------------------------
 
@@ -262,11 +686,11 @@ class SessionRuntime:
             moved_to = self._migrated_config(agent)
             config = moved_to or agent.current_config
             assert config is not None
-            worker_id = await self.daemon.pick_worker(config, prefer=agent.worker)
+            worker_id = await self.deps.workers.pick(config, prefer=agent.worker)
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
-                memory = await self.daemon.snapshots.load(agent_key)
+                memory = await self.deps.snapshots.load(agent_key)
                 if resume_reason is not None:
                     await self.append(
                         AgentResuming(
@@ -279,7 +703,7 @@ class SessionRuntime:
                     )
                     if _path_label(resume_reason) == "worker_lost":
                         # Agents re-dispatched by a session's own recovery are counted with it.
-                        self.daemon.metrics.resumes.labels("worker_lost").inc()
+                        self.deps.metrics.resumes.labels("worker_lost").inc()
                     resuming = True
                     resume_reason = None
                 await self.append(
@@ -292,8 +716,8 @@ class SessionRuntime:
                         config=moved_to,
                     )
                 )
-                loop = asyncio.get_running_loop()
-                slot = DispatchSlot(ref, epoch, worker_id, loop.create_future())
+                dispatch = self.deps.workers.track(worker_id, self.session_id, ref, epoch)
+                slot = DispatchSlot(ref, epoch, worker_id, dispatch)
                 self.slots[ref] = slot
                 run = Run(
                     session_id=self.session_id,
@@ -305,10 +729,10 @@ class SessionRuntime:
                     task=agent.task or "",
                     task_index=agent.task_index or 0,
                     memory=memory,
-                    incarnation=self.daemon.incarnation,
+                    incarnation=self.deps.incarnation,
                 )
                 try:
-                    if not await self.daemon.send_run(worker_id, run):
+                    if not await self.deps.workers.send_run(worker_id, run):
                         resume_reason, lost_worker = "dispatch not acknowledged", worker_id
                         await asyncio.sleep(0.2)
                         continue
@@ -318,17 +742,18 @@ class SessionRuntime:
                     continue
                 except asyncio.CancelledError:
                     with contextlib.suppress(Exception):
-                        await self.daemon.send_cancel(
+                        await self.deps.workers.send_cancel(
                             worker_id, self.session_id, ref, epoch, "session cancelled"
                         )
                     raise
                 finally:
+                    self.deps.workers.untrack(dispatch)
                     if self.slots.get(ref) is slot:
                         del self.slots[ref]
                     if slot.future.done() and not slot.future.cancelled():
                         slot.future.exception()  # a loss noticed while the dispatch was refused
             finally:
-                self.daemon.release_worker(worker_id)
+                self.deps.workers.release(worker_id)
             if resuming:
                 await self.append(AgentResumed(ref, epoch=epoch))
                 resuming = False
@@ -385,10 +810,10 @@ class SessionRuntime:
                     SessionRecovered(
                         path=recovered,
                         checkpoint_index=self.state.checkpoint_index,
-                        incarnation=self.daemon.incarnation,
+                        incarnation=self.deps.incarnation,
                     )
                 )
-                self.daemon.metrics.resumes.labels(recovered).inc()
+                self.deps.metrics.resumes.labels(recovered).inc()
             root = self.state.root
             if root is not None and root not in self.state.agents:
                 # A crash between SessionStarted and the root's birth (one step, two appends).
@@ -398,18 +823,20 @@ class SessionRuntime:
                     )
                 )
             for job in list(self.state.jobs_in_flight.values()):
-                self.daemon.start_job(self, job)
-            kind = self.daemon.plugins.coordination_kinds()[shape.coordination]
+                self.start_job(job)
+            kind = self.deps.plugins.coordination_kinds()[shape.coordination]
             output = await kind.run(self)
             await self.append(SessionEnded(status="completed", output=output))
         except asyncio.CancelledError:
             raise
         except Held as held:
             log.warning("session %s held for an operator: %s", self.session_id, held)
-            self.daemon.mark_recoverable(self, f"held for an operator: {held}", "held")
+            await self.deps.on_end(
+                self, Ending("stranded", reason=f"held for an operator: {held}", category="held")
+            )
             return
         except Exception as exc:
-            if self.state.terminal:
+            if self.state.terminal or self.conflict is not None:
                 return
             log.warning("session %s failed: %s", self.session_id, exc)
             with contextlib.suppress(Exception):
@@ -421,28 +848,37 @@ class SessionRuntime:
                 )
         finally:
             if self.state.terminal:
-                await self.daemon.session_finished(self)
+                await self.deps.on_end(self, Ending("finished"))
 
-    async def cancel(self, reason: str) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
+    async def cancel(self, *, by: str) -> None:
+        """The operator's cancel: logged (refused once the session has ended), the coordinator
+        and every dispatch stopped, and the session ended ``cancelled``."""
+        await self.append(OperatorAction(action="cancel", by=by))
+        reason = f"cancelled by {by}"
+        await self.stop()
         for slot in list(self.slots.values()):
             with contextlib.suppress(Exception):
-                await self.daemon.send_cancel(
+                await self.deps.workers.send_cancel(
                     slot.worker_id, self.session_id, slot.agent, slot.epoch, reason
                 )
         if not self.state.terminal:
             await self.append(SessionEnded(status="cancelled", reason=reason))
-            await self.daemon.session_finished(self)
+            await self.deps.on_end(self, Ending("finished"))
 
     async def stop(self) -> None:
-        """Stop driving (daemon shutdown): the log keeps everything; a later boot resumes."""
-        if self.task is not None and not self.task.done():
+        """Stop driving (daemon shutdown, or another writer): the log keeps everything."""
+        if (
+            self.task is not None
+            and not self.task.done()
+            and self.task is not asyncio.current_task()
+        ):
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
+
+
+async def _no_send(report: Report) -> Reply:
+    raise ApomeshError("an async job cannot report to the daemon")
 
 
 def _answer(root: AgentView) -> RootAnswer:

@@ -80,14 +80,6 @@ DEMO_AGENT: dict[str, Any] = {
     },
 }
 
-DEFAULT_AGENT: dict[str, Any] = {
-    "name": "echo",
-    "version": "1.0.0",
-    "instructions": "Answer with the goal.",
-    "coordination": "solo",
-    "model": {"provider": "scripted", "turns": [{"final": "done: {task}"}]},
-}
-
 
 def describe(env: Envelope) -> str | None:
     """One printable line for an event (None for the noisy ones)."""
@@ -170,12 +162,14 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
             )
         try:
             deadline = time.monotonic() + 60
-            while len(daemon.workers) < 2:
+            while len(daemon.workers.workers) < 2:
                 if time.monotonic() > deadline:
                     console.print("[red]the workers did not register[/]")
                     return 1
                 await asyncio.sleep(0.1)
-            console.print(f"workers: {', '.join(sorted(w.name for w in daemon.workers.values()))}")
+            console.print(
+                f"workers: {', '.join(sorted(w.name for w in daemon.workers.workers.values()))}"
+            )
             session_id = await node.service.create_session(
                 "write three chapters", agent=None, definition=DEMO_AGENT, by="demo"
             )
@@ -183,7 +177,7 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
             killed: dict[str, str] = {}
 
             async def killer() -> None:
-                runtime = daemon.sessions.get(session_id)
+                runtime = daemon.registry.writer(session_id)
                 while runtime is not None and not runtime.state.terminal:
                     for agent in runtime.state.agents.values():
                         if (
@@ -192,7 +186,7 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
                             and agent.step >= 2
                             and agent.worker
                         ):
-                            worker = daemon.workers.get(agent.worker)
+                            worker = daemon.workers.workers.get(agent.worker)
                             proc = next(
                                 (
                                     p

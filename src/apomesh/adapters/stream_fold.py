@@ -1,4 +1,5 @@
-"""The boot scan's fast path: fold every session on the JetStream log in one pass over the stream.
+"""The boot scan's fast path: fold every session on the JetStream log in one pass over the stream
+(``JetStreamLog.fold_all``).
 
 Reading sessions one by one costs a direct get each, and the server's cost for each grows with how
 finely sessions are interleaved in the stream (it steps over every other session's events between

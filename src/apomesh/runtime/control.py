@@ -1,0 +1,218 @@
+"""The daemon's control plane: the NATS subscriptions workers talk to, and the one place replies
+are sent.
+
+``ControlPlane`` subscribes to registrations (``apomesh.ctl.register.<worker_id>``), worker reports
+(``apomesh.ctl.<verb>.<worker_id>``) and heartbeats (``apomesh.hb.*``). A request whose reply
+subject is not the sending worker's own inbox (``_INBOX.worker.<worker_id>.``) is dropped unread
+and counted: NATS does not check reply subjects, and the daemon's answer would be published with
+its rights (JetStream, KV, the log) wherever the sender chose. It refuses a report
+over the size limit, decodes it, checks that the sender bound in the subject is the worker the
+report names (fencing by identity), and routes it to its session's writer
+(``SessionRuntime.handle_report``, which fences by epoch and decides it); registrations and beats
+go to the worker pool. Every answer goes out through ``_reply``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from apomesh.core.errors import ApomeshError, Fenced
+from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.protocol import (
+    BEAT_DECODER,
+    CTL_BOUND_WILDCARD,
+    ENCODER,
+    HB_PREFIX,
+    REGISTER_DECODER,
+    REPORT_DECODER,
+    SUBJECT_REGISTER,
+    RegisterReply,
+    Reply,
+    Report,
+    answerable,
+    beat_subject,
+    subject_worker,
+)
+from apomesh.runtime.sessions import Held, SessionRuntime
+from apomesh.runtime.workers import WorkerPool
+
+log = logging.getLogger("apomesh.daemon")
+
+
+class ControlPlane:
+    """The ``ctl.*`` and heartbeat subscriptions; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        nc: NATS,
+        limits: LimitsConfig,
+        workers: WorkerPool,
+        route: Callable[[str], SessionRuntime | None],
+        metrics: DaemonMetrics,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.nc = nc
+        self.limits = limits
+        self.workers = workers
+        self.route = route
+        self.metrics = metrics
+        self.spawn = spawn
+        self.log = logger or log
+        self._subs: list[Any] = []
+        self._beat_sub: Any = None
+
+    async def start(self) -> None:
+        self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
+        self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
+        self._beat_sub = await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat)
+        self._subs.append(self._beat_sub)
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def pending_beats(self) -> int:
+        """Beats received but not read yet (never silence: liveness reads them first)."""
+        return int(self._beat_sub.pending_msgs) if self._beat_sub is not None else 0
+
+    # --- registrations and beats -----------------------------------------------------------------
+
+    def _answerable(self, msg: Msg) -> bool:
+        """Whether to read and answer a control request at all (see the module docstring)."""
+        if answerable(msg.subject, msg.reply):
+            return True
+        self.metrics.dropped_requests.inc()
+        self.log.warning(
+            "dropped a request on %s: its reply subject %r is not that worker's inbox",
+            msg.subject,
+            msg.reply[:200],
+        )
+        return False
+
+    async def _on_register(self, msg: Msg) -> None:
+        if not self._answerable(msg):
+            return
+        try:
+            reg = REGISTER_DECODER.decode(msg.data)
+        except Exception as exc:
+            await _reply(msg, RegisterReply(False, reason=f"undecodable registration: {exc}"))
+            return
+        sender = subject_worker(msg.subject)
+        if sender is not None and sender != reg.worker_id:
+            self.log.warning(
+                "refused a registration as %s sent by worker %s", reg.worker_id, sender
+            )
+            await _reply(
+                msg,
+                RegisterReply(False, reason=f"worker {sender} cannot register as {reg.worker_id}"),
+            )
+            return
+        reply = await self.workers.register(reg)
+        await _reply(msg, reply)
+        if reply.ok:
+            await self.workers.registered()
+
+    async def _on_beat(self, msg: Msg) -> None:
+        try:
+            beat = BEAT_DECODER.decode(msg.data)
+        except Exception:
+            return
+        if msg.subject != beat_subject(beat.worker_id):
+            self.log.warning("ignored a beat naming worker %s on %s", beat.worker_id, msg.subject)
+            return
+        await self.workers.beat(beat)
+
+    # --- reports from workers --------------------------------------------------------------------
+
+    async def _on_report(self, msg: Msg) -> None:
+        if msg.subject.startswith(SUBJECT_REGISTER + "."):
+            return  # registrations have their own subscription
+        if self._answerable(msg):
+            # nats-py runs one subscription's callbacks one after another: hand each report to
+            # its own task so sessions proceed concurrently (one agent's reports are sequential
+            # requests anyway).
+            self.spawn(self._process_report(msg))
+
+    async def _process_report(self, msg: Msg) -> None:
+        limits = self.limits
+        ceiling = (
+            max(limits.max_snapshot_bytes, limits.max_event_bytes, limits.max_tool_args_bytes)
+            + 4096
+        )
+        if len(msg.data) > ceiling:
+            self.log.warning(
+                "refused a report of %d bytes on %s (limit %d)", len(msg.data), msg.subject, ceiling
+            )
+            message = f"payload_too_large: a report of {len(msg.data)} bytes is over the limit of {ceiling}"
+            await _reply(msg, Reply("error", message=message))
+            return
+        try:
+            report = REPORT_DECODER.decode(msg.data)
+        except Exception as exc:
+            await _reply(msg, Reply("error", message=f"undecodable report: {exc}"))
+            return
+        sender = subject_worker(msg.subject)
+        if sender is not None and sender != report.worker_id:
+            self.metrics.fenced_reports.inc()
+            self.log.warning(
+                "fenced %s naming worker %s sent by worker %s",
+                type(report).__name__,
+                report.worker_id,
+                sender,
+            )
+            await _reply(
+                msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
+            )
+            return
+        await _reply(msg, await self._decide(report))
+
+    async def _decide(self, report: Report) -> Reply:
+        """The reply to a report from its session's writer (fenced when nobody here drives it)."""
+        runtime = self.route(report.session_id)
+        try:
+            if runtime is None:
+                self.log.warning(
+                    "fenced %s from %s for %s/%s: the session is not driven here",
+                    type(report).__name__,
+                    report.worker_id,
+                    report.session_id,
+                    report.agent,
+                )
+                reply = Reply(
+                    "fenced", message=f"epoch {report.epoch} of {report.agent} is not current"
+                )
+            else:
+                reply = await runtime.handle_report(report)
+        except Held as exc:
+            reply = Reply("ok", decision="hold", message=str(exc))
+        except Fenced as exc:
+            self.log.warning(
+                "fenced %s from %s: %s", type(report).__name__, report.worker_id, exc.message
+            )
+            reply = Reply("fenced", message=exc.message)
+        except ApomeshError as exc:
+            reply = Reply("error", message=exc.message)
+        except Exception as exc:
+            self.log.exception("report %s failed", type(report).__name__)
+            reply = Reply("error", message=f"{type(exc).__name__}: {exc}")
+        if reply.status == "fenced":
+            self.metrics.fenced_reports.inc()
+        return reply
+
+
+async def _reply(msg: Msg, payload: Any) -> None:
+    """The one way the daemon answers a worker's request."""
+    if msg.reply:
+        with contextlib.suppress(Exception):
+            await msg.respond(ENCODER.encode(payload))

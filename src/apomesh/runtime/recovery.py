@@ -1,0 +1,200 @@
+"""The boot scan: every session found on the log classified after a daemon (re)start.
+
+``BootScan.run`` skips sessions with a completed record, folds the rest (in one pass over the
+stream when the log adapter can, ``fold_all``; one by one otherwise, and for the sessions the pass
+cannot vouch for), books terminal ones as completed, auto-resumes the safe ones through the
+registry (waiting for a lease another owner still holds) and strands the others on the
+recoverable list with their category (``recoverable``, ``pin_mismatch``, ``undecodable``, ...).
+``classify`` is the verdict for one folded session: the plugins' recovery classifiers first, then
+the core rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, runtime_checkable
+
+from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.adapters.stream_fold import StreamFold
+from apomesh.core import decisions
+from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError
+from apomesh.core.ports import EventLog
+from apomesh.core.state import SessionState, fold
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
+from apomesh.runtime.registry import Recoverable, SessionRegistry
+
+log = logging.getLogger("apomesh.daemon")
+
+
+@runtime_checkable
+class FoldsInOnePass(Protocol):
+    """A log that can fold every session in one pass over its stream (``JetStreamLog``)."""
+
+    async def fold_all(self, skip: set[str]) -> StreamFold: ...
+
+
+def classify(plugins: PluginHost, state: SessionState) -> decisions.Classification:
+    """The recovery verdict for a folded, non-terminal session."""
+    problem = shape_problem(plugins, state) if state.bootstrap is not None else None
+    tools = plugins.tools()
+    for classifier in plugins.recovery_classifiers():
+        verdict = classifier.classify(state, problem, tools)
+        if verdict is not None:
+            return verdict
+    return decisions.classify(state, problem)
+
+
+class BootScan:
+    """Classifies every session on the log at boot; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        log_adapter: EventLog,
+        store: AsyncStore,
+        registry: SessionRegistry,
+        plugins: PluginHost,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        closing: Callable[[], bool],
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.log_adapter = log_adapter
+        self.store = store
+        self.registry = registry
+        self.plugins = plugins
+        self.spawn = spawn
+        self.closing = closing
+        self.log = logger or log
+        self.waiting_for_lease: set[str] = set()
+
+    async def run(self) -> dict[str, Any]:
+        """Classify every session on the log; auto-resume the safe ones, strand the others."""
+        started = time.perf_counter()
+        completed = {sid for sid, _ in await self.store.list_completed()}
+        session_ids = [s for s in await self.log_adapter.list_sessions() if s not in completed]
+        gate = asyncio.Semaphore(32)
+        counts: dict[str, Any] = {
+            "completed_skipped": len(completed),
+            "terminal": 0,
+            "auto_resume": 0,
+            "recoverable": 0,
+            "undecodable": 0,
+        }
+        scanned = await self._fold_in_one_pass(completed)
+
+        async def one(session_id: str) -> None:
+            state = scanned.pop(session_id, None)
+            async with gate:
+                try:
+                    if state is None:
+                        state = fold(await self.log_adapter.read(session_id), session_id)
+                except (CodecError, FoldError) as exc:
+                    self._strand_undecodable(
+                        session_id, exc, counts, await self._corrupt(exc, session_id)
+                    )
+                    return
+            if state.terminal:
+                counts["terminal"] += 1
+                await self.registry.write_completed(state)
+                return
+            verdict = classify(self.plugins, state)
+            if verdict.verdict == "auto_resume":
+                counts["auto_resume"] += 1
+                try:
+                    await self.registry.adopt(state, recovered="auto", fresh_children=True)
+                except ApomeshError as exc:
+                    self.log.warning(
+                        "session %s not resumed yet: %s; trying again", session_id, exc
+                    )
+                    self.spawn(self._adopt_when_free(state))
+                return
+            counts["recoverable"] += 1
+            self.registry.strand(
+                Recoverable(
+                    session_id,
+                    state.goal,
+                    verdict.reason,
+                    verdict.category,
+                    state.side_effects,
+                    state.last_ts,
+                    state,
+                )
+            )
+
+        await asyncio.gather(*(one(s) for s in session_ids))
+        counts["seconds"] = round(time.perf_counter() - started, 3)
+        self.log.info("boot scan: %s", counts)
+        return counts
+
+    def _strand_undecodable(
+        self,
+        session_id: str,
+        exc: CodecError | FoldError,
+        counts: dict[str, Any],
+        corrupt: CorruptPin | None,
+    ) -> None:
+        if corrupt is not None:
+            self.log.error("session %s is stranded by a corrupt pin: %s", session_id, corrupt)
+            counts["recoverable"] += 1
+            reason = f"{decisions.REASON_PIN_MISMATCH}: {corrupt.message}"
+            self.registry.strand(
+                Recoverable(session_id, "", reason, "pin_mismatch", 0, 0.0, error=corrupt)
+            )
+            return
+        self.log.error("session %s cannot be decoded whole: %s", session_id, exc)
+        counts["undecodable"] += 1
+        reason = f"{decisions.REASON_UNDECODABLE}: {exc}"
+        self.registry.strand(Recoverable(session_id, "", reason, "undecodable", 0, 0.0))
+
+    async def _corrupt(self, exc: CodecError | FoldError, session_id: str) -> CorruptPin | None:
+        """The corrupt pin that makes a session's ``SessionStarted`` undecodable, if that is why."""
+        if exc.index not in (0, None):
+            return None
+        with contextlib.suppress(Exception):
+            first = await self.log_adapter.read_raw(session_id, -1)
+            if first:
+                return corrupt_bootstrap(first[0][1])
+        return None
+
+    async def _fold_in_one_pass(self, completed: set[str]) -> dict[str, SessionState]:
+        """Every session folded in one pass over the log stream, when the log can; the sessions
+        the pass cannot vouch for are left out (read one by one)."""
+        if not isinstance(self.log_adapter, FoldsInOnePass):
+            return {}
+        try:
+            result = await self.log_adapter.fold_all(completed)
+        except ApomeshError as exc:
+            self.log.warning(
+                "boot scan: one pass over the log failed (%s); reading sessions one by one", exc
+            )
+            return {}
+        self.log.info(
+            "boot scan: %d events folded in one pass (%d pages), %d sessions, %d to read one by one",
+            result.events,
+            result.pages,
+            len(result.states),
+            len(result.suspect),
+        )
+        return result.states
+
+    async def _adopt_when_free(self, state: SessionState) -> None:
+        """Auto-resume a session whose lease another owner still holds, once it expires (a
+        daemon that died holding it) or is released."""
+        session_id = state.session_id
+        self.waiting_for_lease.add(session_id)
+        try:
+            while not self.closing() and self.registry.writer(session_id) is None:
+                await asyncio.sleep(2.0)
+                try:
+                    await self.registry.adopt(state, recovered="auto", fresh_children=True)
+                    self.log.info("session %s resumed after its lease came free", session_id)
+                    return
+                except ApomeshError as exc:
+                    self.log.debug("session %s still waits: %s", session_id, exc)
+        finally:
+            self.waiting_for_lease.discard(session_id)

@@ -1,0 +1,256 @@
+"""The daemon's sessions: which it drives (live), which wait for an operator (stranded), their
+leases, their completed records, and the one answer to "what is session X's state".
+
+``SessionRegistry`` is the only way a session is opened, adopted, stranded or finished on this
+daemon: ``adopt`` takes the session's lease, builds its writer, logs the events that open it (a new
+session's ``SessionStarted``, an operator's actions), starts it, and rolls all of it back when any
+step fails; ``end`` is every writer's ``on_end`` callback (finished, stranded for an operator, or
+lost to another writer after an append conflict). ``state(session_id)`` answers from the live
+writer, else the stranded entry, else the fold cache over the log. The lease of every live session
+is renewed here (a lease found held by another owner stops this daemon's writer, as an append
+conflict does) and given back when this daemon stops driving it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.core.errors import ApomeshError, AppendConflict, NotFound
+from apomesh.core.events import Event
+from apomesh.core.ports import EventLog, SessionLeases
+from apomesh.core.state import SessionState, fold
+from apomesh.runtime.folds import FoldCache
+from apomesh.runtime.sessions import Ending, SessionRuntime
+from apomesh.runtime.snapshots import SnapshotStore
+
+log = logging.getLogger("apomesh.daemon")
+
+LEASE_RENEW_SECONDS = 5.0
+
+
+@dataclass
+class Recoverable:
+    """A session on the recoverable list: stranded, waiting for an operator."""
+
+    session_id: str
+    goal: str
+    reason: str
+    category: str
+    side_effects: int
+    last_event_at: float
+    state: SessionState | None = None
+    error: ApomeshError | None = None  # why a session without a folded state cannot be resumed
+
+
+class CompletedRecord(msgspec.Struct):
+    session_id: str
+    status: str
+    goal: str
+    output: str | None
+    reason: str | None
+    last_index: int
+    started_at: float
+    ended_at: float
+    side_effects: int
+
+
+_completed_decoder = msgspec.msgpack.Decoder(CompletedRecord)
+
+MakeRuntime = Callable[[SessionState, bool], SessionRuntime]
+"""Builds a session's writer over ``state`` (``fresh_children``) with the daemon's collaborators."""
+
+
+class SessionRegistry:
+    """Live and stranded sessions, their leases, and the one state lookup."""
+
+    def __init__(
+        self,
+        *,
+        log_adapter: EventLog,
+        leases: SessionLeases,
+        store: AsyncStore,
+        snapshots: SnapshotStore,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.log_adapter = log_adapter
+        self.leases = leases
+        self.store = store
+        self.snapshots = snapshots
+        self.spawn = spawn
+        self.log = logger or log
+        self.owner = ""
+        """The lease owner name: the daemon's stable id (set when the daemon starts)."""
+        self.make_runtime: MakeRuntime | None = None
+        """Set by the daemon once the writers' collaborators exist (their ``on_end`` is ``end``)."""
+        self.live: dict[str, SessionRuntime] = {}
+        self.stranded: dict[str, Recoverable] = {}
+        self.folds = FoldCache(log_adapter.read)
+        """Sessions this daemon does not drive (ended ones above all) are read through this
+        cache, so a request folds only what was appended since the last one."""
+
+    # --- lookups ---------------------------------------------------------------------------------
+
+    def writer(self, session_id: str) -> SessionRuntime | None:
+        """The live writer of the session on this daemon, if it drives it."""
+        return self.live.get(session_id)
+
+    async def state(self, session_id: str) -> SessionState:
+        """The folded state of any session: live in memory, stranded, else folded from the log
+        (``NotFound`` without events; a log that cannot be folded raises its fold error)."""
+        runtime = self.live.get(session_id)
+        if runtime is not None:
+            return runtime.state
+        rec = self.stranded.get(session_id)
+        if rec is not None and rec.state is not None:
+            return rec.state
+        return await self.folds.state(session_id)
+
+    # --- opening and ending ----------------------------------------------------------------------
+
+    async def adopt(
+        self,
+        state: SessionState,
+        *,
+        recovered: Literal["auto", "operator"] | None,
+        fresh_children: bool,
+        opening: Sequence[Event] = (),
+        start: bool = True,
+    ) -> SessionRuntime:
+        """Take the session's lease, build its writer, log ``opening`` through it and start it.
+        Any failure rolls all of it back: the session is stranded again if it was, and no lease
+        or half-opened writer is left behind."""
+        session_id = state.session_id
+        if session_id in self.live:
+            raise ApomeshError(f"session {session_id} is already running")
+        assert self.make_runtime is not None, "the daemon sets make_runtime before any session"
+        stranded = self.stranded.pop(session_id, None)
+        runtime = self.make_runtime(state, fresh_children)
+        # Claimed before the first await: a concurrent open of the same session (two operators
+        # resuming it) is refused above, never a second writer.
+        self.live[session_id] = runtime
+        leased = False
+        try:
+            leased = await self.leases.acquire(session_id, self.owner)
+            if not leased:
+                raise ApomeshError(f"session {session_id} is driven by another daemon")
+            if opening:
+                await runtime.append(*opening)
+        except BaseException:
+            if self.live.get(session_id) is runtime:
+                del self.live[session_id]
+            if stranded is not None:
+                self.stranded[session_id] = stranded
+            if leased:
+                with contextlib.suppress(Exception):
+                    await self.leases.release(session_id, self.owner)
+            raise
+        self.folds.forget(session_id)
+        if start:
+            runtime.start(recovered)
+        return runtime
+
+    async def open_writer(self, session_id: str) -> SessionRuntime:
+        """The session's writer for an operator's command: the live one, else one adopted (lease
+        taken, coordinator not started) over the stranded or logged state."""
+        runtime = self.live.get(session_id)
+        if runtime is not None:
+            return runtime
+        rec = self.stranded.get(session_id)
+        state = rec.state if rec is not None else None
+        if state is None:
+            envelopes = await self.log_adapter.read(session_id)
+            if not envelopes:
+                raise NotFound(f"session {session_id}")
+            state = fold(envelopes, session_id)
+        if state.terminal:
+            raise ApomeshError(f"session {session_id} has already ended ({state.status})")
+        return await self.adopt(state, recovered=None, fresh_children=False, start=False)
+
+    def strand(self, entry: Recoverable) -> None:
+        """List a session this daemon does not drive on the recoverable list."""
+        self.stranded[entry.session_id] = entry
+
+    async def end(self, runtime: SessionRuntime, ending: Ending) -> None:
+        """A writer stops driving its session (its ``on_end``): book it as finished, stranded or
+        lost to another writer, and give its lease back."""
+        state = runtime.state
+        session_id = state.session_id
+        if self.live.get(session_id) is runtime:
+            del self.live[session_id]
+        if ending.kind == "finished":
+            await self.write_completed(state)
+            self.stranded.pop(session_id, None)
+            with contextlib.suppress(Exception):
+                await self.leases.release(session_id, self.owner)
+            for ref in state.agents:
+                self.snapshots.forget(f"{session_id}/{ref}")
+            return
+        if ending.kind == "stranded":
+            self.stranded[session_id] = Recoverable(
+                session_id,
+                state.goal,
+                ending.reason,
+                ending.category,
+                state.side_effects,
+                state.last_ts,
+                state,
+            )
+            self.spawn(self.leases.release(session_id, self.owner))
+            return
+        # Another writer appended to the log: what this writer holds is stale. Read it from the
+        # log from now on; never renew its lease again.
+        self.folds.forget(session_id)
+        with contextlib.suppress(Exception):
+            await self.leases.release(session_id, self.owner)
+        await runtime.stop()
+        for ref in state.agents:
+            self.snapshots.forget(f"{session_id}/{ref}")
+
+    async def stop_all(self) -> None:
+        """Daemon shutdown: stop every writer; leases expire by themselves (see ``Daemon.aclose``)."""
+        for runtime in list(self.live.values()):
+            await runtime.stop()
+
+    # --- leases ----------------------------------------------------------------------------------
+
+    async def renew_leases_forever(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_RENEW_SECONDS)
+            for session_id, runtime in list(self.live.items()):
+                with contextlib.suppress(Exception):
+                    if await self.leases.renew(session_id, self.owner):
+                        continue
+                    # Expired (a long outage, say): take it again, unless another owner has it.
+                    if await self.leases.acquire(session_id, self.owner):
+                        continue
+                    message = f"the lease of session {session_id} is held by another owner"
+                    runtime.superseded(AppendConflict(message), message)
+
+    # --- completed records -----------------------------------------------------------------------
+
+    async def write_completed(self, state: SessionState) -> None:
+        assert state.ended is not None
+        record = CompletedRecord(
+            session_id=state.session_id,
+            status=state.ended.status,
+            goal=state.goal,
+            output=state.output,
+            reason=state.ended.reason,
+            last_index=state.last_index,
+            started_at=state.started_ts,
+            ended_at=state.last_ts,
+            side_effects=state.side_effects,
+        )
+        await self.store.put_completed(state.session_id, msgspec.msgpack.encode(record))
+
+    async def completed_records(self) -> list[CompletedRecord]:
+        return [_completed_decoder.decode(v) for _, v in await self.store.list_completed()]

@@ -1,0 +1,340 @@
+"""The daemon's worker pool: registration, liveness by heartbeat, placement of agents on workers,
+and the dispatches in flight on each worker.
+
+``WorkerPool`` knows workers and dispatches, never sessions. A session's writer asks it for a worker
+(``pick``), tracks the dispatch it sends there (``track``/``send_run``), and waits on the dispatch's
+future; when a worker is declared lost (missed heartbeats, or it registered again from a new
+process) the pool fails that worker's own dispatches with ``WorkerLost`` and the writer re-dispatches.
+The control plane hands it decoded registrations and beats; nothing else writes its tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from apomesh.core.definition import AgentConfig
+from apomesh.runtime.config import Config
+from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.protocol import (
+    DISPATCH_ACK_DECODER,
+    ENCODER,
+    Beat,
+    Cancel,
+    Register,
+    RegisterReply,
+    Reregister,
+    Run,
+    dispatch_subject,
+)
+
+LOST_WORKERS_KEPT = 64
+"""How many workers declared lost the pool keeps listing (``GET /v1/workers``, ``alive`` false)."""
+
+
+class WorkerLost(Exception):
+    """The worker a dispatch ran on was declared lost."""
+
+    def __init__(self, worker_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.worker_id = worker_id
+        self.reason = reason
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    name: str
+    tools: list[str]
+    providers: list[str]
+    last_seen: float
+    last_beat_wall: float
+    agents: list[str] = field(default_factory=list)
+    load: int = 0
+    instance: str = ""
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """One run sent to a worker: its outcome arrives on ``future`` (a ``Done``), or ``WorkerLost``."""
+
+    worker_id: str
+    session_id: str
+    agent: str
+    epoch: int
+    future: asyncio.Future[Any]
+
+
+class WorkerPool:
+    """Registered workers, their liveness and load, and the dispatches in flight on each."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        nc: NATS,
+        incarnation: str,
+        metrics: DaemonMetrics,
+        on_registered: Callable[[], Awaitable[None]],
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.config = config
+        self.nc = nc
+        self.incarnation = incarnation
+        self.metrics = metrics
+        self.on_registered = on_registered
+        self.log = logger or logging.getLogger("apomesh.daemon")
+        self.interval = config.liveness.heartbeat_interval
+        self.threshold = config.liveness.heartbeat_interval * config.liveness.missed_beats
+        self.workers: dict[str, WorkerInfo] = {}
+        self.lost_workers: dict[str, WorkerInfo] = {}
+        """Workers declared lost, newest last, listed as such until they register again."""
+        self._in_flight: dict[str, set[Dispatch]] = {}
+        self._reregister_sent: dict[str, float] = {}
+        self._dispatch_refused: dict[str, float] = {}
+        self._reconnected_at = time.monotonic()
+        self._was_connected = True
+
+    # --- registration and beats (handed over by the control plane) -------------------------------
+
+    async def register(self, reg: Register) -> RegisterReply:
+        """Admit (or refuse) a worker's registration; its identity was checked by the control plane."""
+        allowed_tools = set(self.config.workers.allowed_tools)
+        allowed_providers = set(self.config.workers.allowed_providers)
+        bad = [t for t in reg.tools if allowed_tools and t not in allowed_tools]
+        bad += [p for p in reg.providers if allowed_providers and p not in allowed_providers]
+        if bad:
+            self.log.warning("refused worker %s: not allowed: %s", reg.worker_id, ", ".join(bad))
+            return RegisterReply(
+                False, reason=f"not allowed by the daemon's config: {', '.join(bad)}"
+            )
+        known = self.workers.get(reg.worker_id)
+        if known is not None and known.instance and reg.instance and known.instance != reg.instance:
+            # The same identity from a new process: whatever the old one ran died with it.
+            await self.worker_lost(reg.worker_id, "it registered again from a new process")
+            known = None
+        self.workers[reg.worker_id] = WorkerInfo(
+            reg.worker_id,
+            reg.name,
+            reg.tools,
+            reg.providers,
+            time.monotonic(),
+            time.time(),
+            load=known.load if known else 0,
+            instance=reg.instance,
+        )
+        self.lost_workers.pop(reg.worker_id, None)
+        self.log.info("worker %s (%s) registered", reg.worker_id, reg.name)
+        return RegisterReply(True, incarnation=self.incarnation, heartbeat_interval=self.interval)
+
+    async def registered(self) -> None:
+        """The registration was answered: wake whoever waits for a worker."""
+        await self.on_registered()
+
+    async def beat(self, beat: Beat) -> None:
+        self.metrics.heartbeats_received.inc()
+        worker = self.workers.get(beat.worker_id)
+        if worker is None or beat.incarnation_seen != self.incarnation:
+            await self.ask_reregister(beat.worker_id)
+            if worker is None:
+                return
+        worker.last_seen = time.monotonic()
+        worker.last_beat_wall = time.time()
+        worker.agents = list(beat.agents)
+
+    def heard_from(self, worker_id: str) -> None:
+        """A report from the worker passed its fence: it is alive at least as of the last beat."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.last_seen = max(worker.last_seen, time.monotonic() - self.interval)
+
+    async def ask_reregister(self, worker_id: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._reregister_sent.get(worker_id, 0.0) < max(1.0, self.interval):
+            return
+        self._reregister_sent[worker_id] = now
+        with contextlib.suppress(Exception):
+            await self.nc.publish(
+                dispatch_subject(worker_id), ENCODER.encode(Reregister(self.incarnation))
+            )
+
+    # --- placement and dispatch --------------------------------------------------------------------
+
+    async def pick(self, config: AgentConfig, prefer: str | None = None) -> str:
+        """A live registered worker that has the agent's model provider and tools (waits for one)."""
+        while True:
+            fresh = time.monotonic() - self.threshold
+            candidates = [
+                w
+                for w in self.workers.values()
+                if w.last_seen >= fresh
+                and config.model.provider in w.providers
+                and all(t in w.tools for t in config.tools)
+            ]
+            # A worker that just refused or missed a dispatch is passed over while another can
+            # take it (it is not declared lost for that: liveness alone decides).
+            now = time.monotonic()
+            answering = [
+                w
+                for w in candidates
+                if now - self._dispatch_refused.get(w.worker_id, -1e9) > self.threshold
+            ]
+            candidates = answering or candidates
+            if candidates:
+                if (
+                    config.affinity == "sticky"
+                    and prefer
+                    and prefer in self.workers
+                    and prefer in [w.worker_id for w in candidates]
+                ):
+                    self.workers[prefer].load += 1
+                    return prefer
+                chosen = min(candidates, key=lambda w: (w.load, w.worker_id))
+                chosen.load += 1
+                return chosen.worker_id
+            await asyncio.sleep(0.1)
+
+    def release(self, worker_id: str) -> None:
+        """A dispatch picked for ``worker_id`` ended (answered, lost or refused)."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.load = max(0, worker.load - 1)
+
+    def track(self, worker_id: str, session_id: str, agent: str, epoch: int) -> Dispatch:
+        """A dispatch about to be sent to ``worker_id``: failed with ``WorkerLost`` if it is lost."""
+        dispatch = Dispatch(
+            worker_id, session_id, agent, epoch, asyncio.get_running_loop().create_future()
+        )
+        self._in_flight.setdefault(worker_id, set()).add(dispatch)
+        return dispatch
+
+    def untrack(self, dispatch: Dispatch) -> None:
+        pending = self._in_flight.get(dispatch.worker_id)
+        if pending is not None:
+            pending.discard(dispatch)
+            if not pending:
+                del self._in_flight[dispatch.worker_id]
+
+    async def send_run(self, worker_id: str, run: Run) -> bool:
+        try:
+            msg = await self.nc.request(
+                dispatch_subject(worker_id), ENCODER.encode(run), timeout=5.0
+            )
+            ack = DISPATCH_ACK_DECODER.decode(msg.data)
+        except Exception as exc:  # an RPC failure is never proof of death; liveness decides that
+            self.log.warning(
+                "dispatch of %s/%s to %s not acknowledged: %r",
+                run.session_id,
+                run.agent,
+                worker_id,
+                exc,
+            )
+            self._dispatch_refused[worker_id] = time.monotonic()
+            return False
+        if not ack.ok:
+            self.log.warning(
+                "worker %s refused dispatch %s/%s: %s",
+                worker_id,
+                run.session_id,
+                run.agent,
+                ack.reason,
+            )
+            self._dispatch_refused[worker_id] = time.monotonic()
+            return False
+        self._dispatch_refused.pop(worker_id, None)
+        return True
+
+    async def send_cancel(
+        self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str
+    ) -> None:
+        await self.nc.publish(
+            dispatch_subject(worker_id), ENCODER.encode(Cancel(session_id, agent, epoch, reason))
+        )
+
+    # --- liveness ----------------------------------------------------------------------------------
+
+    async def liveness_forever(
+        self, *, pending_beats: Callable[[], int], closing: Callable[[], bool]
+    ) -> None:
+        """Declare lost every worker silent for ``missed_beats`` intervals (never while this daemon
+        is itself cut off, or too busy to read the beats it was sent)."""
+        tick = min(self.interval / 4, 0.25)
+        last_tick = time.monotonic()
+        deferred_since: float | None = None
+        while True:
+            await asyncio.sleep(tick)
+            if closing():
+                return  # a daemon shutting down judges nobody
+            connected = self.nc.is_connected
+            now = time.monotonic()
+            stalled = now - last_tick - tick
+            last_tick = now
+            if stalled > self.interval / 2:
+                # Our own event loop was too busy to listen (a boot scan, a burst): the time we
+                # were deaf is nobody's silence.
+                for w in self.workers.values():
+                    w.last_seen += stalled
+                continue
+            if pending_beats() > 0:
+                # Beats we received but have not read yet are not silence: read them first, for
+                # up to one interval (a queue that never drains must not stop all judgement).
+                deferred_since = now if deferred_since is None else deferred_since
+                if now - deferred_since < self.interval:
+                    continue
+            deferred_since = None
+            if not connected:
+                self._was_connected = False
+                continue
+            if not self._was_connected:
+                # We were the ones cut off: nobody is judged on silence we could not hear.
+                self._was_connected = True
+                self._reconnected_at = now
+                self.log.info(
+                    "reconnected to NATS: workers get %.1f s to be heard again", 2 * self.threshold
+                )
+                for w in self.workers.values():
+                    w.last_seen = now
+                continue
+            if now - self._reconnected_at < self.threshold:
+                # Workers reconnect on their own schedule after a server restart: one more
+                # threshold of grace before their silence counts.
+                continue
+            for worker in list(self.workers.values()):
+                if now - worker.last_seen > self.threshold:
+                    await self.worker_lost(
+                        worker.worker_id, f"missed {self.config.liveness.missed_beats} heartbeats"
+                    )
+
+    async def worker_lost(self, worker_id: str, reason: str) -> None:
+        """Unregister the worker and fail every dispatch it was running (their writers re-dispatch)."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return
+        self.lost_workers.pop(worker_id, None)
+        self.lost_workers[worker_id] = worker
+        while len(self.lost_workers) > LOST_WORKERS_KEPT:
+            del self.lost_workers[next(iter(self.lost_workers))]
+        self.metrics.workers_lost.inc()
+        self.log.warning("worker %s lost: %s", worker_id, reason)
+        for dispatch in list(self._in_flight.get(worker_id, ())):
+            if dispatch.future.done():
+                continue
+            with contextlib.suppress(Exception):
+                await self.send_cancel(
+                    worker_id,
+                    dispatch.session_id,
+                    dispatch.agent,
+                    dispatch.epoch,
+                    "worker declared lost",
+                )
+            if not dispatch.future.done():
+                dispatch.future.set_exception(
+                    WorkerLost(worker_id, f"worker {worker_id} lost: {reason}")
+                )

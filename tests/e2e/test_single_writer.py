@@ -1,0 +1,213 @@
+"""Each session has one writer, on real processes (an ``apomesh serve`` daemon, worker processes, a
+real nats-server): every change is decided against the folded state and checked by the pure fold
+before it is appended, so a duplicate command is refused with 409 and nothing is written; and a
+session whose log another writer appended to is no longer driven (nor its lease renewed) here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx
+import pytest
+from tests.e2e.api_support import asker, start, view, wait_status, wait_until
+
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.kv import KvBuckets
+from apomesh.adapters.nats_connect import connect
+from apomesh.core import envelope
+from apomesh.core.errors import AppendConflict
+from apomesh.core.events import AgentSnapshotted, CoordinatorCheckpoint, HitlAnswered
+from apomesh.core.state import fold
+from apomesh.testing import Mesh
+
+ANSWERS = 6
+
+
+def answer_all_at_once(url: str, path: str, answers: list[str]) -> list[httpx.Response]:
+    """POST every answer to ``path`` from its own thread, released together."""
+    gate = threading.Barrier(len(answers))
+    responses: list[httpx.Response | None] = [None] * len(answers)
+
+    def one(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            gate.wait()
+            responses[i] = client.post(path, json={"answer": answers[i]})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(answers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(r is not None for r in responses)
+    return [r for r in responses if r is not None]
+
+
+async def read_log(nats_url: str, session_id: str) -> list[envelope.Envelope]:
+    nc = await connect([nats_url])
+    try:
+        return await JetStreamLog(nc).read(session_id)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_concurrent_answers_to_one_pause_store_exactly_one(mesh: Mesh) -> None:
+    session_id = start(mesh.url, "choose a cover", asker("Blue or red?"))
+    paused = wait_status(mesh.url, session_id, ("paused",))
+    (pause,) = paused["hitl_pending"]
+    path = f"/v1/sessions/{session_id}/hitl/{pause['pause_id']}"
+    answers = [f"answer {i}" for i in range(ANSWERS)]
+    responses = await anyio.to_thread.run_sync(answer_all_at_once, mesh.url, path, answers)
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [202] + [409] * (ANSWERS - 1), [r.text for r in responses]
+    assert {r.json()["error"] for r in responses if r.status_code == 409} == {"command_refused"}
+    accepted = answers[[r.status_code for r in responses].index(202)]
+
+    done = wait_status(mesh.url, session_id)
+    assert done["status"] == "completed", done
+    envelopes = await read_log(mesh.nats_url, session_id)
+    stored = [e.event for e in envelopes if isinstance(e.event, HitlAnswered)]
+    assert [a.answer for a in stored] == [accepted]
+    assert fold(envelopes, session_id).status == "completed"  # the log folds whole
+
+    # A daemon started again on the same data finds the session whole, never undecodable.
+    await anyio.to_thread.run_sync(mesh.daemon.kill)
+    await anyio.to_thread.run_sync(mesh.daemon.start)
+    assert view(mesh.url, session_id)["status"] == "completed"
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as client:
+        recoverable = (await client.get("/v1/recoverable")).json()["sessions"]
+        assert session_id not in {r["session_id"] for r in recoverable}
+        verified = (await client.get(f"/v1/sessions/{session_id}/verify")).json()
+    assert verified["ok"], verified
+
+
+def slow_lister(turns: int, delay: float = 0.3) -> dict[str, Any]:
+    """A root agent that lists the workspace ``turns`` times (under its step budget), ``delay``
+    seconds each, then answers."""
+    return {
+        "name": "slow-lister",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.list"],
+        "model": {
+            "provider": "scripted",
+            "turns": [
+                {"tool_calls": [{"tool": "fs.list", "args": {"path": "."}}], "delay": delay}
+                for _ in range(turns)
+            ]
+            + [{"final": "listed"}],
+        },
+    }
+
+
+async def append_behind_the_daemons_back(nats_url: str, session_id: str) -> int:
+    """Append one event to the session's log as another writer would; answers its index."""
+    nc = await connect([nats_url])
+    try:
+        log = JetStreamLog(nc)
+        while True:
+            index = await log.last_index(session_id) + 1
+            event = CoordinatorCheckpoint(position="elsewhere", state=b"")
+            env = envelope.make(session_id, index, time.time(), uuid.uuid4().hex, event)
+            try:
+                await log.append(session_id, [env])
+                return index
+            except AppendConflict:
+                continue  # the daemon appended meanwhile: go after its event
+    finally:
+        await nc.close()
+
+
+async def lease_owner(nats_url: str, session_id: str) -> str | None:
+    nc = await connect([nats_url])
+    try:
+        kv = await KvBuckets.open(nc.jetstream())
+        return await kv.leases.owner(session_id)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_an_append_conflict_stops_this_daemon_driving_the_session(mesh: Mesh) -> None:
+    session_id = start(mesh.url, "list slowly", slow_lister(40))
+    with anyio.fail_after(60):
+        while not any(
+            isinstance(e.event, AgentSnapshotted)
+            for e in await read_log(mesh.nats_url, session_id)
+        ):
+            await anyio.sleep(0.1)
+    assert await lease_owner(mesh.nats_url, session_id) is not None
+    foreign = await append_behind_the_daemons_back(mesh.nats_url, session_id)
+
+    def health() -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{mesh.url}/healthz", timeout=30).json()
+        return body
+
+    # The daemon's next append meets the other writer's event: it stops driving the session at
+    # once, gives back its lease, and says so loudly.
+    wait_until(lambda: health()["sessions"] == 0, timeout=30, what="the session no longer driven")
+    wait_until(
+        lambda: "another writer appended to its log" in mesh.daemon.output_tail(200_000),
+        timeout=10,
+        what="the conflict in the daemon's log",
+    )
+    assert await lease_owner(mesh.nats_url, session_id) is None
+    # From then on the session is read from the log, which this daemon no longer writes to.
+    settled = await read_log(mesh.nats_url, session_id)
+    await anyio.sleep(2.0)  # longer than several of the agent's turns
+    after = await read_log(mesh.nats_url, session_id)
+    assert len(after) == len(settled)
+    assert any(e.index == foreign for e in after)
+    assert view(mesh.url, session_id)["last_index"] == after[-1].index
+    metrics = httpx.get(f"{mesh.url}/metrics", timeout=30).text
+    assert "apomesh_append_conflicts_total 1" in metrics
+
+
+async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str | None:
+    """Move the session's lease to ``owner`` as another daemon would; answers the old owner."""
+    nc = await connect([nats_url])
+    try:
+        kv = await KvBuckets.open(nc.jetstream())
+        first = await kv.leases.owner(session_id)
+        while True:
+            held = await kv.leases.owner(session_id)
+            if held is not None:
+                await kv.leases.release(session_id, held)
+            if await kv.leases.acquire(session_id, owner):
+                return first  # (a renewal between the two calls takes it back: go again)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_lease_held_by_another_owner_stops_this_daemon_driving_the_session(
+    mesh: Mesh,
+) -> None:
+    session_id = start(mesh.url, "list slowly", slow_lister(45, delay=0.8))
+    with anyio.fail_after(60):
+        while not any(
+            isinstance(e.event, AgentSnapshotted)
+            for e in await read_log(mesh.nats_url, session_id)
+        ):
+            await anyio.sleep(0.1)
+    daemon_owner = await take_the_lease(mesh.nats_url, session_id, "another-daemon")
+    assert daemon_owner not in (None, "another-daemon")
+
+    def driven() -> int:
+        sessions: int = httpx.get(f"{mesh.url}/healthz", timeout=30).json()["sessions"]
+        return sessions
+
+    # At its next renewal the daemon finds the lease is not its own: it stops driving the session
+    # (and never takes the lease back from its owner).
+    wait_until(lambda: driven() == 0, timeout=30, what="the session no longer driven")
+    assert "held by another owner" in mesh.daemon.output_tail(200_000)
+    assert await lease_owner(mesh.nats_url, session_id) == "another-daemon"
+    settled = await read_log(mesh.nats_url, session_id)
+    await anyio.sleep(2.0)
+    assert len(await read_log(mesh.nats_url, session_id)) == len(settled)

@@ -1,0 +1,163 @@
+"""A session's single writer (``SessionRuntime.decide``) on the in-memory log: commands decided
+against the folded state under one lock, checked by the pure fold before they are appended; a
+duplicate or stale one refused with nothing written; an append conflict ends the writer's run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from tests.strategies import born, session_started
+
+from apomesh.adapters.memory_log import MemoryLog
+from apomesh.core import envelope
+from apomesh.core.errors import ApomeshError, AppendConflict, CommandRefused, Fenced
+from apomesh.core.events import (
+    AsyncJobStarted,
+    CoordinatorCheckpoint,
+    Event,
+    HitlAnswered,
+    HitlPaused,
+    OperatorAction,
+)
+from apomesh.core.state import SessionState, fold, new_state
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.config import load_config
+from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.registry import SessionRegistry
+from apomesh.runtime.sessions import Ending, SessionDeps, SessionRuntime
+
+pytestmark = pytest.mark.anyio
+SID = "s-writer"
+
+
+def writer(
+    log: MemoryLog, tmp_path: Path, ended: list[Ending], state: SessionState | None = None
+) -> SessionRuntime:
+    async def on_end(runtime: SessionRuntime, ending: Ending) -> None:
+        ended.append(ending)
+
+    deps = SessionDeps(
+        log=log,
+        workers=cast(Any, None),  # nothing here dispatches an agent
+        snapshots=cast(Any, None),
+        store=cast(Any, None),
+        plugins=PluginHost(),
+        limits=load_config(None, env={}).limits,
+        metrics=DaemonMetrics(),
+        incarnation="test",
+        workspace=tmp_path,
+        on_end=on_end,
+        spawn=asyncio.ensure_future,
+        closing=lambda: False,
+    )
+    return SessionRuntime(deps, state or new_state(SID))
+
+
+async def paused_writer(tmp_path: Path, ended: list[Ending]) -> tuple[MemoryLog, SessionRuntime]:
+    log = MemoryLog()
+    runtime = writer(log, tmp_path, ended)
+    await runtime.append(session_started(), born("root"), HitlPaused("root", "p1", "go?"))
+    return log, runtime
+
+
+async def test_concurrent_answers_to_one_pause_store_exactly_one(tmp_path: Path) -> None:
+    log, runtime = await paused_writer(tmp_path, [])
+    results = await asyncio.gather(
+        *(runtime.answer_hitl("p1", f"answer {i}", by=f"op{i}") for i in range(5)),
+        return_exceptions=True,
+    )
+    assert [r for r in results if r is not None and not isinstance(r, CommandRefused)] == []
+    assert sum(r is None for r in results) == 1
+    stored = [e.event for e in await log.read(SID) if isinstance(e.event, HitlAnswered)]
+    assert len(stored) == 1 and runtime.state.hitl_answers == {"p1": stored[0].answer}
+    assert fold(await log.read(SID), SID).hitl_answers == runtime.state.hitl_answers
+
+
+async def test_a_step_the_fold_refuses_is_never_appended(tmp_path: Path) -> None:
+    log, runtime = await paused_writer(tmp_path, [])
+    job = AsyncJobStarted("root", "job-1", "jobs.sleep", {"seconds": 1})
+
+    def always(state: SessionState) -> tuple[list[Event], None]:
+        return [job], None  # a rule that forgets to look: the fold check still refuses
+
+    results = await asyncio.gather(
+        runtime.decide(always), runtime.decide(always), return_exceptions=True
+    )
+    assert results[0] is None and isinstance(results[1], CommandRefused)
+    assert "started twice" in str(results[1])
+    kinds = [type(e.event).__name__ for e in await log.read(SID)]
+    assert kinds.count("AsyncJobStarted") == 1
+    assert runtime.state.last_index == len(kinds) - 1
+
+
+async def test_an_answer_to_a_closed_pause_writes_nothing(tmp_path: Path) -> None:
+    log, runtime = await paused_writer(tmp_path, [])
+    await runtime.answer_hitl("p1", "yes", by="alice")
+    before = await log.last_index(SID)
+    with pytest.raises(CommandRefused, match="already answered"):
+        await runtime.answer_hitl("p1", "no", by="bob")
+    assert await log.last_index(SID) == before == runtime.state.last_index
+
+
+async def test_an_append_conflict_ends_the_writers_run(tmp_path: Path) -> None:
+    ended: list[Ending] = []
+    log, runtime = await paused_writer(tmp_path, ended)
+    # Another writer appends behind this one's back.
+    index = await log.last_index(SID) + 1
+    foreign = CoordinatorCheckpoint(position="elsewhere", state=b"")
+    await log.append(SID, [envelope.make(SID, index, time.time(), uuid.uuid4().hex, foreign)])
+    with pytest.raises(AppendConflict):
+        await runtime.answer_hitl("p1", "yes", by="alice")
+    await asyncio.sleep(0)  # the on_end callback runs as its own task
+    assert [e.kind for e in ended] == ["conflict"]
+    assert runtime.conflict is not None
+    with pytest.raises(Fenced, match="another writer"):
+        await runtime.answer_hitl("p1", "yes", by="alice")
+    assert await log.last_index(SID) == index  # nothing of this writer's after the conflict
+    assert runtime.state.last_index == index - 1
+
+
+class SlowLeases:
+    """Leases that are always free, granted after a pause (another task runs meanwhile)."""
+
+    async def acquire(self, session_id: str, owner: str) -> bool:
+        await asyncio.sleep(0.01)
+        return True
+
+    async def renew(self, session_id: str, owner: str) -> bool:
+        return True
+
+    async def release(self, session_id: str, owner: str) -> bool:
+        return True
+
+
+async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Path) -> None:
+    log, _ = await paused_writer(tmp_path, [])
+    state = fold(await log.read(SID), SID)
+    registry = SessionRegistry(
+        log_adapter=log,
+        leases=SlowLeases(),
+        store=cast(Any, None),
+        snapshots=cast(Any, None),
+        spawn=asyncio.ensure_future,
+    )
+    registry.make_runtime = lambda state, fresh: writer(log, tmp_path, [], state)
+    resume = OperatorAction(action="resume", by="op")
+    results = await asyncio.gather(
+        *(
+            registry.adopt(state, recovered=None, fresh_children=False, opening=[resume], start=False)
+            for _ in range(2)
+        ),
+        return_exceptions=True,
+    )
+    opened = [r for r in results if isinstance(r, SessionRuntime)]
+    refused = [r for r in results if isinstance(r, ApomeshError)]
+    assert len(opened) == 1 and len(refused) == 1 and "already running" in str(refused[0])
+    assert registry.writer(SID) is opened[0]
+    kinds = [type(e.event).__name__ for e in await log.read(SID)]
+    assert kinds.count("OperatorAction") == 1
