@@ -134,6 +134,7 @@ class Daemon:
         config: Config,
         *,
         nc: NATS,
+        control_nc: NATS | None = None,
         log_adapter: Any,
         heartbeats: Any,
         kv: Any,
@@ -143,6 +144,9 @@ class Daemon:
     ) -> None:
         self.config = config
         self.nc = nc
+        # Worker requests are answered, and dispatches sent, on the control-plane connection
+        # (no JetStream, KV or log rights) when there is one.
+        self.control_nc = control_nc or nc
         self.log = log_adapter
         self.heartbeats = heartbeats
         self.kv = kv
@@ -193,9 +197,10 @@ class Daemon:
         self.daemon_id = await self._stable_id()
         await self.log.ensure()
         await self.heartbeats.ensure()
-        self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
-        self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
-        self._beat_sub = await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat)
+        control = self.control_nc
+        self._subs.append(await control.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
+        self._subs.append(await control.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
+        self._beat_sub = await control.subscribe(HB_PREFIX + "*", cb=self._on_beat)
         self._subs.append(self._beat_sub)
         self._spawn(self._liveness_forever())
         self._spawn(self._lease_renewal_forever())
@@ -632,7 +637,7 @@ class Daemon:
             return
         self._reregister_sent[worker_id] = now
         with contextlib.suppress(Exception):
-            await self.nc.publish(
+            await self.control_nc.publish(
                 dispatch_subject(worker_id), ENCODER.encode(Reregister(self.incarnation))
             )
 
@@ -678,7 +683,7 @@ class Daemon:
 
     async def send_run(self, worker_id: str, run: Run) -> bool:
         try:
-            msg = await self.nc.request(
+            msg = await self.control_nc.request(
                 dispatch_subject(worker_id), ENCODER.encode(run), timeout=5.0
             )
             ack = DISPATCH_ACK_DECODER.decode(msg.data)
@@ -708,7 +713,7 @@ class Daemon:
     async def send_cancel(
         self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str
     ) -> None:
-        await self.nc.publish(
+        await self.control_nc.publish(
             dispatch_subject(worker_id), ENCODER.encode(Cancel(session_id, agent, epoch, reason))
         )
 
