@@ -453,6 +453,56 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
         rogue_leaf.stop()
 
 
+def test_a_leaf_link_needs_the_certificate_of_the_leaf_login(system: SecureSystem) -> None:
+    """The hub maps a leaf link's certificate to its user: a leaf node presenting worker-a's
+    certificate with the ``leaf`` login's right password is refused, and links to no hub."""
+    from dataclasses import replace as with_fields
+
+    from tests.e2e.api_support import wait_until
+
+    from apomesh.adapters.natsserver import (
+        Account,
+        LeafRemote,
+        NatsServer,
+        NatsUser,
+        TlsConfig,
+        single_node,
+    )
+    from apomesh.runtime.nats_permissions import ACCOUNT
+
+    pki = system.pki
+    worker_cert = pki.client("worker-a")
+    local = NatsUser(user="local", password=secrets.token_urlsafe(12))
+    spec = with_fields(
+        single_node(system.base / "wrong-cert-leaf", name="wrong-cert-leaf", jetstream=False),
+        accounts=(Account(ACCOUNT, users=(local,), jetstream=False),),
+        remotes=(
+            LeafRemote(
+                urls=tuple(
+                    f"nats-leaf://127.0.0.1:{server.spec.leafnode_port}"
+                    for server in system.cluster
+                ),
+                account=ACCOUNT,
+                user="leaf",
+                password=system.logins["leaf"].password,
+                tls=TlsConfig(cert=worker_cert.cert, key=worker_cert.key, ca=pki.ca),
+            ),
+        ),
+    )
+    wrong = NatsServer(spec)
+    wrong.start()
+    try:
+        wait_until(
+            lambda: "authorization violation" in wrong.output_tail().lower(),
+            timeout=TIMEOUT,
+            what="the hub refusing the leaf link",
+        )
+        links = (wrong.monitor("leafz") or {}).get("leafnodes")
+        assert not links, wrong.output_tail()
+    finally:
+        wrong.stop()
+
+
 def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_path: Path) -> None:
     from tests.e2e.certs import make_pki
 
