@@ -134,6 +134,7 @@ def test_the_control_plane_role_has_no_jetstream_kv_or_log() -> None:
 
 
 def test_the_control_connection_comes_from_the_control_keys(tmp_path: Path) -> None:
+    from apomesh.core.errors import DefinitionError
     from apomesh.runtime.config import Config
     from apomesh.runtime.node import control_nats_options
 
@@ -150,3 +151,6 @@ def test_the_control_connection_comes_from_the_control_keys(tmp_path: Path) -> N
     options = control_nats_options(Config(nats=NatsConfig(control_nkey_seed_file=str(seed_file))))
     assert options is not None and options["nkey_seed_file"] == str(seed_file)
     assert "user" not in options
+    missing = NatsConfig(control_user="control", control_password_file=str(tmp_path / "none"))
+    with pytest.raises(DefinitionError, match="control_password_file"):
+        control_nats_options(Config(nats=missing))

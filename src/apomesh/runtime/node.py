@@ -44,6 +44,7 @@ from apomesh.adapters.private_files import private_dir, read_private_file, write
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
+from apomesh.core.errors import DefinitionError
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
@@ -86,7 +87,8 @@ def nats_options(config: Config) -> dict[str, Any]:
 def control_nats_options(config: Config) -> dict[str, Any] | None:
     """Options for the daemon's control-plane connection from ``[nats] control_*`` (the TLS CA,
     timeouts and, unless ``control_tls_cert`` is set, the client certificate shared with the
-    daemon's own connection); ``None`` when no control identity is configured."""
+    daemon's own connection); ``None`` when no control identity is configured. An unreadable
+    ``control_password_file`` is a ``DefinitionError`` naming it."""
     n = config.nats
     if not n.has_control_identity:
         return None
@@ -100,7 +102,13 @@ def control_nats_options(config: Config) -> dict[str, Any] | None:
     if n.control_user:
         password = ""
         if n.control_password_file:
-            password = read_private_file(Path(n.control_password_file)).decode().strip()
+            try:
+                password = read_private_file(Path(n.control_password_file)).decode().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DefinitionError(
+                    f"cannot read the control password file {n.control_password_file}: {exc}",
+                    where="$.nats.control_password_file",
+                ) from None
         options["user"], options["password"] = n.control_user, password
     cert, key = (
         (n.control_tls_cert, n.control_tls_key) if n.control_tls_cert else (n.tls_cert, n.tls_key)
