@@ -3,7 +3,8 @@ by it, and NATS NKey user seeds, written as PEM / seed files into a directory of
 
 ``make_pki(directory)`` answers a ``Pki`` with the CA, one server certificate valid for
 ``127.0.0.1`` and ``localhost`` (every test server and the HTTPS API use it) and ``client(name)``
-to issue client certificates for mutual TLS. ``make_nkey_user(directory, name)`` writes a user
+to issue client certificates for mutual TLS, each naming ``name`` in a DNS SAN (the NATS user it
+is bound to). ``make_nkey_user(directory, name)`` writes a user
 NKey seed file and answers its public key, the way ``nk -gen user`` would.
 """
 
@@ -58,7 +59,8 @@ class Pki:
     clients: dict[str, CertFiles] = field(default_factory=dict)
 
     def client(self, name: str) -> CertFiles:
-        """A client certificate (common name ``name``) for mutual TLS, made once per name."""
+        """A client certificate for mutual TLS naming ``name`` (common name and DNS SAN: the NATS
+        user a server with ``verify_and_map`` takes it for), made once per name."""
         if name not in self.clients:
             self.clients[name] = _issue(
                 self.directory, name, self._ca_key, self._ca_cert, server=False
@@ -95,12 +97,14 @@ def _issue(
         )
     )
     if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
+        names: list[x509.GeneralName] = [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ]
+    else:
+        # The identity nats-server's verify_and_map takes the user from: a DNS SAN equal to it.
+        names = [x509.DNSName(name)]
+    builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     cert_path = directory / f"{name}.crt"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -5,11 +5,14 @@
 - a 3-node JetStream cluster with mutual TLS on client connections and routes, one account
   (``APOMESH``) whose users are the daemon, the workers and an operator, each with the subject
   permissions of its role (``apomesh.runtime.nats_permissions``), and a leaf-node listener on
-  every peer that admits only the ``leaf`` login, over TLS;
+  every peer that admits only the ``leaf`` login, over TLS. Client and leaf-node listeners map
+  certificates to users (``verify_and_map``): each login presents its own certificate (a DNS SAN
+  naming the user, ``Pki.client(name)``) and its password, and neither works without the other;
 - a leaf node (no JetStream) linked to all three peers with that login, serving edge workers
   with their own credentials (an NKey user) and the same role permissions;
 - ``apomesh serve`` (no local workers, replicas 3) authenticating as ``daemon`` with a client
-  certificate, its API on HTTPS with bearer-token auth on, and tokens made with
+  certificate, and answering workers on a second connection as ``control`` (its own certificate,
+  the password in a 0600 file), its API on HTTPS with bearer-token auth on, and tokens made with
   ``apomesh tokens create`` before it starts;
 - worker processes: ``worker-a`` on the cluster (user and password) and ``edge-1`` behind the
   leaf node (NKey seed file).
@@ -91,9 +94,10 @@ class Login:
             env["APOMESH_NATS_PASSWORD"] = self.password
         return env
 
-    def connect_options(self, pki: Pki, client_cert: str = "probe") -> dict[str, Any]:
-        """Options for ``apomesh.adapters.nats_connect.connect``."""
-        cert = pki.client(client_cert)
+    def connect_options(self, pki: Pki, client_cert: str = "") -> dict[str, Any]:
+        """Options for ``apomesh.adapters.nats_connect.connect``, with this login's own client
+        certificate unless ``client_cert`` names another."""
+        cert = pki.client(client_cert or self.name)
         options: dict[str, Any] = {
             "tls": tls_context(
                 ca_file=str(pki.ca), cert_file=str(cert.cert), key_file=str(cert.key)
@@ -170,20 +174,22 @@ class SecureSystem:
         pki = make_pki(base / "pki")
         logins = {
             name: Login(name, password=secrets.token_urlsafe(18))
-            for name in ("daemon", "operator", "leaf", "worker-a", *extra_workers)
+            for name in ("daemon", "control", "operator", "leaf", "worker-a", *extra_workers)
         }
         seed_file, public_key = make_nkey_user(base / "nkeys", "edge-1")
         logins["edge-1"] = Login("edge-1", seed_file=seed_file, public_key=public_key)
         cluster_workers = ["worker-a", *extra_workers]
         account = apomesh_account(
             daemon=logins["daemon"].user(),
+            control=logins["control"].user(),
             workers={logins[w].identity: logins[w].user() for w in cluster_workers},
             operators=[logins["operator"].user()],
             leaves=[(logins["leaf"].user(), [logins["edge-1"].identity])],
         )
-        server_tls = TlsConfig(
+        route_tls = TlsConfig(
             cert=pki.server.cert, key=pki.server.key, ca=pki.ca, verify=True, timeout=5.0
         )
+        server_tls = replace(route_tls, verify_and_map=True)
         specs = cluster(base / "nats", 3)
         leaf_ports = free_ports(len(specs))
         specs = [
@@ -191,10 +197,9 @@ class SecureSystem:
                 spec,
                 accounts=(account,),
                 tls=server_tls,
-                cluster_tls=server_tls,
+                cluster_tls=route_tls,
                 leafnode_port=leaf_port,
                 leafnode_tls=server_tls,
-
             )
             for spec, leaf_port in zip(specs, leaf_ports, strict=True)
         ]
@@ -242,7 +247,9 @@ class SecureSystem:
                     jetstream=False,
                 ),
             ),
-            tls=TlsConfig(cert=pki.server.cert, key=pki.server.key, ca=pki.ca, verify=True),
+            tls=TlsConfig(
+                cert=pki.server.cert, key=pki.server.key, ca=pki.ca, verify_and_map=True
+            ),
             remotes=(
                 LeafRemote(
                     urls=tuple(f"nats-leaf://127.0.0.1:{hub.leafnode_port}" for hub in hubs),
@@ -266,8 +273,17 @@ class SecureSystem:
         servers: NatsCluster,
         daemon_env: dict[str, str],
     ) -> HttpsDaemonProcess:
+        control = logins["control"]
+        control_cert = pki.client(control.name)
+        password_file = base / "control.password"
+        password_file.write_text(control.password + "\n")
+        password_file.chmod(0o600)
         env = {
             **logins["daemon"].env(pki, "daemon"),
+            "APOMESH_NATS_CONTROL_USER": control.name,
+            "APOMESH_NATS_CONTROL_PASSWORD_FILE": str(password_file),
+            "APOMESH_NATS_CONTROL_TLS_CERT": str(control_cert.cert),
+            "APOMESH_NATS_CONTROL_TLS_KEY": str(control_cert.key),
             "APOMESH_NATS_REPLICAS": "3",
             "APOMESH_HTTP_TLS_CERT": str(pki.server.cert),
             "APOMESH_HTTP_TLS_KEY": str(pki.server.key),

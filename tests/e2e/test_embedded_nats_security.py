@@ -115,6 +115,44 @@ def test_a_worker_credential_cannot_read_or_write_the_log_or_dispatch(
     assert any("apomesh.dispatch.>" in e for e in violations), errors
 
 
+def test_the_control_plane_user_cannot_reach_jetstream_or_the_log(
+    embedded: DaemonProcess,
+) -> None:
+    """The daemon answers workers and dispatches on a connection of its own per-start control
+    user (the server lists it), and the server refuses that user a purge of the log and a write
+    onto a session's log."""
+    url = nats_url(embedded)
+    (server_config,) = embedded.data_dir.rglob("nats-server.conf")
+    text = server_config.read_text()
+    found = re.search(r'user: "apomesh-control"\s+password: "([^"]+)"', text)
+    assert found is not None, "no control user in the embedded server's config"
+    monitor = re.search(r'http: "([^"]+)"', text)
+    assert monitor is not None
+    connz = httpx.get(f"http://{monitor[1]}/connz?auth=true", timeout=10).json()
+    named = {(c.get("name", ""), c.get("authorized_user")) for c in connz["connections"]}
+    assert any(
+        name.startswith("apomesh-control-") and user == "apomesh-control" for name, user in named
+    ), named
+
+    async def probe() -> list[str]:
+        nc, errors = await connect_and_collect(
+            url, user="apomesh-control", password=found[1], inbox_prefix="_INBOX.control"
+        )
+        try:
+            await nc.publish("$JS.API.STREAM.PURGE.APOMESH_LOG", b"{}")
+            await nc.publish("apomesh.log.forged", b"garbage")
+            await nc.flush()
+            await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+        return errors
+
+    errors = asyncio.run(probe())
+    violations = [e.lower() for e in errors if "permissions violation" in e.lower()]
+    assert any("$js.api.stream.purge.apomesh_log" in e for e in violations), errors
+    assert any("apomesh.log.forged" in e for e in violations), errors
+
+
 def test_a_worker_process_joins_with_the_credential_file(tmp_path: Path) -> None:
     daemon = DaemonProcess([], tmp_path / "daemon", workers=0)
     daemon.start()

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import pytest
 from tests.e2e.secure_system import SecureSystem, create_token
@@ -393,7 +394,7 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
     from apomesh.runtime.nats_permissions import ACCOUNT
 
     pki = system.pki
-    rogue_cert = pki.client("rogue-leaf")
+    rogue_cert = pki.client("leaf")  # the edge host holds the leaf's certificate and password
     password = secrets.token_urlsafe(12)
     spec = with_fields(
         single_node(system.base / "rogue", name="rogue-leaf", jetstream=False),
@@ -452,11 +453,62 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
         rogue_leaf.stop()
 
 
+def test_a_leaf_link_needs_the_certificate_of_the_leaf_login(system: SecureSystem) -> None:
+    """The hub maps a leaf link's certificate to its user: a leaf node presenting worker-a's
+    certificate with the ``leaf`` login's right password is refused, and links to no hub."""
+    from dataclasses import replace as with_fields
+
+    from tests.e2e.api_support import wait_until
+
+    from apomesh.adapters.natsserver import (
+        Account,
+        LeafRemote,
+        NatsServer,
+        NatsUser,
+        TlsConfig,
+        single_node,
+    )
+    from apomesh.runtime.nats_permissions import ACCOUNT
+
+    pki = system.pki
+    worker_cert = pki.client("worker-a")
+    local = NatsUser(user="local", password=secrets.token_urlsafe(12))
+    spec = with_fields(
+        single_node(system.base / "wrong-cert-leaf", name="wrong-cert-leaf", jetstream=False),
+        accounts=(Account(ACCOUNT, users=(local,), jetstream=False),),
+        remotes=(
+            LeafRemote(
+                urls=tuple(
+                    f"nats-leaf://127.0.0.1:{server.spec.leafnode_port}"
+                    for server in system.cluster
+                ),
+                account=ACCOUNT,
+                user="leaf",
+                password=system.logins["leaf"].password,
+                tls=TlsConfig(cert=worker_cert.cert, key=worker_cert.key, ca=pki.ca),
+            ),
+        ),
+    )
+    wrong = NatsServer(spec)
+    wrong.start()
+    try:
+        wait_until(
+            lambda: "authorization violation" in wrong.output_tail().lower(),
+            timeout=TIMEOUT,
+            what="the hub refusing the leaf link",
+        )
+        links = (wrong.monitor("leafz") or {}).get("leafnodes")
+        assert not links, wrong.output_tail()
+    finally:
+        wrong.stop()
+
+
 def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_path: Path) -> None:
     from tests.e2e.certs import make_pki
 
     from apomesh.adapters.natsserver import find_nats_server
     from apomesh.runtime.nats_permissions import (
+        control_permissions,
         daemon_permissions,
         leaf_permissions,
         operator_permissions,
@@ -479,6 +531,7 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
         "PATH": "/usr/bin:/bin",
         "NATS_SERVER_NAME": "nats-1",
         "APOMESH_DAEMON_PASSWORD": "d",
+        "APOMESH_CONTROL_PASSWORD": "c",
         "APOMESH_OPERATOR_PASSWORD": "o",
         "APOMESH_WORKER_1_PASSWORD": "w",
         "APOMESH_LEAF_PASSWORD": "l",
@@ -492,6 +545,7 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
         assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
     accounts = (samples / "accounts.conf").read_text() + (samples / "leaf.conf").read_text()
     roles = [daemon_permissions(), operator_permissions(), worker_permissions("worker-1")]
+    roles.append(control_permissions())
     roles.append(worker_permissions("edge-2"))
     edge_nkey = "UCAXZNF7H2TXOBPUWC54FTW564DU6L4DCZZZG4D657A4QDOIIZMVTM4A"
     roles.append(leaf_permissions([edge_nkey, "edge-2"]))
@@ -503,6 +557,10 @@ def test_the_sample_nats_configs_are_valid_and_carry_the_role_permissions(tmp_pa
             *permissions.subscribe_deny,
         ):
             assert f'"{subject}"' in accounts, subject
+    # Certificates choose the user on every listener clients and leaf logins use.
+    cluster_node = (samples / "cluster-node.conf").read_text()
+    assert cluster_node.count("verify_and_map: true") == 2
+    assert (samples / "leaf.conf").read_text().count("verify_and_map: true") == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -761,6 +819,55 @@ async def test_missing_credentials_and_certificates_fail_clearly(system: SecureS
         )  # fmt: skip
     nc = await connect(system.cluster.urls, **login.connect_options(pki))
     await nc.close()
+
+
+async def test_a_certificate_logs_in_only_as_the_user_it_names(system: SecureSystem) -> None:
+    """verify_and_map: worker-a's certificate with another worker's, the daemon's or the control
+    plane's own user and password is refused, and so is a certificate of the same CA that names
+    no user, with worker-a's right password; worker-a's certificate with its own password logs
+    in."""
+    pki, logins = system.pki, system.logins
+    for other in ("worker-c", "daemon", "control"):
+        with pytest.raises(NatsAuthError):
+            await connect(
+                system.cluster.urls,
+                connect_timeout=20,
+                **logins[other].connect_options(pki, client_cert="worker-a"),
+            )
+    with pytest.raises(NatsAuthError):
+        await connect(
+            system.cluster.urls,
+            connect_timeout=20,
+            **logins["worker-a"].connect_options(pki, client_cert="nobody"),
+        )
+    nc = await connect(system.cluster.urls, **logins["worker-a"].connect_options(pki))
+    await nc.close()
+
+
+async def test_the_control_plane_login_cannot_reach_jetstream_or_the_log(
+    system: SecureSystem,
+) -> None:
+    """The daemon answers workers on a connection logged in as ``control`` (the servers list
+    it), and the server refuses that login a purge of the log, a write onto a session's log and
+    a subscription to the log; sessions run meanwhile (the end-to-end test above)."""
+    users = set()
+    for server in system.cluster:
+        connz = httpx.get(
+            f"http://127.0.0.1:{server.spec.http_port}/connz?auth=true", timeout=10
+        ).json()
+        users |= {
+            (c.get("name", "").split("-")[1], c.get("authorized_user"))
+            for c in connz.get("connections", [])
+            if c.get("name", "").startswith("apomesh-")
+        }
+    assert ("control", "control") in users, users
+    probe = await Probe.open(system, "control", worker=False, inbox="_INBOX.control")
+    try:
+        await probe.publish_refused("$JS.API.STREAM.PURGE.APOMESH_LOG")
+        await probe.publish_refused(f"apomesh.log.{secrets.token_hex(4)}")
+        await probe.subscribe_refused("apomesh.log.>")
+    finally:
+        await probe.aclose()
 
 
 @pytest.mark.parametrize("scheme", ["tls", "nats"])

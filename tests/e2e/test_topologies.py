@@ -133,3 +133,6 @@ def test_worker_behind_a_leaf_node(
     (root,) = view["agents"]
     assert root["worker"] == worker_id
     assert (daemon.workspace / "solo.txt").read_text() == "from the edge"
+    # No control-plane identity configured: the daemon's one connection does the control work,
+    # and its log says so.
+    assert "no control-plane identity in [nats]" in daemon.log_file.read_text()

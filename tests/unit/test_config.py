@@ -283,3 +283,8 @@ def test_provider_credentials_replace_the_default_and_never_name_an_apomesh_vari
     with pytest.raises(DefinitionError) as caught:
         load_config(path, env={})
     assert caught.value.where.endswith("$.providers.openai.credentials.x.base_url")
+
+
+def test_a_control_certificate_needs_its_key(tmp_path: Path) -> None:
+    with pytest.raises(DefinitionError, match="control_tls_cert and control_tls_key go together"):
+        load_config(write(tmp_path, '[nats]\ncontrol_tls_cert = "c.crt"\n'), env={})

@@ -12,6 +12,7 @@ from tests.e2e.certs import make_nkey_user
 
 from apomesh.runtime.config import NatsConfig
 from apomesh.runtime.nats_permissions import (
+    control_permissions,
     credential_identity,
     daemon_permissions,
     worker_permissions,
@@ -121,3 +122,35 @@ def test_urls_are_logged_without_their_secrets(url: str, shown: str) -> None:
     from apomesh.adapters.nats_connect import redact_url
 
     assert redact_url(url) == shown
+
+
+def test_the_control_plane_role_has_no_jetstream_kv_or_log() -> None:
+    control = control_permissions()
+    assert set(control.publish) == {"apomesh.dispatch.*", "_INBOX.worker.>"}
+    assert set(control.subscribe) == {"apomesh.ctl.*.*", "apomesh.hb.*", "_INBOX.control.>"}
+    for denied in ("$JS.>", "$KV.>", "apomesh.log.>"):
+        assert denied in control.publish_deny and denied in control.subscribe_deny
+    assert not control.allow_responses  # an answer goes only where it may publish anyway
+
+
+def test_the_control_connection_comes_from_the_control_keys(tmp_path: Path) -> None:
+    from apomesh.core.errors import DefinitionError
+    from apomesh.runtime.config import Config
+    from apomesh.runtime.node import control_nats_options
+
+    assert control_nats_options(Config()) is None
+    password = tmp_path / "control.password"
+    password.write_text("s3cret\n")
+    options = control_nats_options(
+        Config(nats=NatsConfig(control_user="control", control_password_file=str(password)))
+    )
+    assert options is not None
+    assert (options["user"], options["password"]) == ("control", "s3cret")
+    assert options["inbox_prefix"] == "_INBOX.control"
+    seed_file, _ = make_nkey_user(tmp_path, "control")
+    options = control_nats_options(Config(nats=NatsConfig(control_nkey_seed_file=str(seed_file))))
+    assert options is not None and options["nkey_seed_file"] == str(seed_file)
+    assert "user" not in options
+    missing = NatsConfig(control_user="control", control_password_file=str(tmp_path / "none"))
+    with pytest.raises(DefinitionError, match="control_password_file"):
+        control_nats_options(Config(nats=missing))

@@ -14,7 +14,9 @@ the pid file there) is stopped before a new one starts. ``start_cluster`` starts
 
 Security. ``ServerSpec`` can also carry accounts with users (user/password or NKey public keys)
 and their subject ``Permissions``, TLS for the client, cluster and leaf-node listeners
-(``TlsConfig``; ``verify`` asks clients for a certificate signed by the CA), users that leaf
+(``TlsConfig``; ``verify`` asks clients for a certificate signed by the CA, ``verify_and_map``
+also makes the certificate choose the user: its SAN names the user, whose password must match
+as well), users that leaf
 nodes log in as, and leaf remotes with credentials and TLS (``LeafRemote``). ``render_config``
 writes them as nats-server's ``accounts``, ``tls`` and ``authorization`` blocks; what each apomesh
 role may do is decided in ``apomesh.runtime.nats_permissions``, not here.
@@ -234,13 +236,16 @@ class Account:
 @dataclass(frozen=True)
 class TlsConfig:
     """TLS of a listener (server side: ``cert``/``key`` it presents, ``ca`` it trusts clients'
-    certificates from, ``verify`` to require one) or of an outgoing leaf link (client side: the
-    certificate it presents and the CA it trusts the hub with)."""
+    certificates from, ``verify`` to require one, ``verify_and_map`` to require one and take the
+    user from it: an email or DNS SAN equal to a user name selects that user, and that user's
+    password must match too) or of an outgoing leaf link (client side: the certificate it presents
+    and the CA it trusts the hub with)."""
 
     cert: Path | None = None
     key: Path | None = None
     ca: Path | None = None
     verify: bool = False
+    verify_and_map: bool = False
     timeout: float = 2.0
 
 
@@ -395,8 +400,10 @@ def _render_tls(tls: TlsConfig, indent: str) -> list[str]:
         lines.append(f"{inner}key_file: {_quoted(tls.key)}")
     if tls.ca is not None:
         lines.append(f"{inner}ca_file: {_quoted(tls.ca)}")
-    if tls.verify:
+    if tls.verify or tls.verify_and_map:
         lines.append(f"{inner}verify: true")
+    if tls.verify_and_map:
+        lines.append(f"{inner}verify_and_map: true")
     lines.append(f"{inner}timeout: {tls.timeout:g}")
     lines.append(f"{indent}}}")
     return lines

@@ -54,6 +54,11 @@ class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    control_user: str = ""
+    control_password_file: str = ""
+    control_nkey_seed_file: str = ""
+    control_tls_cert: str = ""
+    control_tls_key: str = ""
     connect_timeout: PositiveSeconds = 5.0
     reconnect_wait: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     max_reconnect_attempts: Annotated[int, msgspec.Meta(ge=-1)] = -1
@@ -62,6 +67,12 @@ class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def embedded(self) -> bool:
         """True when the daemon starts its own nats-server."""
         return not self.urls
+
+    @property
+    def has_control_identity(self) -> bool:
+        """True when a control-plane identity is configured (``control_user`` or
+        ``control_nkey_seed_file``) for the daemon's second connection."""
+        return bool(self.control_user or self.control_nkey_seed_file)
 
 
 class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -426,13 +437,20 @@ def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], defa
         _split_listen(config.http.listen)
     except ValueError as exc:
         raise _fail(str(exc), "http", "listen", sources, default) from None
-    for section, cert, key in (
-        ("http", config.http.tls_cert, config.http.tls_key),
-        ("nats", config.nats.tls_cert, config.nats.tls_key),
+    for section, prefix, cert, key in (
+        ("http", "", config.http.tls_cert, config.http.tls_key),
+        ("nats", "", config.nats.tls_cert, config.nats.tls_key),
+        ("nats", "control_", config.nats.control_tls_cert, config.nats.control_tls_key),
     ):
         if bool(cert) != bool(key):
-            missing = "tls_key" if cert else "tls_cert"
-            raise _fail("tls_cert and tls_key go together", section, missing, sources, default)
+            missing = prefix + ("tls_key" if cert else "tls_cert")
+            raise _fail(
+                f"{prefix}tls_cert and {prefix}tls_key go together",
+                section,
+                missing,
+                sources,
+                default,
+            )
     for name, credential in config.providers.openai.credentials.items():
         where = (
             f"{sources.get(('providers', 'openai'), default)} $.providers.openai.credentials.{name}"

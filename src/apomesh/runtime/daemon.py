@@ -53,6 +53,7 @@ class Daemon:
         config: Config,
         *,
         nc: NATS,
+        control_nc: NATS | None = None,
         log_adapter: EventLog,
         heartbeats: HeartbeatStream,
         kv: KvBuckets,
@@ -62,6 +63,9 @@ class Daemon:
     ) -> None:
         self.config = config
         self.nc = nc
+        # Worker requests are answered, heartbeats heard and dispatches sent on the control-plane
+        # connection (a login without JetStream, KV or log rights) when there is one.
+        self.control_nc = control_nc or nc
         self.log = log_adapter
         self.heartbeats = heartbeats
         self.kv = kv
@@ -86,7 +90,7 @@ class Daemon:
         )
         self.workers = WorkerPool(
             config,
-            nc=nc,
+            nc=self.control_nc,
             incarnation=self.incarnation,
             metrics=self.metrics,
             on_registered=self._wake_sessions,
@@ -108,7 +112,7 @@ class Daemon:
         )
         self.registry.make_runtime = self._make_runtime
         self.control = ControlPlane(
-            nc=nc,
+            nc=self.control_nc,
             limits=config.limits,
             workers=self.workers,
             route=self.registry.writer,

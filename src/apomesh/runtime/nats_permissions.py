@@ -3,7 +3,11 @@ id a worker's credentials bind it to.
 
 ``daemon_permissions`` is what ``apomesh serve`` needs and nothing more: the JetStream API, KV
 writes, the log, and the control, heartbeat and dispatch subjects (its in-process workers share
-its connection). ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat
+its connection). ``control_permissions`` is the daemon's second, control-plane connection, the
+one that answers workers' registrations and reports and sends them dispatches: only the
+dispatch subjects, the workers' inboxes, the bound control and heartbeat subjects and its own
+inbox (``_INBOX.control``), and never JetStream, the KV buckets or the log, so a bug in a
+responder cannot reach them whatever reply subject a worker asks for. ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat
 and its own bound control subjects (``apomesh.ctl.<verb>.<worker_id>``), answer the dispatches it
 receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
 the log and the KV buckets are denied outright. ``leaf_permissions(worker_ids)`` is the hub's login for a leaf node: only its edge workers'
@@ -26,9 +30,11 @@ from apomesh.adapters.jetstream_log import LOG_STREAM, LOG_SUBJECT_PREFIX
 from apomesh.adapters.natsserver import Account, NatsUser, Permissions
 from apomesh.runtime.config import NatsConfig
 from apomesh.runtime.protocol import (
+    CTL_BOUND_WILDCARD,
     CTL_PREFIX,
     DISPATCH_PREFIX,
     HB_PREFIX,
+    WORKER_INBOX_PREFIX,
     beat_subject,
     check_worker_id,
     dispatch_subject,
@@ -37,8 +43,10 @@ from apomesh.runtime.protocol import (
 
 __all__ = [
     "ACCOUNT",
+    "CONTROL_INBOX_PREFIX",
     "OPERATOR_INBOX_PREFIX",
     "apomesh_account",
+    "control_permissions",
     "credential_identity",
     "daemon_permissions",
     "leaf_permissions",
@@ -55,6 +63,8 @@ LOG_ALL = f"{LOG_SUBJECT_PREFIX}.>"
 FORBIDDEN_TO_WORKERS = ("$JS.>", KV_ALL, LOG_ALL)
 OPERATOR_INBOX_PREFIX = "_INBOX.operator"
 """The inbox prefix an operator's connection uses: the only replies it may hear."""
+CONTROL_INBOX_PREFIX = "_INBOX.control"
+"""The inbox prefix of the daemon's control-plane connection (the answers to its dispatches)."""
 
 
 def daemon_permissions() -> Permissions:
@@ -70,6 +80,19 @@ def daemon_permissions() -> Permissions:
         ),
         subscribe=("apomesh.>", "_INBOX.>"),
         allow_responses=True,
+    )
+
+
+def control_permissions() -> Permissions:
+    """The daemon's control-plane connection: it hears workers' bound control subjects and
+    heartbeats and its own inbox, answers into the workers' inboxes and sends dispatches; the
+    JetStream API, the KV buckets and the log are denied, and it has no ``allow_responses``, so
+    it can answer a request only on a subject it may publish to anyway."""
+    return Permissions(
+        publish=(f"{DISPATCH_PREFIX}*", f"{WORKER_INBOX_PREFIX}>"),
+        subscribe=(CTL_BOUND_WILDCARD, f"{HB_PREFIX}*", f"{CONTROL_INBOX_PREFIX}.>"),
+        publish_deny=FORBIDDEN_TO_WORKERS,
+        subscribe_deny=FORBIDDEN_TO_WORKERS,
     )
 
 
@@ -142,14 +165,17 @@ def apomesh_account(
     workers: Mapping[str, NatsUser],
     operators: Iterable[NatsUser] = (),
     leaves: Iterable[tuple[NatsUser, Iterable[str]]] = (),
+    control: NatsUser | None = None,
     name: str = ACCOUNT,
 ) -> Account:
-    """One JetStream-enabled account holding the daemon, each worker (keyed by worker id), the
-    operators and the logins leaf nodes link with (each with the ids of the edge workers behind
-    it), each user given its role's permissions (any permissions on the users passed in are
-    replaced). A leaf login is an account user, not a ``leafnodes`` authorization user: only an
-    account user's permissions apply to the link."""
+    """One JetStream-enabled account holding the daemon (and its control-plane identity, when
+    given), each worker (keyed by worker id), the operators and the logins leaf nodes link with
+    (each with the ids of the edge workers behind it), each user given its role's permissions
+    (any permissions on the users passed in are replaced). A leaf login is an account user, not
+    a ``leafnodes`` authorization user: only an account user's permissions apply to the link."""
     users = [_with(daemon, daemon_permissions())]
+    if control is not None:
+        users.append(_with(control, control_permissions()))
     users += [_with(user, worker_permissions(worker_id)) for worker_id, user in workers.items()]
     users += [_with(user, operator_permissions()) for user in operators]
     users += [_with(user, leaf_permissions(edge)) for user, edge in leaves]

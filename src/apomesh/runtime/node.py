@@ -11,7 +11,13 @@ others is refused with ``UnsafeDataDir``). The embedded nats-server admits only 
 ``EmbeddedCredentials``, made afresh at every start: the daemon (its role's permissions), each
 in-process worker under its own worker id, and ``[nats] embedded_worker_credentials`` identities
 for worker processes, each written as a config file ``<data_dir>/credentials/worker-<n>.toml``
-(0600) that ``apomesh worker --config FILE`` joins with. An unauthenticated client is refused.
+(0600) that ``apomesh worker --config FILE`` joins with, and the control-plane user. An
+unauthenticated client is refused.
+
+The daemon answers workers and dispatches to them on a second connection, logged in as the
+control-plane identity (``control_nats_options``: ``[nats] control_*``, or the embedded server's
+control user), whose permissions exclude JetStream, the KV buckets and the log. Without such an
+identity on an external NATS, the daemon's own connection does that work, and a warning says so.
 """
 
 from __future__ import annotations
@@ -34,16 +40,17 @@ from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, redact_url, tls_context
 from apomesh.adapters.natsserver import NatsUser, embedded_server
-from apomesh.adapters.private_files import private_dir, write_private_file
+from apomesh.adapters.private_files import private_dir, read_private_file, write_private_file
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
+from apomesh.core.errors import DefinitionError
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
 from apomesh.runtime.daemon import Daemon
-from apomesh.runtime.nats_permissions import apomesh_account
+from apomesh.runtime.nats_permissions import CONTROL_INBOX_PREFIX, apomesh_account
 from apomesh.runtime.protocol import new_worker_id, worker_inbox_prefix
 from apomesh.runtime.service import Service
 from apomesh.runtime.worker import Worker
@@ -77,7 +84,44 @@ def nats_options(config: Config) -> dict[str, Any]:
     return options
 
 
+def control_nats_options(config: Config) -> dict[str, Any] | None:
+    """Options for the daemon's control-plane connection from ``[nats] control_*`` (the TLS CA,
+    timeouts and, unless ``control_tls_cert`` is set, the client certificate shared with the
+    daemon's own connection); ``None`` when no control identity is configured. An unreadable
+    ``control_password_file`` is a ``DefinitionError`` naming it."""
+    n = config.nats
+    if not n.has_control_identity:
+        return None
+    options: dict[str, Any] = {
+        "connect_timeout": n.connect_timeout,
+        "reconnect_wait": n.reconnect_wait,
+        "inbox_prefix": CONTROL_INBOX_PREFIX,
+    }
+    if n.control_nkey_seed_file:
+        options["nkey_seed_file"] = n.control_nkey_seed_file
+    if n.control_user:
+        password = ""
+        if n.control_password_file:
+            try:
+                password = read_private_file(Path(n.control_password_file)).decode().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DefinitionError(
+                    f"cannot read the control password file {n.control_password_file}: {exc}",
+                    where="$.nats.control_password_file",
+                ) from None
+        options["user"], options["password"] = n.control_user, password
+    cert, key = (
+        (n.control_tls_cert, n.control_tls_key) if n.control_tls_cert else (n.tls_cert, n.tls_key)
+    )
+    if n.tls_ca or cert:
+        options["tls"] = tls_context(
+            ca_file=n.tls_ca or None, cert_file=cert or None, key_file=key or None
+        )
+    return options
+
+
 EMBEDDED_DAEMON_USER = "apomesh-daemon"
+EMBEDDED_CONTROL_USER = "apomesh-control"
 CREDENTIALS_DIR = "credentials"
 
 
@@ -88,10 +132,11 @@ def _secret() -> str:
 @dataclass(frozen=True)
 class EmbeddedCredentials:
     """The users of one start of the embedded server, passwords fresh from ``secrets``: the
-    daemon, the in-process workers and the worker processes (both keyed by worker id), each with
-    its role's permissions (``apomesh.runtime.nats_permissions``)."""
+    daemon, its control-plane connection, the in-process workers and the worker processes (both
+    keyed by worker id), each with its role's permissions (``apomesh.runtime.nats_permissions``)."""
 
     daemon: NatsUser
+    control: NatsUser
     local_workers: dict[str, NatsUser]
     remote_workers: dict[str, NatsUser]
 
@@ -102,6 +147,7 @@ class EmbeddedCredentials:
 
         return cls(
             daemon=user(EMBEDDED_DAEMON_USER),
+            control=user(EMBEDDED_CONTROL_USER),
             local_workers={worker_id: user(worker_id) for worker_id in local_ids},
             remote_workers={f"worker-{n}": user(f"worker-{n}") for n in range(1, remote_count + 1)},
         )
@@ -109,7 +155,9 @@ class EmbeddedCredentials:
     def users(self) -> tuple[NatsUser, ...]:
         """Every user, with its permissions, as the embedded server's config lists them."""
         account = apomesh_account(
-            daemon=self.daemon, workers={**self.local_workers, **self.remote_workers}
+            daemon=self.daemon,
+            control=self.control,
+            workers={**self.local_workers, **self.remote_workers},
         )
         return account.users
 
@@ -195,6 +243,7 @@ class Node:
         self.http = http
         self.server: Any = None
         self.nc: Any = None
+        self.control_nc: Any = None
         self.store: AsyncStore | None = None
         self.daemon: Daemon | None = None
         self.service: Service | None = None
@@ -217,6 +266,7 @@ class Node:
         data = private_dir(config.daemon.data_path())
         local_ids = [f"local-{os.getpid()}-{i}" for i in range(config.daemon.workers)]
         daemon_options = nats_options(config)
+        control_options = control_nats_options(config)
         if config.nats.urls:
             self.urls = list(config.nats.urls)
         else:
@@ -231,6 +281,13 @@ class Node:
             )
             daemon_user = self.credentials.daemon
             daemon_options.update(user=daemon_user.user, password=daemon_user.password)
+            control_user = self.credentials.control
+            control_options = {
+                **nats_options(config),
+                "user": control_user.user,
+                "password": control_user.password,
+                "inbox_prefix": CONTROL_INBOX_PREFIX,
+            }
             log.info(
                 "embedded nats-server at %s (store %s); worker credentials in %s",
                 redact_url(self.server.url),
@@ -240,6 +297,18 @@ class Node:
         self.nc = await connect(
             self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **daemon_options
         )
+        if control_options is None:
+            log.warning(
+                "no control-plane identity in [nats] (control_user or control_nkey_seed_file):"
+                " worker requests are answered, and dispatches sent, on the daemon's own"
+                " connection, with its JetStream rights"
+            )
+        else:
+            self.control_nc = await connect(
+                self.urls,
+                name=f"apomesh-control-{socket.gethostname()}",
+                **control_options,
+            )
         js = self.nc.jetstream()
         replicas = config.nats.replicas
         log_adapter = JetStreamLog(
@@ -259,6 +328,7 @@ class Node:
         self.daemon = Daemon(
             config,
             nc=self.nc,
+            control_nc=self.control_nc,
             log_adapter=log_adapter,
             heartbeats=heartbeats,
             kv=kv,
@@ -302,9 +372,10 @@ class Node:
             await worker.aclose()
             with contextlib.suppress(Exception):
                 await nc.close()
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+        for nc in (self.control_nc, self.nc):
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.drain()
         if self.store is not None:
             await self.store.aclose()
         if self.server is not None:
