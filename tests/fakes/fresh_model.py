@@ -27,7 +27,9 @@ answer the server gave and whether each effect in the workspace came from exactl
 Faults (``429`` with ``Retry-After``, ``503``, ``hang`` — answer nothing for ``hang_seconds``,
 past the client's timeout — and ``401``) are configured for the whole server (``faults=``,
 ``--fault``) and per model name (``fault=``), each ``KIND@once`` (the first call of that model
-name) or ``KIND@K`` (every K-th call of that model name). Like the real API, a conversation whose
+name), ``KIND@K`` (every K-th call of that model name) or ``KIND#N`` (its N-th call only): e.g.
+``fresh:appends=1,fault=429@once+503#2+hang#3`` rides through all three, ``fault=401@1`` never
+gets an answer. Like the real API, a conversation whose
 tool-call ids do not pair up is refused with 400 (``conversation_problem``).
 """
 
@@ -74,25 +76,30 @@ def fresh_model_spec(
 
 @dataclass(frozen=True)
 class Fault:
-    """``kind`` on the first call (``every`` = 0) or every ``every``-th call of a model name."""
+    """``kind`` on the first call of a model name, every ``every``-th call, or call ``at`` only."""
 
     kind: str
     every: int = 0
+    at: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        kind, _, when = text.partition("@")
+        """``KIND@once`` (the first call), ``KIND@K`` (every K-th call), ``KIND#N`` (call N only)."""
+        only = "#" in text
+        kind, _, when = text.partition("#" if only else "@")
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r} (one of {', '.join(FAULT_KINDS)})")
         if when in ("", "once"):
             return cls(kind)
-        every = int(when)
-        if every < 1:
-            raise ValueError(f"fault {text!r}: every K-th call needs K >= 1")
-        return cls(kind, every)
+        number = int(when)
+        if number < 1:
+            raise ValueError(f"fault {text!r}: calls are counted from 1")
+        return cls(kind, at=number) if only else cls(kind, every=number)
 
     def hits(self, call: int) -> bool:
         """Whether the ``call``-th call (from 1) of a model name gets this fault."""
+        if self.at:
+            return call == self.at
         return call == 1 if self.every == 0 else call % self.every == 0
 
 
@@ -371,7 +378,7 @@ def fetch_log(base_url: str) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--fault", action="append", default=[], help="KIND@once or KIND@K")
+    parser.add_argument("--fault", action="append", default=[], help="KIND@once, KIND@K or KIND#N")
     parser.add_argument("--hang-seconds", type=float, default=15.0)
     args = parser.parse_args()
     server = FreshModelServer(

@@ -133,6 +133,8 @@ def test_faults_once_and_every_kth_call() -> None:
         assert once[0].headers["Retry-After"] == "1"
         denied = [_post(server, _body("fresh:fault=401@2")).status_code for _ in range(4)]
         assert denied == [200, 401, 503, 401]
+        ride = [_post(server, _body("fresh:fault=429@once+503#2+hang#9")) for _ in range(4)]
+        assert [r.status_code for r in ride] == [429, 503, 503, 200]
     assert [c["fault"] for c in server.log()][:3] == ["429", None, "503"]
 
 
