@@ -197,7 +197,10 @@ def run_fresh(args: argparse.Namespace, base: Path) -> int:
             for _ in range(args.workers):
                 mesh.worker()
             mesh.wait_workers(args.workers)
-            anyio.run(fresh_run, args, mesh, tally, model_url, started)
+            try:
+                anyio.run(fresh_run, args, mesh, tally, model_url, started)
+            except KeyboardInterrupt:  # Ctrl-C: stop here and print what was found so far
+                args.cluster_runs = 0
         finally:
             mesh.close()
             server.stop()

@@ -736,6 +736,7 @@ class FreshChaos:
         """Until the session is terminal (resuming it, as an operator would, whenever it is on
         the recoverable list); False when the deadline passed first."""
         deadline = anyio.current_time() + self.deadline
+        said = ""
         while anyio.current_time() < deadline:
             try:
                 view = await self.client.get_session(session_id)
@@ -745,7 +746,9 @@ class FreshChaos:
                 if session_id in recoverable:
                     await self.client.resume(session_id)
             except Exception as exc:  # a refused resume or a restarting daemon: try again
-                self.say(f"settle {session_id}: {type(exc).__name__}: {exc}")
+                if str(exc) != said:
+                    self.say(f"settle {session_id}: {type(exc).__name__}: {exc}")
+                said = str(exc)
             await anyio.sleep(0.5)
         return False
 
@@ -787,23 +790,27 @@ class FreshChaos:
 
     async def kill_run(self, tag: str, shape: str | None = None) -> Any:
         """One session; SIGKILL the worker running an agent of it (or, one time in five, the
-        daemon) after a random number of its events; resume what lands on the recoverable list."""
+        daemon) after a random number of its events, or at its n-th side-effecting call's intent
+        or result; resume what lands on the recoverable list."""
         rng = self.rng
         shape = shape or rng.choice(("solo", "fanout", "refine"))
         session_id = await self.client.start_session(
             f"{tag} {shape}", definition=self.definition(shape)
         )
-        kill_after = rng.randrange(3, 30)
+        # At the n-th event of a kind: any event, or right at a side-effecting call's intent or
+        # result (where a model asked again for the cut-short step rephrases the effect).
+        trigger = rng.choice(("AnyEvent", "ToolCallIntent", "ToolCallRecorded"))
+        kill_at = rng.randrange(3, 30) if trigger == "AnyEvent" else rng.randrange(1, 4)
         worker_of: dict[str, str] = {}
         seen = 0
         try:
             with anyio.fail_after(self.deadline):
                 async for record in self.client.events(session_id):
-                    seen += 1
                     ev = record.event
                     if record.kind == "AgentLifecycle" and ev.get("phase") == "dispatched":
                         worker_of[ev["agent"]] = ev["worker"]
-                    if seen == kill_after:
+                    seen += trigger in ("AnyEvent", record.kind)
+                    if seen == kill_at and trigger in ("AnyEvent", record.kind):
                         agent = ev.get("agent")
                         if rng.random() < 0.2 or agent not in worker_of:
                             await self.kill_daemon()
