@@ -116,7 +116,13 @@ async def fresh_run(
 
     async with Client(mesh.url, reconnect_window=120) as client:
         chaos = FreshChaos(
-            mesh, client, model, lambda: fetch_log(model_url), rng=rng, tally=tally, say=say
+            mesh,
+            client,
+            model,
+            lambda: fetch_log(model_url, requests=False),
+            rng=rng,
+            tally=tally,
+            say=say,
         )
 
         async def guarded(run: str, work: Any) -> None:
@@ -166,7 +172,13 @@ async def cluster_run(
 
     async with Client(mesh.url, reconnect_window=120) as client:
         chaos = FreshChaos(
-            mesh, client, model, lambda: fetch_log(model_url), rng=rng, tally=tally, say=say
+            mesh,
+            client,
+            model,
+            lambda: fetch_log(model_url, requests=False),
+            rng=rng,
+            tally=tally,
+            say=say,
         )
         for run in range(args.cluster_runs):
             try:

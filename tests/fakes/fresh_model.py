@@ -21,7 +21,7 @@ alone (stateless), read from the model name the definition gives (``fresh_model_
   agent's system message and task, so each agent writes its own.
 
 Every request and answer is recorded (``calls``; ``GET /_log`` serves them as JSON to other
-processes) with its ``slot`` and ``step``, so a checker can tell whether a session's output is an
+processes, ``/_log?requests=0`` without the request bodies) with its ``slot`` and ``step``, so a checker can tell whether a session's output is an
 answer the server gave and whether each effect in the workspace came from exactly one answer.
 
 Faults (``429`` with ``Retry-After``, ``503``, ``hang`` — answer nothing for ``hang_seconds``,
@@ -296,10 +296,14 @@ class FreshModelServer:
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/_log":
+                path, _, query = self.path.partition("?")
+                if path != "/_log":
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
                     return
-                self._send(200, {"calls": fresh.log()})
+                calls = fresh.log()
+                if "requests=0" in query.split("&"):
+                    calls = [{k: v for k, v in c.items() if k != "request"} for c in calls]
+                self._send(200, {"calls": calls})
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -365,13 +369,15 @@ def _error(message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
-def fetch_log(base_url: str) -> list[dict[str, Any]]:
-    """The record of a fresh-model server in another process (its ``GET /_log``)."""
+def fetch_log(base_url: str, *, requests: bool = True) -> list[dict[str, Any]]:
+    """The record of a fresh-model server in another process (its ``GET /_log``); without the
+    request bodies when ``requests`` is False (``GET /_log?requests=0``)."""
     import urllib.request
 
     root = base_url.rstrip("/").removesuffix("/v1")
+    query = "" if requests else "?requests=0"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{root}/_log", timeout=30) as response:
+    with opener.open(f"{root}/_log{query}", timeout=30) as response:
         return list(json.loads(response.read())["calls"])
 
 

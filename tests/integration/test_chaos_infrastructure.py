@@ -162,6 +162,9 @@ def test_runs_as_a_process_and_serves_its_record() -> None:
         assert reply.status_code == 200
         (call,) = fetch_log(url)
         assert call["answer"] == reply.json()["choices"][0]["message"]
+        assert call["request"]["model"] == "fresh"
+        (short,) = fetch_log(url, requests=False)
+        assert "request" not in short and short["answer"] == call["answer"]
     finally:
         proc.kill()
         proc.wait()
