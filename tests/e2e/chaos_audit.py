@@ -6,7 +6,9 @@ verification of it, its workspace and the calls a ``FreshModelServer`` recorded,
 - **duplicates**: an effect line (``fs.append``) or content (``fs.write``) present more often than
   once — every line the fresh model gives is new, so any line twice ran twice — plus effects of two
   *different* model answers for the same agent and step that both landed (the model was asked
-  again for a step whose effect had already run, and a rephrased effect ran as well);
+  again for a step whose effect had already run, and a rephrased effect ran as well; for
+  ``fs.write``, whose file keeps only the last content, an earlier write with an ``ok`` result
+  counts as landed);
 - **effects never run**: an intent whose logged result is ``ok`` but whose line is not in the file
   (``never_run``), and among them those of tools with a probe (``never_run_probed``; today no
   tool has one);
@@ -143,9 +145,10 @@ def audit_session(
         if count > 1:
             audit.duplicates += count - 1
             audit.problems.append(f"{effect[0]}: {effect[1]!r} is there {count} times")
+    overwritten = {path for (path, _), n in present.items() if n and (path, "fs.write") in paths}
     for effect, keys in intents.items():
-        if present[effect]:
-            continue
+        if present[effect] or (tool_of[effect] == "fs.write" and effect[0] in overwritten):
+            continue  # there, or a write whose file holds a later write's content
         if any(outcome.get(key) == "ok" for key in keys):
             audit.never_run += 1
             audit.never_run_probed += tool_of[effect] in PROBED_TOOLS
@@ -161,6 +164,13 @@ def audit_session(
             audit.problems.append(f"{effect[0]}: {effect[1]!r} came from no model answer")
             continue
         landed[(source.slot, source.step)].append(effect)
+    # A write leaves only its last content in the file: two writes asked for one step, each with
+    # an ok result on the log, both ran.
+    for effect, keys in intents.items():
+        source = given.get(effect)
+        written = tool_of[effect] == "fs.write" and any(outcome.get(k) == "ok" for k in keys)
+        if source is not None and written and effect not in present:
+            landed[(source.slot, source.step)].append(effect)
     for (slot, step), effects in landed.items():
         if len(effects) > 1:
             audit.duplicates += len(effects) - 1

@@ -247,3 +247,26 @@ def test_audit_counts_lost_and_undecodable_sessions(tmp_path: Path) -> None:
     verification = {"ok": False, "problems": [{"kind": "undecodable", "message": "bad"}]}
     audit = audit_session([Rec("SessionStarted", {})], verification, tmp_path, timed_out=True)
     assert audit.lost and audit.undecodable
+
+
+def test_audit_counts_two_writes_for_one_step_though_the_file_keeps_one(tmp_path: Path) -> None:
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh/w.txt").write_text("second")
+
+    def write(key: str, content: str) -> list[Rec]:
+        args = {"path": "fresh/w.txt", "content": content}
+        return [
+            Rec("ToolCallIntent", {"agent": "root", "key": key, "tool": "fs.write", "args": args}),
+            Rec("ToolCallRecorded", {"agent": "root", "key": key, "outcome": "ok"}),
+        ]
+
+    def answer(content: str) -> dict[str, Any]:
+        args = json.dumps({"path": "fresh/w.txt", "content": content})
+        call = {"id": "c", "type": "function", "function": {"name": "fs__write", "arguments": args}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+    records = [*write("k1", "first"), *write("k2", "second")]
+    calls = [_model_call(0, "s", 0, answer("first")), _model_call(1, "s", 0, answer("second"))]
+    audit = audit_session(records, {"problems": []}, tmp_path, calls)
+    assert audit.duplicates == 1
+    assert audit.never_run == 0
