@@ -50,7 +50,7 @@ from apomesh.core.events import (
 from apomesh.core.journal import call_key
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.composition import compose_shape
-from apomesh.sdk.client import Client, EventRecord
+from apomesh.sdk.client import Client, EventRecord, ServerUnavailable
 from apomesh.testing import DaemonProcess, Mesh, WorkerProcess
 
 STEP_DELAY = 0.12
@@ -713,6 +713,18 @@ class FreshChaos:
             return fresh_refine(self.model)
         return fresh_solo(self.model, appends=self.rng.choice((2, 3, 4)))
 
+    async def start_with_retry(self, goal: str, definition: dict[str, Any]) -> str:
+        """Start a session, retrying a refusal (503) for a while as a client would: a cluster
+        that has just lost a node may not have a stream leader yet. Goals must be unique in a
+        run: the fresh model names an agent's files after its task."""
+        for _ in range(30):
+            try:
+                return await self.client.start_session(goal, definition=definition)
+            except ServerUnavailable as exc:
+                self.say(f"start {goal!r} refused, retrying: {exc}")
+                await anyio.sleep(1.0)
+        return await self.client.start_session(goal, definition=definition)
+
     async def kill_daemon(self) -> None:
         async with self._daemon_lock:
             await anyio.to_thread.run_sync(self.mesh.daemon.kill)
@@ -900,8 +912,8 @@ class FreshChaos:
         rng = self.rng
         shapes = [rng.choice(("solo", "fanout", "refine")) for _ in range(sessions)]
         ids = [
-            await self.client.start_session(f"{tag} nats {s}", definition=self.definition(s))
-            for s in shapes
+            await self.start_with_retry(f"{tag} nats {n} {s}", self.definition(s))
+            for n, s in enumerate(shapes)
         ]
         received: dict[str, list[tuple[int, str]]] = {sid: [] for sid in ids}
 
