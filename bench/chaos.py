@@ -37,7 +37,14 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.e2e.chaos_kit import Chaos, ClusterMesh, FreshChaos, FreshTally, Tally
+from tests.e2e.chaos_kit import (
+    Chaos,
+    ClusterMesh,
+    FreshChaos,
+    FreshTally,
+    Tally,
+    use_fresh_model,
+)
 from tests.fakes.fresh_model import fetch_log, fresh_model_spec
 
 from apomesh.adapters.natsserver import (
@@ -106,13 +113,18 @@ def out_of_budget(args: argparse.Namespace, tally: FreshTally, started: float) -
 
 
 async def fresh_run(
-    args: argparse.Namespace, mesh: Mesh, tally: FreshTally, model_url: str, started: float
+    args: argparse.Namespace,
+    mesh: Mesh,
+    tally: FreshTally,
+    model_url: str,
+    config: Path,
+    started: float,
 ) -> None:
     rng = random.Random(args.seed)
     say = (lambda _text: None) if args.quiet else (lambda text: print(f"  {text}", flush=True))
 
     def model(name: str) -> dict[str, Any]:
-        return fresh_model_spec(model_url, name)
+        return fresh_model_spec(name)
 
     async with Client(mesh.url, reconnect_window=120) as client:
         chaos = FreshChaos(
@@ -153,7 +165,7 @@ async def fresh_run(
                         group.start_soon(guarded, tag, chaos.kill_run(tag))
             live = [w for w in mesh.workers if w.proc is not None and w.proc.poll() is None]
             for _ in range(args.workers - len(live)):
-                mesh.worker(f"w{len(mesh.workers)}")
+                mesh.worker(f"w{len(mesh.workers)}", config=config)
             print(
                 f"wave {wave}: {tally.kills} kills, {tally.completed}/{tally.sessions} completed, "
                 f"{tally.duplicates} duplicates, {tally.lost} lost",
@@ -168,7 +180,7 @@ async def cluster_run(
     say = (lambda _text: None) if args.quiet else (lambda text: print(f"  {text}", flush=True))
 
     def model(name: str) -> dict[str, Any]:
-        return fresh_model_spec(model_url, name)
+        return fresh_model_spec(name)
 
     async with Client(mesh.url, reconnect_window=120) as client:
         chaos = FreshChaos(
@@ -204,13 +216,14 @@ def run_fresh(args: argparse.Namespace, base: Path) -> int:
         server.start()
         mesh = Mesh(server, base / "single")
         mesh.daemon.env["APOMESH_LIVENESS_HEARTBEAT_INTERVAL"] = str(args.heartbeat)
+        config = use_fresh_model(mesh, model_url)
         try:
             mesh.daemon.start()
             for _ in range(args.workers):
-                mesh.worker()
+                mesh.worker(config=config)
             mesh.wait_workers(args.workers)
             try:
-                anyio.run(fresh_run, args, mesh, tally, model_url, started)
+                anyio.run(fresh_run, args, mesh, tally, model_url, config, started)
             except KeyboardInterrupt:  # Ctrl-C: stop here and print what was found so far
                 args.cluster_runs = 0
         finally:
@@ -221,10 +234,11 @@ def run_fresh(args: argparse.Namespace, base: Path) -> int:
             try:
                 anyio.run(lambda: wait_jetstream_ready(servers.urls, replicas=3))
                 cmesh = ClusterMesh(list(servers), base / "cluster-mesh")
+                cluster_config = use_fresh_model(cmesh, model_url)
                 try:
                     cmesh.daemon.start()
                     for _ in range(2):
-                        cmesh.worker()
+                        cmesh.worker(config=cluster_config)
                     cmesh.wait_workers(2)
                     anyio.run(cluster_run, args, cmesh, tally, model_url)
                 finally:

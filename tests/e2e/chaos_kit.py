@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from tests.fakes.fresh_model import fresh_model_config, fresh_model_env
 
 from apomesh.core import envelope
 from apomesh.core.definition import parse_definition
@@ -298,14 +299,15 @@ class WorkerPool:
         return None
 
     def kill(self, worker_id: str, *, replace: bool = True) -> bool:
-        """SIGKILL the worker process behind ``worker_id``; start a fresh one in its place."""
+        """SIGKILL the worker process behind ``worker_id``; start a fresh one in its place, with
+        the same config file."""
         worker = self.by_id(worker_id)
         if worker is None or worker.proc is None or worker.proc.poll() is not None:
             return False
         worker.kill()
         self.kills += 1
         if replace:
-            self.mesh.worker(f"w{len(self.mesh.workers)}")
+            self.mesh.worker(f"w{len(self.mesh.workers)}", config=worker.config)
         return True
 
 
@@ -568,6 +570,30 @@ def shape_of(definition: dict[str, Any], host: PluginHost | None = None) -> Sess
 
 ModelTable = Callable[[str], dict[str, Any]]
 """Model name -> the ``[model]`` table reaching the fresh server (``fresh_model_spec``)."""
+
+
+def use_fresh_model(mesh: Mesh, base_url: str) -> Path:
+    """Configure the mesh's daemon and workers with the fresh-model credential: a config file
+    (``fresh_model_config``) given to the daemon and to every worker with ``--config``, and the
+    key's variable in their environment. A running daemon is restarted and running workers are
+    replaced by as many configured ones; workers started later take ``config=`` the file
+    answered (``WorkerPool`` replaces a killed worker with one like it)."""
+    config = Path(mesh.base) / "fresh-model.toml"
+    config.write_text(fresh_model_config(base_url))
+    mesh.env.update(fresh_model_env())
+    mesh.daemon.env.update(fresh_model_env())
+    mesh.daemon.extra_args = (*mesh.daemon.extra_args, "--config", str(config))
+    running = [w for w in mesh.workers if w.proc is not None and w.proc.poll() is None]
+    for worker in mesh.workers:
+        worker.stop()
+    mesh.workers.clear()
+    if mesh.daemon.pid is not None:
+        mesh.daemon.restart()
+    for _ in running:
+        mesh.worker(config=config)
+    if running:
+        mesh.wait_workers(len(running))
+    return config
 
 
 def fresh_solo(
@@ -962,9 +988,15 @@ class ClusterMesh(Mesh):
         urls = [s.url for s in servers]
         self.daemon = DaemonProcess(urls, base / "daemon", extra_args=("--replicas", "3"))
 
-    def worker(self, name: str | None = None) -> WorkerProcess:
+    def worker(
+        self, name: str | None = None, *, env: dict[str, str] | None = None, config: Any = None
+    ) -> WorkerProcess:
         worker = WorkerProcess(
-            [s.url for s in self.servers], self.daemon.workspace, name or f"w{len(self.workers)}"
+            [s.url for s in self.servers],
+            self.daemon.workspace,
+            name or f"w{len(self.workers)}",
+            env={**self.env, **(env or {})},
+            config=config,
         )
         worker.start()
         self.workers.append(worker)

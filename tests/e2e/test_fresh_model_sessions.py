@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.e2e.chaos_kit import FreshChaos
+from tests.e2e.chaos_kit import FreshChaos, use_fresh_model
 from tests.fakes.fresh_model import FreshModelServer
 
 from apomesh.sdk.client import Client
@@ -19,6 +19,7 @@ from apomesh.testing import Mesh
 @pytest.mark.anyio
 async def test_fresh_model_sessions_complete_and_audit_clean(mesh: Mesh) -> None:
     with FreshModelServer() as server:
+        use_fresh_model(mesh, server.base_url)
         async with Client(mesh.url) as client:
             chaos = FreshChaos(mesh, client, server.model, server.log, rng=random.Random(3))
             audits = []

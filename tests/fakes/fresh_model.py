@@ -31,6 +31,10 @@ name), ``KIND@K`` (every K-th call of that model name) or ``KIND#N`` (its N-th c
 ``fresh:appends=1,fault=429@once+503#2+hang#3`` rides through all three, ``fault=401@1`` never
 gets an answer. Like the real API, a conversation whose
 tool-call ids do not pair up is refused with 400 (``conversation_problem``).
+
+A definition reaches the server by naming the ``fresh`` credential (``fresh_model_spec``); the
+daemon and every worker are configured with it (``fresh_model_config``: the server's ``base_url``
+and the key's variable, set from ``fresh_model_env``), as a model endpoint is in production.
 """
 
 from __future__ import annotations
@@ -57,18 +61,40 @@ JOB_ARGS = {"seconds": 1}
 FAULT_KINDS = ("429", "503", "hang", "401")
 
 
-def fresh_model_spec(
-    base_url: str, name: str = "fresh", *, timeout: float = 10.0
-) -> dict[str, Any]:
+CREDENTIAL = "fresh"
+"""The credential a definition names to reach the fresh-model server."""
+KEY_ENV = "FRESH_MODEL_API_KEY"
+"""The environment variable holding the key the server is called with (it checks none)."""
+KEY = "sk-fresh-model"
+
+
+def fresh_model_spec(name: str = "fresh", *, timeout: float = 10.0) -> dict[str, Any]:
     """The ``[model]`` table pointing an agent at a fresh-model server. The one place that says
-    how a definition reaches the server (today ``base_url`` in the definition's options)."""
-    return {
-        "provider": "openai",
-        "model": name,
-        "base_url": base_url,
-        "api_key_env": "FRESH_MODEL_API_KEY",
-        "timeout": timeout,
-    }
+    how a definition reaches the server: by naming the ``fresh`` credential, which the daemon and
+    every worker must be configured with (``fresh_model_config``, and ``fresh_model_env``)."""
+    return {"provider": "openai", "model": name, "credential": CREDENTIAL, "timeout": timeout}
+
+
+def fresh_model_config(base_url: str) -> str:
+    """The config lines giving a daemon or worker the credential ``fresh_model_spec`` names."""
+    return (
+        f"[providers.openai.credentials.{CREDENTIAL}]\n"
+        f'base_url = "{base_url}"\n'
+        f'api_key_env = "{KEY_ENV}"\n'
+    )
+
+
+def fresh_model_env() -> dict[str, str]:
+    """The environment a process given ``fresh_model_config`` needs: the key's variable."""
+    return {KEY_ENV: KEY}
+
+
+def fresh_credentials(base_url: str) -> dict[str, Any]:
+    """The same credential for an in-process ``OpenAIProvider`` (with ``fresh_model_env()`` as
+    its environment)."""
+    from apomesh.builtin.openai_model import Credential
+
+    return {CREDENTIAL: Credential(base_url=base_url, api_key_env=KEY_ENV)}
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -206,7 +232,8 @@ def decide(body: dict[str, Any], behaviour: Behaviour) -> tuple[str, int, dict[s
 
 @dataclass
 class FreshModelServer:
-    """``with FreshModelServer() as server:``; point agents at it with ``server.model(...)``."""
+    """``with FreshModelServer() as server:``; point agents at it with ``server.model(...)``, and
+    give the daemon and workers ``server.config()`` (and ``fresh_model_env()``)."""
 
     port: int = 0
     faults: tuple[Fault, ...] = ()
@@ -226,8 +253,13 @@ class FreshModelServer:
         return f"http://{host!s}:{port}/v1"
 
     def model(self, name: str = "fresh", *, timeout: float = 10.0) -> dict[str, Any]:
-        """The ``[model]`` table for an agent answered by this server as ``name``."""
-        return fresh_model_spec(self.base_url, name, timeout=timeout)
+        """The ``[model]`` table for an agent answered by this server as ``name`` (the daemon
+        and workers need ``config()``)."""
+        return fresh_model_spec(name, timeout=timeout)
+
+    def config(self) -> str:
+        """The config lines giving a daemon or worker this server's credential."""
+        return fresh_model_config(self.base_url)
 
     def answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
         """``(status, body, headers)`` for one chat-completions request, recorded."""

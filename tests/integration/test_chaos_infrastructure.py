@@ -15,7 +15,14 @@ from typing import Any
 import httpx
 import pytest
 from tests.e2e.chaos_audit import audit_session
-from tests.fakes.fresh_model import Behaviour, Fault, FreshModelServer, fetch_log
+from tests.fakes.fresh_model import (
+    Behaviour,
+    Fault,
+    FreshModelServer,
+    fetch_log,
+    fresh_credentials,
+    fresh_model_env,
+)
 
 from apomesh.builtin.openai_model import OpenAIProvider
 from apomesh.core.definition import ModelSpec
@@ -45,7 +52,10 @@ def _post(server: FreshModelServer, body: dict[str, Any], timeout: float = 10) -
 def _provider_model(server: FreshModelServer, name: str, timeout: float = 10.0) -> Any:
     table = server.model(name, timeout=timeout)
     options = {k: v for k, v in table.items() if k not in ("provider", "model")}
-    return OpenAIProvider(environ={}).create(ModelSpec("openai", table["model"], options=options))
+    provider = OpenAIProvider(
+        credentials=fresh_credentials(server.base_url), environ=fresh_model_env()
+    )
+    return provider.create(ModelSpec("openai", table["model"], options=options))
 
 
 def test_the_same_request_never_gets_the_same_answer() -> None:
