@@ -3,7 +3,8 @@ nats-servers on a real system answered by a model that never repeats itself, wit
 
 A nats-server, an ``apomesh serve`` process, ``--workers`` ``apomesh worker`` processes and a
 fresh-model server (``python -m tests.fakes.fresh_model``, an OpenAI-compatible server whose every
-answer carries new arguments) run in a temporary directory. Until ``--kills`` kills have been made
+answer carries new arguments; the daemon and every worker are given its endpoint as the configured
+credential the definitions name, ``use_fresh_model``) run in a temporary directory. Until ``--kills`` kills have been made
 (or ``--seconds`` have passed):
 
 - a wave of ``--concurrency`` solo, fanout and refine sessions (fanout children making the same
@@ -123,14 +124,11 @@ async def fresh_run(
     rng = random.Random(args.seed)
     say = (lambda _text: None) if args.quiet else (lambda text: print(f"  {text}", flush=True))
 
-    def model(name: str) -> dict[str, Any]:
-        return fresh_model_spec(name)
-
     async with Client(mesh.url, reconnect_window=120) as client:
         chaos = FreshChaos(
             mesh,
             client,
-            model,
+            fresh_model_spec,
             lambda: fetch_log(model_url, requests=False),
             rng=rng,
             tally=tally,
@@ -179,14 +177,11 @@ async def cluster_run(
     rng = random.Random(args.seed + 1)
     say = (lambda _text: None) if args.quiet else (lambda text: print(f"  {text}", flush=True))
 
-    def model(name: str) -> dict[str, Any]:
-        return fresh_model_spec(name)
-
     async with Client(mesh.url, reconnect_window=120) as client:
         chaos = FreshChaos(
             mesh,
             client,
-            model,
+            fresh_model_spec,
             lambda: fetch_log(model_url, requests=False),
             rng=rng,
             tally=tally,
