@@ -21,7 +21,7 @@ from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.nats_connect import connect
 from apomesh.core.envelope import Envelope
 from apomesh.sdk.client import SessionView, SyncClient
-from apomesh.testing import Mesh, install_plugin_package
+from apomesh.testing import Mesh, WorkerProcess, install_plugin_package
 
 VOTE_PROJECT = Path(__file__).resolve().parent / "plugins" / "apomesh-vote"
 TERMINAL = ("completed", "failed", "cancelled")
@@ -77,6 +77,16 @@ def scripted(turns: list[dict[str, Any]]) -> dict[str, Any]:
     return {"provider": "scripted", "turns": turns}
 
 
+def note_worker(mesh: Mesh, name: str) -> WorkerProcess:
+    """One more worker, the only one with the ``vote.note`` tool."""
+    worker = WorkerProcess(
+        [mesh.nats_url], mesh.daemon.workspace, name, env={**mesh.env, "APOMESH_VOTE_NOTE": "1"}
+    )
+    worker.start()
+    mesh.workers.append(worker)
+    return worker
+
+
 def restart_daemon(mesh: Mesh, **env: str) -> None:
     mesh.daemon.kill()  # SIGKILL
     mesh.daemon.env.update(env)
@@ -102,13 +112,16 @@ def refine_definition() -> dict[str, Any]:
                 {"final": "FINAL ANSWER"},
             ]
         ),
-        "roles": {"worker": {"tools": [], "model": scripted([{"final": "did {task}"}])}},
+        # Slow enough for the daemon to see a killed worker gone before a batch ends.
+        "roles": {
+            "worker": {"tools": [], "model": scripted([{"delay": 3, "final": "did {task}"}])}
+        },
     }
 
 
 def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(mesh: Mesh) -> None:
     restart_daemon(mesh, APOMESH_VOTE_NOTE="1")
-    root_worker = mesh.worker("root-worker", env={"APOMESH_VOTE_NOTE": "1"})
+    root_worker = note_worker(mesh, "root-worker")
     mesh.wait_workers(3)
     client = SyncClient(mesh.url)
     session_id = client.start_session("refine it", definition=refine_definition())
@@ -124,9 +137,14 @@ def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(mes
     # the loop stops right after it checkpoints iteration 2's results, the root not yet asked.
     wait_until(lambda: "planned@2" in checkpoints(), what="iteration 2 planned")
     root_worker.kill()
+    wait_until(
+        lambda: not any(w.name == "root-worker" and w.alive for w in client.list_workers()),
+        what="the root's worker declared lost",
+    )
+    assert "executed@2" not in checkpoints()
     wait_until(lambda: "executed@2" in checkpoints(), what="iteration 2 executed")
     restart_daemon(mesh)
-    mesh.worker("root-worker-2", env={"APOMESH_VOTE_NOTE": "1"})
+    note_worker(mesh, "root-worker-2")
 
     view = wait_ended(client, session_id)
     assert view.status == "completed", view.reason
