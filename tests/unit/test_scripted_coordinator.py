@@ -4,6 +4,8 @@ daemon's replay rules, a crash after every step included."""
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -129,3 +131,45 @@ async def test_a_re_saved_checkpoint_on_replay_writes_nothing_and_keeps_ask_posi
         recovered = crashed.replay()
         assert await FromTheStart().run(recovered) == "0,1,2", n
         assert len(recovered.checkpoints) == 3
+
+
+async def test_the_third_party_vote_kind_recovers_after_a_crash_at_every_step() -> None:
+    # The example of docs/plugins.md, "Unit-testing a kind", on the test plugin's `vote` kind.
+    vote_src = Path(__file__).resolve().parents[1] / "e2e" / "plugins" / "apomesh-vote" / "src"
+    sys.path.insert(0, str(vote_src))
+    try:
+        from apomesh_vote import Vote
+    finally:
+        sys.path.remove(str(vote_src))
+    kind = Vote()
+    script = ScriptedCoordinator(
+        goal="pick a colour",
+        params=kind.fold_params({}),
+        roles=("voter",),
+        root=[RootAnswer(plan=["red", "blue"]), RootAnswer(final="red"), RootAnswer(final="red!")],
+        child=lambda role, task: "red",
+    )
+    clean = script.fresh()
+    expected = await kind.run(clean)
+    assert expected == "red!"
+    assert len(clean.child_runs) == 3  # the majority of 5 ended the ballot
+    for n in range(1, 12):
+        crashed = script.fresh(crash_after=n)
+        with contextlib.suppress(Crash):
+            await kind.run(crashed)
+        recovered = crashed.replay()
+        assert await kind.run(recovered) == expected, n
+        assert crashed.root_calls + recovered.root_calls == clean.root_calls, n
+
+
+def test_the_debate_snippet_in_the_docs_is_the_plugins_code() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    docs = (repo / "docs" / "plugins.md").read_text(encoding="utf-8")
+    plugin = (
+        repo / "plugins" / "apomesh-debate" / "src" / "apomesh_debate" / "plugin.py"
+    ).read_text(encoding="utf-8")
+    start = docs.index("    async def run(self, ctx: CoordinatorContext) -> str:\n        rounds")
+    end = docs.index("        return verdict.final\n", start) + len(
+        "        return verdict.final\n"
+    )
+    assert docs[start:end] in plugin
