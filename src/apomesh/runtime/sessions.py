@@ -14,7 +14,11 @@ log from then on.
 The runtime is built with narrow collaborators (``SessionDeps``: the event log, the worker pool,
 the snapshot store, the plugin host, an ``on_end`` callback, a spawn callback, its limits and
 metrics); it never sees the daemon. The coordinator loop (a coordination kind) runs against it as
-its ``CoordinatorContext``. Each agent run is driven by ``drive_agent``: dispatch to a worker with a
+its ``CoordinatorContext``, replayed from the log after any recovery: each ``ask_root`` is placed in
+the loop (the checkpoint the loop is at, the n-th ask since; logged on the root's ``dispatched``)
+and gets a logged answer back only at its own place; a batch's children that ended are its results
+(a failed child is never born again); a replay asking for other work than the log holds raises
+``Nondeterminism``. Each agent run is driven by ``drive_agent``: dispatch to a worker with a
 new fencing epoch, wait for the outcome, and when the worker is lost append ``AgentResuming`` and
 re-dispatch under the same ref. Agents are composed from the session's effective shape: after an
 operator moved the session to another agent version, new children are born with the new role
@@ -704,11 +708,7 @@ class SessionRuntime:
         config = self.shape.roles.get(role)
         if config is None:
             raise AgentFailed(f"the session has no role {role!r}")
-        latest: dict[int, AgentView] = {}
-        for ref in self.state.children_of(root):
-            child = self.state.agents[ref]
-            if child.batch == batch and child.task_index is not None:
-                latest[child.task_index] = child
+        latest = self._batch_children(root, batch)
         for index, child in sorted(latest.items()):
             logged_role = child.config.role if child.config is not None else role
             if index >= len(tasks) or child.task != tasks[index] or logged_role != role:
@@ -756,7 +756,6 @@ class SessionRuntime:
                         return [born], ref
 
                     child = self.state.agents[await self.decide(birth)]
-                latest[index] = child
                 await self.drive_agent(child.ref, purpose="act", prompt=task)
                 return _result(self.state.agents[child.ref])
 
@@ -781,6 +780,7 @@ class SessionRuntime:
                 task.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+        latest = self._batch_children(root, batch)  # with any born while it was cancelled
         for index, task_text in enumerate(tasks):
             if index in results:
                 continue
@@ -792,6 +792,15 @@ class SessionRuntime:
             ref = unfinished.ref if unfinished is not None else ""
             results[index] = ChildResult(ref, task_text, index, False, reason=BATCH_DONE_EARLY)
         return finished()
+
+    def _batch_children(self, root: str, batch: str) -> dict[int, AgentView]:
+        """The latest child born for each task of ``batch``, by task index."""
+        latest: dict[int, AgentView] = {}
+        for ref in self.state.children_of(root):
+            child = self.state.agents[ref]
+            if child.batch == batch and child.task_index is not None:
+                latest[child.task_index] = child
+        return latest
 
     # --- driving one agent -------------------------------------------------------------------------
 
