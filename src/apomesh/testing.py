@@ -19,6 +19,13 @@ Daemons and workers (real processes):
     ``DaemonProcess``, ``WorkerProcess``  the same parts, to build other shapes (a cluster,
                            a leaf node)
 
+Coordination kinds, in-process:
+    ``ScriptedCoordinator``  a ``CoordinatorContext`` with scripted root answers and child results
+                           and the daemon's replay rules (answers by loop position, batches by
+                           name, ``Nondeterminism`` on a changed batch or ask), so a kind can be
+                           unit-tested without a daemon, a restart at every step included
+                           (``crash_after``, ``replay``)
+
 Plugin packages:
     ``install_plugin_package(project_dir)``  installs a plugin package (editable, no
                            dependencies) unless it is installed at its version already, so a
@@ -33,17 +40,33 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import pytest
+
+from apomesh.core.errors import DefinitionError, Nondeterminism
+from apomesh.plugins.api import (
+    BATCH_DONE_EARLY,
+    ROOT_PURPOSES,
+    Checkpoint,
+    ChildResult,
+    CoordinationKind,
+    DoneWhen,
+    RootAnswer,
+)
 
 if TYPE_CHECKING:
     from apomesh.adapters.natsserver import NatsCluster, NatsServer
 
 __all__ = [
+    "Crash",
     "DaemonProcess",
     "Mesh",
+    "ScriptedCoordinator",
     "WorkerProcess",
     "fresh_nats_server",
     "install_plugin_package",
@@ -445,6 +468,197 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     finally:
         system.close()
         server.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# Coordination kinds, in-process
+
+
+class Crash(Exception):
+    """Raised by ``ScriptedCoordinator`` at the step ``crash_after`` names: the daemon died there."""
+
+
+@dataclass
+class _Ask:
+    position: str
+    purpose: str
+    prompt_digest: str
+    answer: RootAnswer
+
+
+@dataclass
+class ScriptedCoordinator:
+    """A ``CoordinatorContext`` for unit tests of a coordination kind, in-process.
+
+    ``root`` answers each ``ask_root`` in turn: a list of ``RootAnswer`` (or a function of
+    ``(purpose, prompt)``). ``child`` answers each sub-agent: a function of ``(role, task)`` that
+    answers its output (a ``str``), or a ``ChildResult`` (e.g. a failure). What the kind did is
+    kept as the daemon's log would keep it (``asks``, ``batches``, ``checkpoints``), and the
+    daemon's replay rules apply: ``replay()`` answers a new context over the same log, as the
+    daemon's after a restart, so ``await kind.run(ctx.replay())`` is a recovery; a replayed ask
+    gets its answer back by its position in the loop, a replayed batch its results by its name,
+    and either one changed raises ``Nondeterminism``. ``crash_after=n`` raises ``Crash`` right
+    after the n-th step (an answered ask, a finished child, a saved checkpoint).
+
+        ctx = ScriptedCoordinator(goal="g", params=kind.fold_params({}), root=[...], child=...)
+        for n in range(1, 20):            # a crash after every step recovers to the same output
+            crashed = ctx.fresh(crash_after=n)
+            with contextlib.suppress(Crash):
+                await kind.run(crashed)
+            assert await kind.run(crashed.replay()) == expected
+    """
+
+    goal: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    root: list[RootAnswer] | Callable[[str, str], RootAnswer] = field(default_factory=list)
+    child: Callable[[str, str], str | ChildResult] = lambda role, task: f"done: {task}"
+    roles: tuple[str, ...] = ("worker",)
+    crash_after: int | None = None
+    asks: list[_Ask] = field(default_factory=list)
+    """Every root answer, in order (``position`` is ``<checkpoint index>:<n>``)."""
+    batches: dict[str, list[ChildResult]] = field(default_factory=dict)
+    """Every batch by name: one result per task that ended (a crash may leave some out)."""
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    root_calls: int = 0
+    """How many times the root was really asked (a replayed answer does not count)."""
+    child_runs: list[tuple[str, str]] = field(default_factory=list)
+    """(role, task) of every sub-agent really run."""
+    _steps: int = 0
+    _cursor: int = -1
+    _asked: int = 0
+    _replaying: bool = False
+    _saved: bool = False
+
+    def fresh(self, **changes: Any) -> ScriptedCoordinator:
+        """A context with the same script and an empty log."""
+        base = {
+            "goal": self.goal,
+            "params": dict(self.params),
+            "root": self.root,
+            "child": self.child,
+            "roles": self.roles,
+            "crash_after": self.crash_after,
+        }
+        return ScriptedCoordinator(**{**base, **changes})
+
+    def replay(self) -> ScriptedCoordinator:
+        """A context over this one's log, as a restarted daemon gives it: no crash, the loop at
+        the latest checkpoint, everything logged answered from the log."""
+        again = self.fresh(crash_after=None)
+        again.asks = list(self.asks)
+        again.batches = {name: list(results) for name, results in self.batches.items()}
+        again.checkpoints = list(self.checkpoints)
+        again._cursor = len(self.checkpoints) - 1
+        again._replaying = bool(self.checkpoints)
+        return again
+
+    def _step(self) -> None:
+        self._steps += 1
+        if self.crash_after is not None and self._steps >= self.crash_after:
+            raise Crash(f"crashed after step {self._steps}")
+
+    # --- CoordinatorContext ---------------------------------------------------------------------
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    async def save_checkpoint(self, position: str, state: bytes) -> None:
+        if self._replaying:
+            bounds = [self._cursor] if self._saved else [self._cursor, -1]
+            for bound in bounds:
+                for index, logged in enumerate(self.checkpoints):
+                    if index > bound and logged == Checkpoint(position, state):
+                        self._cursor, self._asked, self._saved = index, 0, True
+                        return
+            self._replaying = False
+        self._saved = True
+        self.checkpoints.append(Checkpoint(position, state))
+        self._cursor, self._asked = len(self.checkpoints) - 1, 0
+        self._step()
+
+    async def ask_root(self, purpose: str, prompt: str) -> RootAnswer:
+        if purpose not in ROOT_PURPOSES:
+            raise DefinitionError(
+                f"ask_root purpose {purpose!r} is not one of {', '.join(ROOT_PURPOSES)}",
+                where="coordination kind",
+            )
+        self._asked += 1
+        position = f"{self._cursor}:{self._asked}"
+        digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
+        for logged in self.asks:
+            if logged.position == position:
+                if (logged.purpose, logged.prompt_digest) != (purpose, digest):
+                    raise Nondeterminism(
+                        "the replayed loop asks the root something else here",
+                        where=f"ask_root at {position}",
+                        logged=f"{logged.purpose} {logged.prompt_digest}",
+                        now=f"{purpose} {digest}",
+                    )
+                return logged.answer
+        if callable(self.root):
+            answer = self.root(purpose, prompt)
+        else:
+            played = len(self.asks)  # the root's script goes on where the log left it
+            if played >= len(self.root):
+                raise AssertionError(f"the root was asked {played + 1} times: {prompt!r}")
+            answer = self.root[played]
+        self.root_calls += 1
+        self.asks.append(_Ask(position, purpose, digest, answer))
+        self._step()
+        return answer
+
+    async def run_children(
+        self,
+        batch: str,
+        tasks: list[str],
+        *,
+        role: str = "worker",
+        max_parallel: int = 4,
+        done_when: DoneWhen | None = None,
+    ) -> list[ChildResult]:
+        if role not in self.roles:
+            raise DefinitionError(f"the session has no role {role!r}", where="coordination kind")
+        logged = {r.index: r for r in self.batches.get(batch, [])}
+        for index, result in sorted(logged.items()):
+            if index >= len(tasks) or result.task != tasks[index]:
+                raise Nondeterminism(
+                    "a replayed batch differs from the logged one",
+                    where=f"batch {batch!r} task {index}",
+                    logged=result.task,
+                    now=tasks[index] if index < len(tasks) else "(no such task)",
+                )
+        results = dict(logged)
+        kept = self.batches.setdefault(batch, [])
+
+        def finished() -> list[ChildResult]:
+            return [results[i] for i in sorted(results)]
+
+        for index, task in enumerate(tasks):
+            if index in results:
+                continue
+            if done_when is not None and results and done_when(finished()):
+                break
+            self.child_runs.append((role, task))
+            answered = self.child(role, task)
+            ref = f"root/{len(self.child_runs) - 1}"
+            result = (
+                msgspec.structs.replace(answered, ref=ref, task=task, index=index)
+                if isinstance(answered, ChildResult)
+                else ChildResult(ref, task, index, True, answered)
+            )
+            results[index] = result
+            kept.append(result)
+            self._step()
+        for index, task in enumerate(tasks):
+            if index not in results:
+                results[index] = ChildResult("", task, index, False, reason=BATCH_DONE_EARLY)
+                kept.append(results[index])
+        return finished()
+
+    async def run(self, kind: CoordinationKind) -> str:
+        """``kind.run(self)``: the kind's output."""
+        return await kind.run(self)
 
 
 # --------------------------------------------------------------------------------------------

@@ -459,3 +459,34 @@ def test_a_busy_session_summarised() -> None:
         "root/1": "born",
     }
     assert state.last_index == 10
+
+
+def test_root_answers_are_kept_by_their_loop_position() -> None:
+    state = folded(
+        *started_with_root(
+            AgentLifecycle("root", "dispatched", epoch=1, purpose="plan", ask="-1:1"),
+            AgentLifecycle("root", "planned", plan=["a"], purpose="plan"),
+            CoordinatorCheckpoint(position="planned@1", state=b"{}"),
+            AgentLifecycle("root", "dispatched", epoch=2, purpose="critique", ask="3:1"),
+            AgentLifecycle("root", "completed", output="done", purpose="critique"),
+        )
+    )
+    assert state.answers["-1:1"].plan == ["a"] and state.answers["-1:1"].purpose == "plan"
+    assert state.answers["3:1"].final == "done" and state.answers["3:1"].purpose == "critique"
+    assert [(i, c.position) for i, c in state.checkpoints] == [(4, "planned@1")]
+
+
+def test_a_dispatch_without_a_loop_position_records_no_answer() -> None:
+    # Logs written before asks carried their position fold as before.
+    state = folded(
+        *started_with_root(
+            AgentLifecycle("root", "dispatched", epoch=1, purpose="plan"),
+            AgentLifecycle("root", "planned", plan=["a"], purpose="plan"),
+        )
+    )
+    assert state.answers == {} and state.agents["root"].plan == ["a"]
+
+
+def test_an_agent_counts_the_pauses_it_opened() -> None:
+    state = folded(*started_with_root(HitlPaused("root", "p1", "ok?"), HitlAnswered("p1", "yes")))
+    assert state.agents["root"].pauses == 1

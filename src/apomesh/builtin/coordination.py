@@ -1,9 +1,10 @@
 """The built-in coordination kinds: ``solo``, ``fanout`` and ``refine``.
 
 Each is a small loop over the ``CoordinatorContext``: ask the root agent, run sub-agents, save a
-checkpoint holding only the loop position (counters, ceilings, the serialized plan and feedback).
-Sub-task outputs are never checkpointed: the context re-derives them from the children's terminal
-lifecycle events, so a resumed loop re-runs only what had not finished.
+checkpoint holding only the loop position (the phase, the iteration and the plan being worked).
+Sub-task outputs are never checkpointed: a resumed loop calls ``run_children`` for the batch again
+and gets them back from the children's terminal lifecycle events, so it re-runs only what had not
+finished (and a fan-in of any size never passes through a checkpoint).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ class _Loop(msgspec.Struct):
     phase: str = "start"
     iteration: int = 0
     plan: list[str] = []
-    feedback: str = ""
 
 
 _loop_decoder = msgspec.json.Decoder(_Loop)
 
 
 def _load(ctx: CoordinatorContext) -> _Loop:
-    return _loop_decoder.decode(ctx.checkpoint) if ctx.checkpoint else _Loop()
+    saved = ctx.checkpoint
+    return _loop_decoder.decode(saved.state) if saved is not None else _Loop()
 
 
 async def _save(ctx: CoordinatorContext, loop: _Loop) -> None:
@@ -114,17 +115,18 @@ class Fanout:
         loop = await _planned(ctx, limit=ctx.params["max_tasks"])
         if isinstance(loop, str):
             return loop
+        # Joined or not, the results come from the batch (from the log for children that ended).
+        results = await ctx.run_children(
+            "fanout", loop.plan, max_parallel=ctx.params["max_parallel"]
+        )
+        if results and not any(r.ok for r in results):
+            raise CoordinationFailed("every sub-agent failed:\n" + _report(results))
         if loop.phase == "planned":
-            results = await ctx.run_children(
-                "fanout", loop.plan, max_parallel=ctx.params["max_parallel"]
-            )
-            if results and not any(r.ok for r in results):
-                raise CoordinationFailed("every sub-agent failed:\n" + _report(results))
-            loop = _Loop(phase="joined", plan=loop.plan, feedback=_report(results))
+            loop = _Loop(phase="joined", plan=loop.plan)
             await _save(ctx, loop)
         answer = await ctx.ask_root(
             "synthesize",
-            f"Sub-task results:\n{loop.feedback}\nSynthesize the answer to: {ctx.goal}",
+            f"Sub-task results:\n{_report(results)}\nSynthesize the answer to: {ctx.goal}",
         )
         if answer.final is None:
             raise CoordinationFailed("the root agent did not synthesize a final answer")
@@ -149,22 +151,17 @@ class Refine:
         if isinstance(loop, str):
             return loop
         while True:
+            results = await ctx.run_children(
+                f"iter-{loop.iteration}", loop.plan, max_parallel=ctx.params["max_parallel"]
+            )
             if loop.phase == "planned":
-                results = await ctx.run_children(
-                    f"iter-{loop.iteration}", loop.plan, max_parallel=ctx.params["max_parallel"]
-                )
-                loop = _Loop(
-                    phase="executed",
-                    iteration=loop.iteration,
-                    plan=loop.plan,
-                    feedback=_report(results),
-                )
+                loop = _Loop(phase="executed", iteration=loop.iteration, plan=loop.plan)
                 await _save(ctx, loop)
             last = loop.iteration >= ctx.params["max_iterations"]
             purpose = "synthesize" if last else "critique"
             answer = await ctx.ask_root(
                 purpose,
-                f"Iteration {loop.iteration} results:\n{loop.feedback}\n"
+                f"Iteration {loop.iteration} results:\n{_report(results)}\n"
                 + (
                     "Give the final answer."
                     if last

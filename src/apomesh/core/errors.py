@@ -24,6 +24,7 @@ ApomeshError                       base; ``retryable`` says whether trying again
 ├── NotFound                       an unknown session, agent, skill or worker (what)
 ├── Fenced                         a message carried a stale fencing epoch
 ├── CommandRefused                 a duplicate or stale command a session's state refuses
+├── Nondeterminism                 a replayed coordinator loop asked for other work than the log holds
 ├── PayloadTooLarge                an input over its configured limit (what, size, limit)
 ├── ToolError                      a tool call failed in a way the model should see
 │   └── OutcomeUnknown             a side effect whose result was never recorded
@@ -177,6 +178,20 @@ class CommandRefused(ApomeshError):
     pause that is not open, a job started twice): it is a duplicate or stale, nothing was written."""
 
     code = "command_refused"
+
+
+class Nondeterminism(ApomeshError):
+    """A coordination kind, replayed after a restart, asked for other work than its log holds at
+    that place in the loop (a batch with other tasks, an ask with another purpose or prompt): the
+    loop is not deterministic given the log, so nothing is paired with the wrong result."""
+
+    code = "nondeterminism"
+
+    def __init__(self, message: str, *, where: str, logged: str, now: str) -> None:
+        super().__init__(f"{where}: {message} (logged: {logged!r}; now: {now!r})")
+        self.where = where
+        self.logged = logged
+        self.now = now
 
 
 class PayloadTooLarge(ApomeshError):

@@ -85,6 +85,12 @@ class AgentLifecycle(_Event, frozen=True):
     reason: str | None = None
     batch: str | None = None
     purpose: str | None = None
+    ask: str | None = None
+    """On the root's ``dispatched``: the place in the coordinator loop this dispatch answers
+    (``<checkpoint index>:<n>``, the n-th ``ask_root`` since that checkpoint; ``-1`` before the
+    first), so a replayed loop gets each answer back by its position, never another one's."""
+    prompt_digest: str | None = None
+    """With ``ask``: the sha256 (hex, 16 digits) of the prompt asked there."""
 
 
 class CoordinatorCheckpoint(_Event, frozen=True):

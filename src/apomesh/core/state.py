@@ -81,6 +81,11 @@ class AgentView:
     purpose: str | None = None
     migrated_config: AgentConfig | None = None
     """The config a later lifecycle event moved the agent to (an agent-version migration)."""
+    ask: str | None = None
+    """The coordinator-loop position its latest dispatch answers (the root's asks)."""
+    prompt_digest: str | None = None
+    pauses: int = 0
+    """How many HITL pauses it opened (a paused agent keeps its ref across an auto-resume)."""
 
     @property
     def terminal(self) -> bool:
@@ -90,6 +95,17 @@ class AgentView:
     def current_config(self) -> AgentConfig | None:
         """The config the agent runs with now: its migrated config, else its birth config."""
         return self.migrated_config if self.migrated_config is not None else self.config
+
+
+@dataclass(frozen=True, slots=True)
+class RootAnswer:
+    """The root's answer to one ``ask_root``, by its place in the coordinator loop (``ask``)."""
+
+    ask: str
+    purpose: str | None
+    prompt_digest: str | None
+    plan: list[str] | None
+    final: str | None
 
 
 @dataclass(slots=True)
@@ -119,6 +135,11 @@ class SessionState:
     children: dict[str, list[str]] = field(default_factory=dict)
     checkpoint: CoordinatorCheckpoint | None = None
     checkpoint_index: int | None = None
+    checkpoints: list[tuple[int, CoordinatorCheckpoint]] = field(default_factory=list)
+    """Every coordinator checkpoint with its index, in log order (a replayed loop re-saving one
+    walks back to it instead of logging it again)."""
+    answers: dict[str, RootAnswer] = field(default_factory=dict)
+    """The root's answers by coordinator-loop position (``AgentLifecycle.ask``)."""
     jobs_in_flight: dict[str, AsyncJobStarted] = field(default_factory=dict)
     jobs_done: dict[str, AsyncJobFinished] = field(default_factory=dict)
     hitl_pending: dict[str, HitlPaused] = field(default_factory=dict)
@@ -223,6 +244,8 @@ def trial_copy(state: SessionState) -> SessionState:
         state,
         agents={ref: dataclasses.replace(a) for ref, a in state.agents.items()},
         children={ref: list(kids) for ref, kids in state.children.items()},
+        checkpoints=list(state.checkpoints),
+        answers=dict(state.answers),
         jobs_in_flight=dict(state.jobs_in_flight),
         jobs_done=dict(state.jobs_done),
         hitl_pending=dict(state.hitl_pending),
@@ -324,12 +347,28 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
         agent.purpose = ev.purpose
     if ev.config is not None:
         agent.migrated_config = ev.config
+    if ev.ask is not None:
+        agent.ask = ev.ask
+        agent.prompt_digest = ev.prompt_digest
+    if ev.phase in ("planned", "completed") and agent.ask is not None:
+        # The first answer at a position is the one a replay gets back.
+        state.answers.setdefault(
+            agent.ask,
+            RootAnswer(
+                agent.ask,
+                agent.purpose,
+                agent.prompt_digest,
+                list(ev.plan or []) if ev.phase == "planned" else None,
+                (ev.output or "") if ev.phase == "completed" else None,
+            ),
+        )
 
 
 def _on_checkpoint(state: SessionState, env: Envelope) -> None:
     assert isinstance(env.event, CoordinatorCheckpoint)
     state.checkpoint = env.event
     state.checkpoint_index = env.index
+    state.checkpoints.append((env.index, env.event))
 
 
 def _on_snapshot(state: SessionState, env: Envelope) -> None:
@@ -384,9 +423,10 @@ def _on_job_finished(state: SessionState, env: Envelope) -> None:
 def _on_paused(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, HitlPaused)
-    _agent(state, env, ev.agent)
+    agent = _agent(state, env, ev.agent)
     if ev.pause_id in state.hitl_answers or ev.pause_id in state.hitl_pending:
         raise _invalid(state, env, f"pause {ev.pause_id!r} paused twice")
+    agent.pauses += 1
     state.hitl_pending[ev.pause_id] = ev
 
 

@@ -149,7 +149,34 @@ class ModelProvider(Protocol):
 # --- coordination -----------------------------------------------------------------------------
 
 
+ROOT_PURPOSES: tuple[str, ...] = ("plan", "act", "critique", "synthesize")
+"""What ``ask_root`` may ask the root for (the model sees it as ``ModelRequest.purpose``):
+``plan`` (answer with sub-tasks), ``act`` (do the goal itself), ``critique`` (judge results: a
+final answer or a new plan), ``synthesize`` (the final answer from results)."""
+
+AGENT_PHASES: tuple[str, ...] = (
+    "born",
+    "dispatched",
+    "running",
+    "planned",
+    "paused",
+    "waiting",
+    "completed",
+    "failed",
+    "cancelled",
+)
+"""An agent's phases as its ``AgentLifecycle`` events record them; ``completed``, ``failed`` and
+``cancelled`` are terminal."""
+
+BATCH_DONE_EARLY = "cancelled: its batch was done early"
+"""The ``reason`` of a child a batch's ``done_when`` made unnecessary (never run again)."""
+
+
 class ChildResult(msgspec.Struct, frozen=True):
+    """One sub-agent's outcome in a batch: ``ok`` with its ``output``, or not with its ``reason``
+    (it failed, or ``BATCH_DONE_EARLY`` when ``done_when`` ended the batch first; ``ref`` is
+    ``""`` for a task whose agent was never born)."""
+
     ref: str
     task: str
     index: int
@@ -163,8 +190,29 @@ class RootAnswer(msgspec.Struct, frozen=True):
     final: str | None = None
 
 
+class Checkpoint(msgspec.Struct, frozen=True):
+    """A coordinator checkpoint as the kind saved it: its ``position`` and opaque ``state``."""
+
+    position: str
+    state: bytes
+
+
+DoneWhen = Callable[[list[ChildResult]], bool]
+"""Asked with a batch's finished results (in task order) each time one more child ends; True
+ends the batch at once: the children still running are cancelled (``BATCH_DONE_EARLY``)."""
+
+
 class CoordinatorContext(Protocol):
-    """What a coordination kind drives a session with. Implemented by the daemon."""
+    """What a coordination kind drives a session with. Implemented by the daemon (and, for unit
+    tests, by ``apomesh.testing.ScriptedCoordinator``).
+
+    Replay: after a lost worker, a daemon restart or an operator resume the daemon calls the
+    kind's ``run`` again. Everything the context answers comes back from the log: an
+    ``ask_root`` answer by its place in the loop (the n-th ask since the checkpoint the loop is
+    at), a batch's results by its name. A replay that asks for other work than the log holds
+    there raises ``Nondeterminism``. Re-saving a checkpoint the log already holds (a kind that
+    walks its loop from the start) writes nothing: the loop is at that checkpoint again.
+    """
 
     @property
     def goal(self) -> str: ...
@@ -173,23 +221,34 @@ class CoordinatorContext(Protocol):
     def params(self) -> dict[str, Any]: ...
 
     @property
-    def checkpoint(self) -> bytes | None:
-        """The loop state of the latest ``CoordinatorCheckpoint`` (None on a fresh start)."""
+    def checkpoint(self) -> Checkpoint | None:
+        """The latest ``CoordinatorCheckpoint``: its position and state (None on a fresh start)."""
 
     async def ask_root(self, purpose: str, prompt: str) -> RootAnswer:
-        """Run the root agent until it answers with a plan or a final answer."""
+        """Run the root agent until it answers with a plan or a final answer. ``purpose`` is one
+        of ``ROOT_PURPOSES``. Each answer is durable: a replayed loop gets it back by position."""
 
     async def run_children(
-        self, batch: str, tasks: list[str], *, role: str = "worker", max_parallel: int = 4
+        self,
+        batch: str,
+        tasks: list[str],
+        *,
+        role: str = "worker",
+        max_parallel: int = 4,
+        done_when: DoneWhen | None = None,
     ) -> list[ChildResult]:
-        """Run one sub-agent per task (at most ``max_parallel`` at once) and join them.
+        """Run one sub-agent per task (at most ``max_parallel`` at once) and join them; a result
+        per task, in task order.
 
-        ``batch`` names this group in the loop (e.g. ``iter-2``); children of a batch that already
-        completed on the log are not run again: their outputs come from their terminal events.
+        ``batch`` names this group by its place in the loop (e.g. ``iter-2``). Children of a
+        batch that ended on the log (completed, failed, or cancelled by ``done_when``) are not
+        run again: their results come from their terminal events. The tasks of a replayed batch
+        must be the logged ones (``Nondeterminism`` otherwise).
         """
 
     async def save_checkpoint(self, position: str, state: bytes) -> None:
-        """Append a ``CoordinatorCheckpoint`` with the loop position and opaque state."""
+        """Append a ``CoordinatorCheckpoint`` with the loop position and opaque state (loop
+        position only: never sub-task outputs, which come back from the children)."""
 
 
 class CoordinationKind(Protocol):

@@ -14,7 +14,11 @@ log from then on.
 The runtime is built with narrow collaborators (``SessionDeps``: the event log, the worker pool,
 the snapshot store, the plugin host, an ``on_end`` callback, a spawn callback, its limits and
 metrics); it never sees the daemon. The coordinator loop (a coordination kind) runs against it as
-its ``CoordinatorContext``. Each agent run is driven by ``drive_agent``: dispatch to a worker with a
+its ``CoordinatorContext``, replayed from the log after any recovery: each ``ask_root`` is placed in
+the loop (the checkpoint the loop is at, the n-th ask since; logged on the root's ``dispatched``)
+and gets a logged answer back only at its own place; a batch's children that ended are its results
+(a failed child is never born again); a replay asking for other work than the log holds raises
+``Nondeterminism``. Each agent run is driven by ``drive_agent``: dispatch to a worker with a
 new fencing epoch, wait for the outcome, and when the worker is lost append ``AgentResuming`` and
 re-dispatch under the same ref. Agents are composed from the session's effective shape: after an
 operator moved the session to another agent version, new children are born with the new role
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -43,9 +48,11 @@ from apomesh.core.errors import (
     ApomeshError,
     AppendConflict,
     CommandRefused,
+    DefinitionError,
     Fenced,
     FoldError,
     LogUnavailable,
+    Nondeterminism,
     NotFound,
 )
 from apomesh.core.events import (
@@ -69,7 +76,14 @@ from apomesh.core.events import (
 )
 from apomesh.core.ports import EventLog
 from apomesh.core.state import AgentView, SessionState, apply, check
-from apomesh.plugins.api import ChildResult, RootAnswer
+from apomesh.plugins.api import (
+    BATCH_DONE_EARLY,
+    ROOT_PURPOSES,
+    Checkpoint,
+    ChildResult,
+    DoneWhen,
+    RootAnswer,
+)
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.metrics import DaemonMetrics
@@ -175,6 +189,14 @@ class SessionRuntime:
         self.conflict: AppendConflict | None = None
         """Set when another writer appended to this session's log: nothing more is written here."""
         self._recovering = fresh_children or bool(state.agents)
+        # The coordinator loop's position: the checkpoint it is at (its log index, -1 before the
+        # first) and how many times it asked the root since. A recovered loop starts at the
+        # latest checkpoint; re-saving a logged one (a kind walking its loop from the start)
+        # moves it back there while the loop replays (``_replaying``).
+        self._cursor = state.checkpoint_index if state.checkpoint_index is not None else -1
+        self._asks = 0
+        self._replaying = bool(state.checkpoints)
+        self._saved = False
         self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
 
     # --- the single writer -----------------------------------------------------------------------
@@ -205,17 +227,29 @@ class SessionRuntime:
                     f"session {self.session_id} refuses {', '.join(map(event_name, events))}: "
                     f"{exc.message}"
                 ) from None
-            started = time.perf_counter()
-            await self._append_durably(envs)
-            seconds = time.perf_counter() - started
-            for ev in events:
-                self.deps.metrics.events_appended.labels(event_name(ev)).inc()
-            self.deps.metrics.append_seconds.observe(seconds)
-            for env in envs:
-                apply(self.state, env)
+            commit = asyncio.ensure_future(self._commit(envs, events))
+            try:
+                await asyncio.shield(commit)
+            except asyncio.CancelledError:
+                # A caller cancelled mid-append (a batch done early): the step still lands
+                # whole or not at all, so the state never drifts from the log.
+                if not commit.done():
+                    with contextlib.suppress(BaseException):
+                        await commit
+                raise
         async with self.changed:
             self.changed.notify_all()
         return answer
+
+    async def _commit(self, envs: list[envelope.Envelope], events: Sequence[Event]) -> None:
+        started = time.perf_counter()
+        await self._append_durably(envs)
+        seconds = time.perf_counter() - started
+        for ev in events:
+            self.deps.metrics.events_appended.labels(event_name(ev)).inc()
+        self.deps.metrics.append_seconds.observe(seconds)
+        for env in envs:
+            apply(self.state, env)
 
     async def append(self, *events: Event) -> int:
         """Append a step's events unconditionally decided (checked by the fold all the same);
@@ -594,53 +628,116 @@ class SessionRuntime:
         return dict(self.shape.coordination_params)
 
     @property
-    def checkpoint(self) -> bytes | None:
-        return self.state.checkpoint.state if self.state.checkpoint else None
+    def checkpoint(self) -> Checkpoint | None:
+        cp = self.state.checkpoint
+        return Checkpoint(cp.position, cp.state) if cp is not None else None
 
     async def save_checkpoint(self, position: str, state: bytes) -> None:
-        await self.append(CoordinatorCheckpoint(position=position, state=state))
+        if self._replaying:
+            # A replayed loop re-saving a checkpoint the log holds: it is there again. Looked for
+            # after the loop's position first, then (before the first save of a recovered loop,
+            # which may walk from the start) anywhere.
+            after = [self._cursor] if self._saved else [self._cursor, -1]
+            for bound in after:
+                for index, logged in self.state.checkpoints:
+                    if index > bound and logged.position == position and logged.state == state:
+                        self._cursor, self._asks, self._saved = index, 0, True
+                        return
+            self._replaying = False
+        self._saved = True
+        self._cursor = await self.append(CoordinatorCheckpoint(position=position, state=state))
+        self._asks = 0
 
     async def ask_root(self, purpose: str, prompt: str) -> RootAnswer:
+        if purpose not in ROOT_PURPOSES:
+            raise DefinitionError(
+                f"ask_root purpose {purpose!r} is not one of {', '.join(ROOT_PURPOSES)}",
+                where="coordination kind",
+            )
+        self._asks += 1
+        ask = f"{self._cursor}:{self._asks}"
+        digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
+        where = f"ask_root #{self._asks} after checkpoint {self._cursor}"
+        recorded = self.state.answers.get(ask)
+        if recorded is not None:
+            # Answered before the crash: the answer comes back from the log, by its position.
+            self._recovering = False
+            if recorded.purpose != purpose:
+                raise Nondeterminism(
+                    "the replayed loop asks the root for something else here",
+                    where=where,
+                    logged=f"purpose {recorded.purpose}",
+                    now=f"purpose {purpose}",
+                )
+            if recorded.prompt_digest is not None and recorded.prompt_digest != digest:
+                raise Nondeterminism(
+                    "the replayed loop asks the root another prompt here",
+                    where=where,
+                    logged=f"prompt sha256 {recorded.prompt_digest}",
+                    now=f"prompt sha256 {digest}",
+                )
+            return RootAnswer(plan=recorded.plan, final=recorded.final)
         root = self.state.agents[self.state.root or "root"]
-        if self._recovering and root.purpose == purpose and root.phase in ("planned", "completed"):
-            # The root answered this before the crash but the loop had not checkpointed it yet.
+        if (
+            self._recovering
+            and root.ask is None
+            and root.purpose == purpose
+            and root.phase in ("planned", "completed")
+        ):
+            # A log written before asks carried their position: the root's last answer, as then.
             self._recovering = False
             return _answer(root)
         self._recovering = False
-        await self.drive_agent(root.ref, purpose=purpose, prompt=prompt)
+        await self.drive_agent(root.ref, purpose=purpose, prompt=prompt, ask=(ask, digest))
         root = self.state.agents[root.ref]
         if root.phase not in ("planned", "completed"):
             raise AgentFailed(f"the root agent ended {root.phase}: {root.reason or ''}".strip())
         return _answer(root)
 
     async def run_children(
-        self, batch: str, tasks: list[str], *, role: str = "worker", max_parallel: int = 4
+        self,
+        batch: str,
+        tasks: list[str],
+        *,
+        role: str = "worker",
+        max_parallel: int = 4,
+        done_when: DoneWhen | None = None,
     ) -> list[ChildResult]:
         self._recovering = False
         root = self.state.root or "root"
         config = self.shape.roles.get(role)
         if config is None:
             raise AgentFailed(f"the session has no role {role!r}")
-        latest: dict[int, AgentView] = {}
-        for ref in self.state.children_of(root):
-            child = self.state.agents[ref]
-            if child.batch == batch and child.task_index is not None:
-                latest[child.task_index] = child
+        latest = self._batch_children(root, batch)
+        for index, child in sorted(latest.items()):
+            logged_role = child.config.role if child.config is not None else role
+            if index >= len(tasks) or child.task != tasks[index] or logged_role != role:
+                raise Nondeterminism(
+                    "a replayed batch differs from the logged one",
+                    where=f"batch {batch!r} task {index}",
+                    logged=f"{logged_role}: {child.task}",
+                    now=f"{role}: {tasks[index]}" if index < len(tasks) else "(no such task)",
+                )
+        results: dict[int, ChildResult] = {}
+        for index, child in latest.items():
+            if child.terminal and child.reason != SUPERSEDED:
+                # Ended on the log (completed, failed, or cancelled by ``done_when``): its result
+                # is that terminal event; a failed child is not run again under a new ref.
+                results[index] = _result(child)
         gate = asyncio.Semaphore(max_parallel)
 
         async def one(index: int, task: str) -> ChildResult:
             async with gate:
                 child = latest.get(index)
-                if child is not None and child.phase == "completed":
-                    return ChildResult(child.ref, task, index, True, child.output or "")
-                if child is not None and not child.terminal and self.fresh_children:
-                    await self.append(
-                        AgentLifecycle(
-                            child.ref,
-                            "cancelled",
-                            reason="superseded by a fresh agent after a daemon restart",
-                        )
-                    )
+                if (
+                    child is not None
+                    and not child.terminal
+                    and self.fresh_children
+                    and child.pauses == 0
+                ):
+                    # An auto-resume starts children afresh; one that asked a human keeps its
+                    # ref, so the pause its operator sees stays the one that is answered.
+                    await self.append(AgentLifecycle(child.ref, "cancelled", reason=SUPERSEDED))
                     child = None
                 if child is None or child.terminal:
 
@@ -660,17 +757,56 @@ class SessionRuntime:
 
                     child = self.state.agents[await self.decide(birth)]
                 await self.drive_agent(child.ref, purpose="act", prompt=task)
-                child = self.state.agents[child.ref]
-                ok = child.phase == "completed"
-                return ChildResult(
-                    child.ref, task, index, ok, child.output or "", child.reason or ""
-                )
+                return _result(self.state.agents[child.ref])
 
-        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+        def finished() -> list[ChildResult]:
+            return [results[i] for i in sorted(results)]
+
+        if done_when is not None and results and done_when(finished()):
+            pending: dict[asyncio.Task[ChildResult], int] = {}
+        else:
+            pending = {
+                asyncio.ensure_future(one(i, t)): i for i, t in enumerate(tasks) if i not in results
+            }
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    results[pending.pop(task)] = task.result()
+                if pending and done_when is not None and done_when(finished()):
+                    break
+        finally:
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        latest = self._batch_children(root, batch)  # with any born while it was cancelled
+        for index, task_text in enumerate(tasks):
+            if index in results:
+                continue
+            unfinished = latest.get(index)
+            if unfinished is not None and not self.state.agents[unfinished.ref].terminal:
+                await self.append(
+                    AgentLifecycle(unfinished.ref, "cancelled", reason=BATCH_DONE_EARLY)
+                )
+            ref = unfinished.ref if unfinished is not None else ""
+            results[index] = ChildResult(ref, task_text, index, False, reason=BATCH_DONE_EARLY)
+        return finished()
+
+    def _batch_children(self, root: str, batch: str) -> dict[int, AgentView]:
+        """The latest child born for each task of ``batch``, by task index."""
+        latest: dict[int, AgentView] = {}
+        for ref in self.state.children_of(root):
+            child = self.state.agents[ref]
+            if child.batch == batch and child.task_index is not None:
+                latest[child.task_index] = child
+        return latest
 
     # --- driving one agent -------------------------------------------------------------------------
 
-    async def drive_agent(self, ref: str, *, purpose: str, prompt: str) -> None:
+    async def drive_agent(
+        self, ref: str, *, purpose: str, prompt: str, ask: tuple[str, str] | None = None
+    ) -> None:
         """Run one agent until it answers (or fails), re-dispatching it when its worker is lost."""
         agent = self.state.agents[ref]
         resume_reason: str | None = None
@@ -714,6 +850,8 @@ class SessionRuntime:
                         epoch=epoch,
                         purpose=purpose,
                         config=moved_to,
+                        ask=ask[0] if ask else None,
+                        prompt_digest=ask[1] if ask else None,
                     )
                 )
                 dispatch = self.deps.workers.track(worker_id, self.session_id, ref, epoch)
@@ -879,6 +1017,23 @@ class SessionRuntime:
 
 async def _no_send(report: Report) -> Reply:
     raise ApomeshError("an async job cannot report to the daemon")
+
+
+SUPERSEDED = "superseded by a fresh agent after a daemon restart"
+"""The reason of a child an auto-resume cancelled to start its task afresh (born again)."""
+
+
+def _result(child: AgentView) -> ChildResult:
+    """A child's result in its batch, from its terminal event."""
+    ok = child.phase == "completed"
+    return ChildResult(
+        child.ref,
+        child.task or "",
+        child.task_index or 0,
+        ok,
+        child.output or "",
+        child.reason or "",
+    )
 
 
 def _answer(root: AgentView) -> RootAnswer:

@@ -7,9 +7,10 @@ root agent, the judge, is asked once (purpose ``synthesize``) with the whole tra
 final answer is the session's output.
 
 Recovery: each turn is its own batch (``round-2-con``), so a resumed debate simply walks the
-rounds again. Turns whose sub-agent already completed on the log are not run again: their
-arguments come back from the log, and the transcript is rebuilt from them. The checkpoint holds
-only how many turns are done.
+rounds again from the first. Turns whose sub-agent already completed on the log are not run again:
+their arguments come back from the log, and the transcript is rebuilt from them. The checkpoint
+holds only how many turns are done; re-saving one the log holds (as the replay walks past it)
+writes nothing.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ class Position(msgspec.Struct):
     """The checkpointed loop position: how many turns are done."""
 
     turns_done: int = 0
-
-
-_position_decoder = msgspec.json.Decoder(Position)
 
 
 def render_transcript(turns: list[Turn]) -> str:
@@ -96,7 +94,6 @@ class Debate:
 
     async def run(self, ctx: CoordinatorContext) -> str:
         rounds: int = ctx.params["rounds"]
-        saved = _position_decoder.decode(ctx.checkpoint) if ctx.checkpoint else Position()
         turns: list[Turn] = []
         for round_number in range(1, rounds + 1):
             for side in SIDES:
@@ -109,11 +106,11 @@ class Debate:
                         f"the {side} side failed in round {round_number}: {result.reason}"
                     )
                 turns.append(Turn(round_number, side, result.output))
-                if len(turns) > saved.turns_done:
-                    saved = Position(turns_done=len(turns))
-                    await ctx.save_checkpoint(
-                        f"round-{round_number}-{side}", msgspec.json.encode(saved)
-                    )
+                # On a replay this is a checkpoint the log holds already: nothing is written.
+                await ctx.save_checkpoint(
+                    f"round-{round_number}-{side}",
+                    msgspec.json.encode(Position(turns_done=len(turns))),
+                )
         verdict = await ctx.ask_root("synthesize", judge_prompt(ctx.goal, turns))
         if verdict.final is None:
             raise DebateFailed("the judge answered with a plan instead of a verdict")
