@@ -176,6 +176,10 @@ class SessionRuntime:
         """Set when another writer appended to this session's log: nothing more is written here."""
         self._recovering = fresh_children or bool(state.agents)
         self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
+        self._jobs: dict[tuple[str, str], asyncio.Task[Any]] = {}
+        """The async jobs this writer runs, by (agent, job id)."""
+        self._drivers: set[asyncio.Task[Any]] = set()
+        """The tasks driving an agent (``drive_agent``), stopped when the session is held."""
 
     # --- the single writer -----------------------------------------------------------------------
 
@@ -206,7 +210,17 @@ class SessionRuntime:
                     f"{exc.message}"
                 ) from None
             started = time.perf_counter()
-            await self._append_durably(envs)
+            appending = asyncio.ensure_future(self._append_durably(envs))
+            try:
+                await asyncio.shield(appending)
+            except asyncio.CancelledError:
+                # Stopped while the step is on its way (a hold stopping an agent's siblings, a
+                # cancel): the step settles first, so the state never lags the log.
+                with contextlib.suppress(Exception):
+                    await appending
+                    for env in envs:
+                        apply(self.state, env)
+                raise
             seconds = time.perf_counter() - started
             for ev in events:
                 self.deps.metrics.events_appended.labels(event_name(ev)).inc()
@@ -342,6 +356,12 @@ class SessionRuntime:
         node = (report.step, report.source, report.reset)
         if node in slot.nodes:
             return Reply("ok")  # a retry of a node already stored
+        sources = self.deps.plugins.checkpoint_sources()
+        if report.source not in sources:
+            # The closed set: the built-in sources and those plugins declare (never a HITL pause).
+            known = ", ".join(sorted(sources))
+            message = f"unknown snapshot source {report.source!r} (known: {known})"
+            return Reply("error", message=message)
         size = len(ENCODER.encode(report))
         limit = self.deps.limits.max_snapshot_bytes
         if size > limit:
@@ -528,17 +548,35 @@ class SessionRuntime:
         return await self.decide(rule)
 
     async def _on_job(self, report: JobStart) -> Reply:
+        """Start an agent's async job once: jobs are named by (agent, job id), so two agents making
+        the same call each get their own job and result; a job whose tool declares a side effect
+        is logged as one."""
+        key = (report.agent, report.job_id)
+        size = len(msgspec.json.encode(report.args))
+        limit = self.deps.limits.max_tool_args_bytes
+
         def rule(state: SessionState) -> tuple[list[Event], Reply | AsyncJobStarted]:
-            done = state.jobs_done.get(report.job_id)
+            done = state.jobs_done.get(key)
             if done is not None:
                 result = done.result if done.ok else f"error: {done.result}"
                 return [], Reply("ok", decision="done", result=result)
-            if report.job_id in state.jobs_in_flight:
+            if key in state.jobs_in_flight:
                 return [], Reply("ok", decision="waiting")
-            if report.tool not in self.deps.plugins.tools():
+            tool = self.deps.plugins.tools().get(report.tool)
+            if tool is None or not tool.async_job:
                 message = f"no tool {report.tool!r} to run as a job on the daemon"
                 return [], Reply("error", message=message)
-            job = AsyncJobStarted(report.agent, report.job_id, report.tool, report.args)
+            if size > limit:
+                message = f"job arguments of {size} bytes are over the limit of {limit}"
+                return [], Reply("error", message=message)
+            job = AsyncJobStarted(
+                report.agent,
+                report.job_id,
+                report.tool,
+                report.args,
+                side_effect=tool.side_effect,
+                idempotent=tool.idempotent,
+            )
             return [job], job
 
         answer = await self.decide(rule)
@@ -550,6 +588,8 @@ class SessionRuntime:
     def start_job(self, job: AsyncJobStarted) -> None:
         """Run an async job on the daemon; its completion is appended and wakes the agent."""
         from apomesh.runtime.agent_loop import LoopContext
+
+        key = (job.agent, job.job_id)
 
         async def run_job() -> None:
             tool = self.deps.plugins.tools()[job.tool]
@@ -567,14 +607,55 @@ class SessionRuntime:
                 result, ok = f"{type(exc).__name__}: {exc}", False
 
             def finished(state: SessionState) -> tuple[list[Event], None]:
-                if job.job_id not in state.jobs_in_flight:
+                if key not in state.jobs_in_flight:
                     return [], None
                 return [AsyncJobFinished(job.agent, job.job_id, ok, result)], None
 
             with contextlib.suppress(Fenced):  # the session ended (or moved) meanwhile
                 await self.decide(finished)
 
-        self.deps.spawn(run_job())
+        task = self.deps.spawn(run_job())
+        self._jobs[key] = task
+        task.add_done_callback(
+            lambda done: self._jobs.pop(key, None) if self._jobs.get(key) is done else None
+        )
+
+    async def _take_up_job(
+        self, job: AsyncJobStarted, recovered: Literal["auto", "operator"] | None
+    ) -> None:
+        """A job an earlier writer started and never saw finish (a crash or a restart cut it
+        short): its outcome is unknown. A read-only job runs again. A side-effecting one is never
+        run again silently: its tool's ``on_unknown`` decides, as for a journaled call: ``rerun``
+        (an idempotent tool only) runs it again, ``hold`` holds the session for an operator (the
+        operator's resume then fails it), anything else fails it: the agent sees the job's error."""
+        if not job.side_effect:
+            self.start_job(job)
+            return
+        tool = self.deps.plugins.tools().get(job.tool)
+        policy = tool.on_unknown if tool is not None else "fail"
+        if policy == "rerun" and job.idempotent:
+            log.warning(
+                "session %s: job %s %s of %s had an unknown outcome; its tool is idempotent, "
+                "so it runs again",
+                self.session_id,
+                job.tool,
+                job.job_id[:12],
+                job.agent,
+            )
+            self.start_job(job)
+            return
+        if policy == "hold" and recovered != "operator":
+            self.held_reason = (
+                f"held for an operator: outcome of job {job.tool} {job.job_id[:12]} unknown"
+            )
+            raise Held(self.held_reason)
+        if policy == "hold":
+            why = "the operator resumed past this unknown outcome; the job was not run again"
+        else:
+            why = "a crash interrupted this job and it is not idempotent, so it was not run again"
+        await self.append(
+            AsyncJobFinished(job.agent, job.job_id, False, f"outcome unknown: {why}", unknown=True)
+        )
 
     # --- CoordinatorContext ------------------------------------------------------------------------
 
@@ -672,6 +753,15 @@ class SessionRuntime:
 
     async def drive_agent(self, ref: str, *, purpose: str, prompt: str) -> None:
         """Run one agent until it answers (or fails), re-dispatching it when its worker is lost."""
+        driver = asyncio.current_task()
+        assert driver is not None
+        self._drivers.add(driver)
+        try:
+            await self._drive(ref, purpose=purpose, prompt=prompt)
+        finally:
+            self._drivers.discard(driver)
+
+    async def _drive(self, ref: str, *, purpose: str, prompt: str) -> None:
         agent = self.state.agents[ref]
         resume_reason: str | None = None
         lost_worker: str | None = None
@@ -687,6 +777,9 @@ class SessionRuntime:
             config = moved_to or agent.current_config
             assert config is not None
             worker_id = await self.deps.workers.pick(config, prefer=agent.worker)
+            if self.held_reason:
+                self.deps.workers.release(worker_id)
+                raise Held(self.held_reason)
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
@@ -823,7 +916,7 @@ class SessionRuntime:
                     )
                 )
             for job in list(self.state.jobs_in_flight.values()):
-                self.start_job(job)
+                await self._take_up_job(job, recovered)
             kind = self.deps.plugins.coordination_kinds()[shape.coordination]
             output = await kind.run(self)
             await self.append(SessionEnded(status="completed", output=output))
@@ -831,6 +924,7 @@ class SessionRuntime:
             raise
         except Held as held:
             log.warning("session %s held for an operator: %s", self.session_id, held)
+            await self._stop_for_hold()
             await self.deps.on_end(
                 self, Ending("stranded", reason=f"held for an operator: {held}", category="held")
             )
@@ -849,6 +943,17 @@ class SessionRuntime:
         finally:
             if self.state.terminal:
                 await self.deps.on_end(self, Ending("finished"))
+
+    async def _stop_for_hold(self) -> None:
+        """One agent's hold stops the whole session before it is stranded: every other agent's
+        driver is stopped (its dispatch cancelled on its worker) and every job this writer runs
+        is cancelled, so nothing runs or appends while the session waits for an operator."""
+        current = asyncio.current_task()
+        tasks = [t for t in [*self._drivers, *self._jobs.values()] if t is not current]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def cancel(self, *, by: str) -> None:
         """The operator's cancel: logged (refused once the session has ended), the coordinator
