@@ -47,6 +47,7 @@ from apomesh.core.errors import (
     FoldError,
     LogUnavailable,
     NotFound,
+    PayloadTooLarge,
 )
 from apomesh.core.events import (
     AgentLifecycle,
@@ -80,6 +81,7 @@ from apomesh.runtime.protocol import (
     JobStart,
     JournalBegin,
     JournalFinish,
+    MemoryFetch,
     NodeReport,
     Reply,
     Report,
@@ -147,6 +149,10 @@ class DispatchSlot:
     """(step, source, reset) of every node report stored for this dispatch (retries are no-ops)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this dispatch's reports, so a retry never races its first copy."""
+    memory: bytes = b""
+    """The encoded working memory, when it was too large to travel with the dispatch: the worker
+    fetches it in pages of ``page_bytes``."""
+    page_bytes: int = 0
 
     @property
     def future(self) -> asyncio.Future[Any]:
@@ -347,6 +353,8 @@ class SessionRuntime:
                 return await self._on_hitl(report)
             if isinstance(report, JobStart):
                 return await self._on_job(report)
+            if isinstance(report, MemoryFetch):
+                return self._on_memory(slot, report)
             assert isinstance(report, Done)
             if not slot.future.done():
                 slot.future.set_result(report)
@@ -411,6 +419,14 @@ class SessionRuntime:
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
         return Reply("ok")
+
+    def _on_memory(self, slot: DispatchSlot, report: MemoryFetch) -> Reply:
+        """A page of the working memory this dispatch did not carry."""
+        pages = -(-len(slot.memory) // slot.page_bytes) if slot.page_bytes else 0
+        if not 0 <= report.page < pages:
+            return Reply("error", message=f"this dispatch has no memory page {report.page}")
+        start = report.page * slot.page_bytes
+        return Reply("ok", data=slot.memory[start : start + slot.page_bytes])
 
     async def _on_journal_begin(self, slot: DispatchSlot, report: JournalBegin) -> Reply:
         agent_key = f"{self.session_id}/{report.agent}"
@@ -769,6 +785,7 @@ class SessionRuntime:
             resume_reason = "daemon restart" if self.fresh_children else "operator resume"
             lost_worker = agent.worker
         resuming = False
+        refused = 0
         while True:
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
@@ -812,24 +829,34 @@ class SessionRuntime:
                 dispatch = self.deps.workers.track(worker_id, self.session_id, ref, epoch)
                 slot = DispatchSlot(ref, epoch, worker_id, dispatch)
                 self.slots[ref] = slot
-                run = Run(
-                    session_id=self.session_id,
-                    agent=ref,
-                    epoch=epoch,
-                    config=config,
-                    purpose=purpose,
-                    prompt=prompt,
-                    task=agent.task or "",
-                    task_index=agent.task_index or 0,
-                    memory=memory,
-                    incarnation=self.deps.incarnation,
+                run = self._fit_to_payload(
+                    slot,
+                    Run(
+                        session_id=self.session_id,
+                        agent=ref,
+                        epoch=epoch,
+                        config=config,
+                        purpose=purpose,
+                        prompt=prompt,
+                        task=agent.task or "",
+                        task_index=agent.task_index or 0,
+                        memory=memory,
+                        incarnation=self.deps.incarnation,
+                    ),
                 )
                 try:
                     if not await self.deps.workers.send_run(worker_id, run):
                         resume_reason, lost_worker = "dispatch not acknowledged", worker_id
-                        await asyncio.sleep(0.2)
+                        # Backing off: a worker that keeps refusing never floods the log.
+                        await asyncio.sleep(min(0.2 * 2**refused, 5.0))
+                        refused += 1
                         continue
+                    refused = 0
                     done = await slot.future
+                except PayloadTooLarge as exc:
+                    # Never sendable, however often it is tried: the agent fails, once, saying why.
+                    reason = f"the dispatch cannot be sent: {exc.message}"
+                    done = Done(worker_id, self.session_id, ref, epoch, "failed", reason=reason)
                 except WorkerLost as lost:
                     resume_reason, lost_worker = lost.reason, lost.worker_id
                     continue
@@ -852,6 +879,18 @@ class SessionRuntime:
                 resuming = False
             if await self._settle(ref, done, purpose):
                 return
+
+    def _fit_to_payload(self, slot: DispatchSlot, run: Run) -> Run:
+        """The dispatch as it is sent: with the agent's memory while that fits in a page, else
+        without it (the worker fetches it from ``slot`` in pages), so a conversation of any size
+        can be dispatched again."""
+        page = self.deps.workers.page_bytes
+        if run.memory is None or len(ENCODER.encode(run)) <= page:
+            return run
+        slot.memory = ENCODER.encode(run.memory)
+        slot.page_bytes = page
+        pages = -(-len(slot.memory) // page)
+        return msgspec.structs.replace(run, memory=None, memory_pages=pages)
 
     def _migrated_config(self, agent: AgentView) -> AgentConfig | None:
         """The config of the agent's role in the migrated shape, when the agent does not run
