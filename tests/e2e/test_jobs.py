@@ -13,6 +13,7 @@ installed into the environment before the daemon and workers start; every run of
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -119,8 +120,8 @@ def deploys(mesh: Mesh) -> list[str]:
     return record.read_text().splitlines() if record.exists() else []
 
 
-def poll(predicate: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + TIMEOUT
+def poll(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = predicate()
         if got:
@@ -171,3 +172,49 @@ def test_a_side_effecting_job_in_flight_at_a_crash_is_never_run_again(
     assert "not run again" in finished["result"]
     # The agent was told: the job's error is in its conversation, and it went on to its answer.
     assert names.index("SessionRecovered") < names.index("AsyncJobFinished")
+
+
+def test_a_hold_stops_the_sibling_agents_before_the_session_waits(mesh: Mesh) -> None:
+    # Both children launch (a slow side effect on their worker, ``on_unknown = "hold"``).
+    launch = {"tool": "probe.launch", "args": {"version": "{task}", "settle": "3{index}"}}
+    definition = {
+        "name": "launchers",
+        "version": "1.0.0",
+        "coordination": "fanout",
+        "coordination_params": {"max_parallel": 2},
+        "tools": [],
+        "model": scripted([{"plan": ["first", "second"]}, {"final": "both launched"}]),
+        "roles": {
+            "worker": {
+                "tools": ["probe.launch"],
+                "model": scripted([{"tool_calls": [launch]}, {"final": "launched"}]),
+            }
+        },
+    }
+    session_id = start(mesh.url, "launch twice", definition)
+    lines = poll(lambda: len(deploys(mesh)) == 2 and deploys(mesh), "launched both")
+    runs = {json.loads(line)["agent"]: json.loads(line)["pid"] for line in lines}
+    assert runs["root/0"] != runs["root/1"], runs  # one child on each worker
+    # Kill the first child's worker in the middle of its effect: its re-dispatch finds the
+    # intent without a result, and the tool holds the session for an operator.
+    next(w for w in mesh.workers if w.pid == runs["root/0"]).kill()
+    with SyncClient(mesh.url) as client:
+        stranded = poll(
+            lambda: next(
+                (r for r in client.list_recoverable() if r.session_id == session_id), None
+            ),
+            "held the session",
+        )
+        assert "held for an operator" in stranded.reason, stranded
+
+        def idle() -> bool:
+            # The sibling's dispatch was cancelled on its worker: it runs nothing any more
+            # (its own effect would take 31 s to settle).
+            workers = [w for w in client.list_workers() if w.alive]
+            return bool(workers) and all(not w.agents for w in workers)
+
+        poll(idle, "stopped the sibling on its worker")
+    held = view(mesh.url, session_id)
+    phases = {a["ref"]: a["phase"] for a in held["agents"]}
+    assert phases["root/1"] != "completed", phases
+    assert len(deploys(mesh)) == 2  # nothing ran again

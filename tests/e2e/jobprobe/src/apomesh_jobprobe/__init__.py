@@ -1,10 +1,12 @@
-"""Test support: async jobs with a side effect, each run of which is recorded.
+"""Test support: effects that record every run.
 
 ``probe.deploy`` (``on_unknown = "fail"``) and ``probe.deploy_held`` (``on_unknown = "hold"``) are
-daemon-side async jobs declared ``side_effect=True``: every run appends one line (the agent, the
-arguments and the process id) to ``deploys.log`` in the workspace, then waits ``settle`` seconds
-for the "deployment" to settle. Tests count the lines to see whether a job ran again. Installed
-into the test environment by the e2e tests.
+daemon-side async jobs declared ``side_effect=True``; ``probe.launch`` is the same effect as a
+plain side-effecting tool on the worker (``on_unknown = "hold"``). Every run appends one line (the
+agent, the arguments and the process id) to ``deploys.log`` in the workspace, then waits
+``settle`` seconds for the "deployment" to settle. Tests count the lines to see whether an effect
+ran again, and read the process id to kill the worker in the middle of one. Installed into the
+test environment by the e2e tests.
 """
 
 from __future__ import annotations
@@ -60,6 +62,16 @@ def register_tools(register: Callable[[Tool], None]) -> None:
             parameters=PARAMETERS,
             side_effect=True,
             async_job=True,
+            on_unknown="hold",
+        )
+    )
+    register(
+        Tool(
+            name="probe.launch",
+            description="Launch a version (a slow effect on the worker).",
+            run=deploy,
+            parameters=PARAMETERS,
+            side_effect=True,
             on_unknown="hold",
         )
     )
