@@ -176,7 +176,7 @@ def test_a_side_effecting_job_in_flight_at_a_crash_is_never_run_again(
 
 def test_a_hold_stops_the_sibling_agents_before_the_session_waits(mesh: Mesh) -> None:
     # Both children launch (a slow side effect on their worker, ``on_unknown = "hold"``).
-    launch = {"tool": "probe.launch", "args": {"version": "{task}", "settle": "3{index}"}}
+    launch = {"tool": "probe.launch", "args": {"version": "{task}", "settle": "30{index}"}}
     definition = {
         "name": "launchers",
         "version": "1.0.0",
@@ -209,7 +209,7 @@ def test_a_hold_stops_the_sibling_agents_before_the_session_waits(mesh: Mesh) ->
 
         def idle() -> bool:
             # The sibling's dispatch was cancelled on its worker: it runs nothing any more
-            # (its own effect would take 31 s to settle).
+            # (its own effect would take minutes to settle).
             workers = [w for w in client.list_workers() if w.alive]
             return bool(workers) and all(not w.agents for w in workers)
 
