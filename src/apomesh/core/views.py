@@ -56,7 +56,7 @@ class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
     question: str
 
 
-class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True):
+class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A side effect whose intent is logged but whose result never was (or was ``unknown``)."""
 
     agent: str
@@ -64,7 +64,8 @@ class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     args: dict[str, Any]
     job: bool = False
-    """An async job with a side effect (``key`` is its job id), not a tool call."""
+    """An async job with a side effect (``key`` is its job id), not a tool call (only sent when
+    true)."""
 
 
 class SessionView(msgspec.Struct, frozen=True, kw_only=True):
