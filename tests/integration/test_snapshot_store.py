@@ -102,3 +102,25 @@ async def test_a_record_that_holds_its_counts_whole_still_loads(tmp_path: Path) 
     assert memory is not None
     assert memory.call_counts == {"a": 3, "b": 1}
     await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_every_earlier_snapshot_loads_its_own_messages_after_compaction(
+    tmp_path: Path,
+) -> None:
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    snapshots = SnapshotStore(store, compact_every=4)
+    counts: dict[str, int] = {}
+    ids: dict[int, int] = {}
+    for step in range(1, 12):
+        counts[f"{step:064x}"] = 1
+        ids[step], _ = await snapshots.write(AGENT, None, node(step, counts))
+    for step, snapshot_id in ids.items():
+        # Steps 1-4 and 5-8 were merged into one segment each: a snapshot in the middle of a
+        # merged segment holds exactly the messages of its own steps.
+        memory = await snapshots.load(AGENT, snapshot_id)
+        assert memory is not None
+        assert [m.content for m in memory.messages][-1] == f"wrote file {step}"
+        assert len(memory.messages) == 2 * step
+        assert memory.call_counts == {f"{s:064x}": 1 for s in range(1, step + 1)}
+    await store.aclose()

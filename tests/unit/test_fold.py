@@ -195,8 +195,8 @@ def test_jobs_in_flight_are_started_minus_finished() -> None:
             AsyncJobFinished("root", "j1", True, "done"),
         )
     )
-    assert list(state.jobs_in_flight) == ["j2"]
-    assert state.jobs_in_flight["j2"].tool == "shell.run"
+    assert list(state.jobs_in_flight) == [("root", "j2")]
+    assert state.jobs_in_flight[("root", "j2")].tool == "shell.run"
 
 
 def test_a_finished_job_id_may_be_started_again() -> None:
@@ -207,7 +207,50 @@ def test_a_finished_job_id_may_be_started_again() -> None:
             AsyncJobStarted("root", "j1", "shell.run", {}),
         )
     )
-    assert list(state.jobs_in_flight) == ["j1"]
+    assert list(state.jobs_in_flight) == [("root", "j1")]
+
+
+def test_two_agents_making_the_same_job_call_each_have_their_own_job() -> None:
+    state = folded(
+        *started_with_root(
+            born("root/0", "root", task="a", task_index=0),
+            born("root/1", "root", task="b", task_index=1),
+            AsyncJobStarted("root/0", "j", "jobs.sleep", {"seconds": 2}),
+            AsyncJobStarted("root/1", "j", "jobs.sleep", {"seconds": 2}),
+            AsyncJobFinished("root/0", "j", True, "slept for root/0"),
+        )
+    )
+    assert list(state.jobs_in_flight) == [("root/1", "j")]
+    assert state.jobs_done[("root/0", "j")].result == "slept for root/0"
+    assert ("root/1", "j") not in state.jobs_done
+    assert state.side_effects == 0 and state.unknown_outcomes == []
+
+
+def test_a_side_effecting_job_is_a_journaled_effect_unknown_until_it_finishes() -> None:
+    deploy = AsyncJobStarted("root", "j", "deploy", {"v": 2}, side_effect=True)
+    running = folded(*started_with_root(deploy))
+    assert running.side_effects == 1
+    ((entry),) = running.unknown_outcomes
+    assert (entry.agent, entry.key, entry.tool, entry.job) == ("root", "j", "deploy", True)
+    done = folded(*started_with_root(deploy, AsyncJobFinished("root", "j", True, "deployed")))
+    assert done.side_effects == 1 and done.unknown_outcomes == []
+    assert done.journal[("root", "j")].outcome == "ok"
+    cut_short = folded(
+        *started_with_root(
+            deploy, AsyncJobFinished("root", "j", False, "outcome unknown", unknown=True)
+        )
+    )
+    assert [e.key for e in cut_short.unknown_outcomes] == ["j"]
+    assert cut_short.journal[("root", "j")].outcome == "unknown"
+    assert not cut_short.jobs_in_flight
+
+
+def test_a_job_finished_by_another_agent_is_refused() -> None:
+    events = started_with_root(
+        born("root/0", "root", task="a", task_index=0),
+        AsyncJobStarted("root", "j", "jobs.sleep", {}),
+    )
+    refused(events, AsyncJobFinished("root/0", "j", True, ""), "never started")
 
 
 def test_pause_and_answer() -> None:
@@ -452,7 +495,7 @@ def test_a_busy_session_summarised() -> None:
     assert state.status == "paused" and state.output is None
     assert state.side_effects == 2
     assert [(e.agent, e.key) for e in state.unknown_outcomes] == [("root/1", "k1")]
-    assert list(state.jobs_in_flight) == ["j1"] and list(state.hitl_pending) == ["p1"]
+    assert list(state.jobs_in_flight) == [("root/1", "j1")] and list(state.hitl_pending) == ["p1"]
     assert {ref: a.phase for ref, a in state.agents.items()} == {
         "root": "planned",
         "root/0": "completed",

@@ -94,8 +94,8 @@ def test_unknown_outcomes_are_intents_whose_last_word_is_not_a_result(
 @EXAMPLES
 @given(valid_sessions())
 def test_jobs_in_flight_are_started_minus_finished(session: GeneratedSession) -> None:
-    started = [e.job_id for e in session.events if isinstance(e, AsyncJobStarted)]
-    finished = [e.job_id for e in session.events if isinstance(e, AsyncJobFinished)]
+    started = [(e.agent, e.job_id) for e in session.events if isinstance(e, AsyncJobStarted)]
+    finished = [(e.agent, e.job_id) for e in session.events if isinstance(e, AsyncJobFinished)]
     state = fold(session.envelopes)
     assert set(state.jobs_in_flight) == set(started) - set(finished)
     assert len(state.jobs_in_flight) == len(started) - len(finished)

@@ -131,17 +131,28 @@ class ToolCallRecorded(_Event, frozen=True):
 
 
 class AsyncJobStarted(_Event, frozen=True):
+    """The daemon started an agent's async job. ``job_id`` is the call's journal key, unique
+    within its agent only (jobs are named by agent and job id). A job whose tool declares a side
+    effect is a journaled effect: ``side_effect`` counts it as one, and while it has no result its
+    outcome is unknown."""
+
     agent: AgentRef
     job_id: str
     tool: str
     args: dict[str, Any]
+    side_effect: bool = False
+    idempotent: bool = False
 
 
 class AsyncJobFinished(_Event, frozen=True):
+    """An async job ended. ``unknown``: it did not run to an answer (a crash cut it short) and was
+    not run again; ``result`` says why."""
+
     agent: AgentRef
     job_id: str
     ok: bool
     result: str
+    unknown: bool = False
 
 
 class HitlPaused(_Event, frozen=True):

@@ -6,7 +6,10 @@ fold would raise, leaving ``state`` untouched (a session's writer checks a step 
 every envelope must be exactly the next one (``IndexGap``/``DuplicateIndex`` otherwise), and facts
 that contradict the log so far raise ``InvalidLog``, so a log is never folded from a partial or
 inconsistent picture. Everything here is derived: spawn-tree edges from lifecycle parents,
-terminal-ness from the terminal event, in-flight jobs and pauses from unmatched start/finish pairs,
+terminal-ness from the terminal event, in-flight jobs and pauses from unmatched start/finish pairs
+(jobs are named by their agent and job id: two agents making the same call run two jobs; a job
+whose tool declares a side effect is also a journal entry, counted as a side effect, and unknown
+until it finishes),
 and the effective shape and plugin pins: ``SessionStarted``'s, with every ``migrate_pin`` operator
 action applied over them (an agent-version migration embeds the new pinned shape, which replaces
 the started one from then on; the ``BootstrapView`` always stays the record of the start).
@@ -120,6 +123,8 @@ class JournalEntry:
     intent_index: int
     outcome: str | None = None
     result: str | None = None
+    job: bool = False
+    """An async job with a side effect (its ``key`` is the job id), not a tool call."""
 
 
 @dataclass(slots=True)
@@ -140,8 +145,9 @@ class SessionState:
     walks back to it instead of logging it again)."""
     answers: dict[str, RootAnswer] = field(default_factory=dict)
     """The root's answers by coordinator-loop position (``AgentLifecycle.ask``)."""
-    jobs_in_flight: dict[str, AsyncJobStarted] = field(default_factory=dict)
-    jobs_done: dict[str, AsyncJobFinished] = field(default_factory=dict)
+    jobs_in_flight: dict[tuple[str, str], AsyncJobStarted] = field(default_factory=dict)
+    """Started jobs without a finish, by (agent, job id)."""
+    jobs_done: dict[tuple[str, str], AsyncJobFinished] = field(default_factory=dict)
     hitl_pending: dict[str, HitlPaused] = field(default_factory=dict)
     hitl_answers: dict[str, str] = field(default_factory=dict)
     journal: dict[tuple[str, str], JournalEntry] = field(default_factory=dict)
@@ -407,17 +413,31 @@ def _on_job_started(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, AsyncJobStarted)
     _agent(state, env, ev.agent)
-    if ev.job_id in state.jobs_in_flight:
-        raise _invalid(state, env, f"job {ev.job_id!r} started twice")
-    state.jobs_in_flight[ev.job_id] = ev
+    key = (ev.agent, ev.job_id)
+    if key in state.jobs_in_flight:
+        raise _invalid(state, env, f"job {ev.job_id!r} of agent {ev.agent!r} started twice")
+    state.jobs_in_flight[key] = ev
+    if ev.side_effect:
+        if key not in state.journal:
+            state.side_effects += 1
+        state.journal[key] = JournalEntry(
+            ev.agent, ev.job_id, ev.tool, ev.args, ev.idempotent, env.index, job=True
+        )
 
 
 def _on_job_finished(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, AsyncJobFinished)
-    if state.jobs_in_flight.pop(ev.job_id, None) is None:
-        raise _invalid(state, env, f"job {ev.job_id!r} finished but never started")
-    state.jobs_done[ev.job_id] = ev
+    key = (ev.agent, ev.job_id)
+    if state.jobs_in_flight.pop(key, None) is None:
+        raise _invalid(
+            state, env, f"job {ev.job_id!r} of agent {ev.agent!r} finished but never started"
+        )
+    state.jobs_done[key] = ev
+    entry = state.journal.get(key)
+    if entry is not None and entry.job:
+        entry.outcome = "unknown" if ev.unknown else ("ok" if ev.ok else "error")
+        entry.result = ev.result
 
 
 def _on_paused(state: SessionState, env: Envelope) -> None:

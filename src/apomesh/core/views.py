@@ -56,13 +56,16 @@ class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
     question: str
 
 
-class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True):
+class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A side effect whose intent is logged but whose result never was (or was ``unknown``)."""
 
     agent: str
     tool: str
     key: str
     args: dict[str, Any]
+    job: bool = False
+    """An async job with a side effect (``key`` is its job id), not a tool call (only sent when
+    true)."""
 
 
 class SessionView(msgspec.Struct, frozen=True, kw_only=True):
@@ -274,7 +277,7 @@ def unknown_outcomes(state: SessionState) -> list[UnknownOutcomeView]:
     """The session's side effects whose outcome is unknown, in log order."""
     entries = sorted(state.unknown_outcomes, key=lambda e: e.intent_index)
     return [
-        UnknownOutcomeView(agent=e.agent, tool=e.tool, key=e.key, args=dict(e.args))
+        UnknownOutcomeView(agent=e.agent, tool=e.tool, key=e.key, args=dict(e.args), job=e.job)
         for e in entries
     ]
 

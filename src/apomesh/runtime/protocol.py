@@ -13,6 +13,11 @@ report names the agent and carries the fencing epoch of
 the dispatch it belongs to; the daemon answers ``Fenced`` to a stale epoch and appends nothing.
 Workers never send events: they send facts (a node's new messages, a journal step, an outcome) and
 the daemon decides which events to append. All messages are msgpack-encoded msgspec Structs.
+
+No message may outgrow the NATS ``max_payload``. A dispatch carries the agent's working memory
+only while it is small; a larger memory stays on the daemon and the worker fetches it page by page
+(``MemoryFetch`` on ``apomesh.ctl.memory.<worker_id>``, each page answered on the worker's own
+inbox and fenced by the dispatch's epoch like any report).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ SUBJECT_JOURNAL = "apomesh.ctl.journal"
 SUBJECT_HITL = "apomesh.ctl.hitl"
 SUBJECT_JOB = "apomesh.ctl.job"
 SUBJECT_DONE = "apomesh.ctl.done"
+SUBJECT_MEMORY = "apomesh.ctl.memory"
 CTL_BOUND_WILDCARD = "apomesh.ctl.*.*"
 """Control subjects that end in the sending worker's id."""
 CTL_PREFIX = "apomesh.ctl."
@@ -202,6 +208,12 @@ class JobStart(_Report):
     args: dict[str, Any]
 
 
+class MemoryFetch(_Report):
+    """A page of the dispatch's working memory, when the ``Run`` said it comes in pages."""
+
+    page: int
+
+
 class Done(_Report):
     """A dispatch ended: ``final``, ``plan``, ``paused`` (HITL), ``waiting`` (async job or an
     operator hold), ``failed`` or ``budget_exhausted``."""
@@ -212,7 +224,7 @@ class Done(_Report):
     reason: str = ""
 
 
-Report = NodeReport | JournalBegin | JournalFinish | HitlAsk | JobStart | Done
+Report = NodeReport | JournalBegin | JournalFinish | HitlAsk | JobStart | MemoryFetch | Done
 
 
 class Reply(msgspec.Struct):
@@ -225,6 +237,8 @@ class Reply(msgspec.Struct):
     result: str = ""
     outcome: str = ""
     message: str = ""
+    data: bytes = b""
+    """A page of working memory (the answer to a ``MemoryFetch``)."""
 
 
 # --- daemon -> worker ---------------------------------------------------------------------------
@@ -241,6 +255,9 @@ class Run(msgspec.Struct, tag=True):
     task_index: int = 0
     memory: AgentMemory | None = None
     incarnation: str = ""
+    memory_pages: int = 0
+    """When the memory is too large to travel with the dispatch (``memory`` is None then): how
+    many pages of its encoded bytes the worker fetches with ``MemoryFetch``, in order."""
 
 
 class Cancel(msgspec.Struct, tag=True):

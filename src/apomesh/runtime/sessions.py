@@ -54,6 +54,7 @@ from apomesh.core.errors import (
     LogUnavailable,
     Nondeterminism,
     NotFound,
+    PayloadTooLarge,
 )
 from apomesh.core.events import (
     AgentLifecycle,
@@ -94,6 +95,7 @@ from apomesh.runtime.protocol import (
     JobStart,
     JournalBegin,
     JournalFinish,
+    MemoryFetch,
     NodeReport,
     Reply,
     Report,
@@ -161,6 +163,10 @@ class DispatchSlot:
     """(step, source, reset) of every node report stored for this dispatch (retries are no-ops)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises this dispatch's reports, so a retry never races its first copy."""
+    memory: bytes = b""
+    """The encoded working memory, when it was too large to travel with the dispatch: the worker
+    fetches it in pages of ``page_bytes``."""
+    page_bytes: int = 0
 
     @property
     def future(self) -> asyncio.Future[Any]:
@@ -198,6 +204,10 @@ class SessionRuntime:
         self._replaying = bool(state.checkpoints)
         self._saved = False
         self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
+        self._jobs: dict[tuple[str, str], asyncio.Task[Any]] = {}
+        """The async jobs this writer runs, by (agent, job id)."""
+        self._drivers: set[asyncio.Task[Any]] = set()
+        """The tasks driving an agent (``drive_agent``), stopped when the session is held."""
 
     # --- the single writer -----------------------------------------------------------------------
 
@@ -367,6 +377,8 @@ class SessionRuntime:
                 return await self._on_hitl(report)
             if isinstance(report, JobStart):
                 return await self._on_job(report)
+            if isinstance(report, MemoryFetch):
+                return self._on_memory(slot, report)
             assert isinstance(report, Done)
             if not slot.future.done():
                 slot.future.set_result(report)
@@ -376,6 +388,12 @@ class SessionRuntime:
         node = (report.step, report.source, report.reset)
         if node in slot.nodes:
             return Reply("ok")  # a retry of a node already stored
+        sources = self.deps.plugins.checkpoint_sources()
+        if report.source not in sources:
+            # The closed set: the built-in sources and those plugins declare (never a HITL pause).
+            known = ", ".join(sorted(sources))
+            message = f"unknown snapshot source {report.source!r} (known: {known})"
+            return Reply("error", message=message)
         size = len(ENCODER.encode(report))
         limit = self.deps.limits.max_snapshot_bytes
         if size > limit:
@@ -425,6 +443,14 @@ class SessionRuntime:
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
         return Reply("ok")
+
+    def _on_memory(self, slot: DispatchSlot, report: MemoryFetch) -> Reply:
+        """A page of the working memory this dispatch did not carry."""
+        pages = -(-len(slot.memory) // slot.page_bytes) if slot.page_bytes else 0
+        if not 0 <= report.page < pages:
+            return Reply("error", message=f"this dispatch has no memory page {report.page}")
+        start = report.page * slot.page_bytes
+        return Reply("ok", data=slot.memory[start : start + slot.page_bytes])
 
     async def _on_journal_begin(self, slot: DispatchSlot, report: JournalBegin) -> Reply:
         agent_key = f"{self.session_id}/{report.agent}"
@@ -562,17 +588,35 @@ class SessionRuntime:
         return await self.decide(rule)
 
     async def _on_job(self, report: JobStart) -> Reply:
+        """Start an agent's async job once: jobs are named by (agent, job id), so two agents making
+        the same call each get their own job and result; a job whose tool declares a side effect
+        is logged as one."""
+        key = (report.agent, report.job_id)
+        size = len(msgspec.json.encode(report.args))
+        limit = self.deps.limits.max_tool_args_bytes
+
         def rule(state: SessionState) -> tuple[list[Event], Reply | AsyncJobStarted]:
-            done = state.jobs_done.get(report.job_id)
+            done = state.jobs_done.get(key)
             if done is not None:
                 result = done.result if done.ok else f"error: {done.result}"
                 return [], Reply("ok", decision="done", result=result)
-            if report.job_id in state.jobs_in_flight:
+            if key in state.jobs_in_flight:
                 return [], Reply("ok", decision="waiting")
-            if report.tool not in self.deps.plugins.tools():
+            tool = self.deps.plugins.tools().get(report.tool)
+            if tool is None or not tool.async_job:
                 message = f"no tool {report.tool!r} to run as a job on the daemon"
                 return [], Reply("error", message=message)
-            job = AsyncJobStarted(report.agent, report.job_id, report.tool, report.args)
+            if size > limit:
+                message = f"job arguments of {size} bytes are over the limit of {limit}"
+                return [], Reply("error", message=message)
+            job = AsyncJobStarted(
+                report.agent,
+                report.job_id,
+                report.tool,
+                report.args,
+                side_effect=tool.side_effect,
+                idempotent=tool.idempotent,
+            )
             return [job], job
 
         answer = await self.decide(rule)
@@ -584,6 +628,8 @@ class SessionRuntime:
     def start_job(self, job: AsyncJobStarted) -> None:
         """Run an async job on the daemon; its completion is appended and wakes the agent."""
         from apomesh.runtime.agent_loop import LoopContext
+
+        key = (job.agent, job.job_id)
 
         async def run_job() -> None:
             tool = self.deps.plugins.tools()[job.tool]
@@ -601,14 +647,55 @@ class SessionRuntime:
                 result, ok = f"{type(exc).__name__}: {exc}", False
 
             def finished(state: SessionState) -> tuple[list[Event], None]:
-                if job.job_id not in state.jobs_in_flight:
+                if key not in state.jobs_in_flight:
                     return [], None
                 return [AsyncJobFinished(job.agent, job.job_id, ok, result)], None
 
             with contextlib.suppress(Fenced):  # the session ended (or moved) meanwhile
                 await self.decide(finished)
 
-        self.deps.spawn(run_job())
+        task = self.deps.spawn(run_job())
+        self._jobs[key] = task
+        task.add_done_callback(
+            lambda done: self._jobs.pop(key, None) if self._jobs.get(key) is done else None
+        )
+
+    async def _take_up_job(
+        self, job: AsyncJobStarted, recovered: Literal["auto", "operator"] | None
+    ) -> None:
+        """A job an earlier writer started and never saw finish (a crash or a restart cut it
+        short): its outcome is unknown. A read-only job runs again. A side-effecting one is never
+        run again silently: its tool's ``on_unknown`` decides, as for a journaled call: ``rerun``
+        (an idempotent tool only) runs it again, ``hold`` holds the session for an operator (the
+        operator's resume then fails it), anything else fails it: the agent sees the job's error."""
+        if not job.side_effect:
+            self.start_job(job)
+            return
+        tool = self.deps.plugins.tools().get(job.tool)
+        policy = tool.on_unknown if tool is not None else "fail"
+        if policy == "rerun" and job.idempotent:
+            log.warning(
+                "session %s: job %s %s of %s had an unknown outcome; its tool is idempotent, "
+                "so it runs again",
+                self.session_id,
+                job.tool,
+                job.job_id[:12],
+                job.agent,
+            )
+            self.start_job(job)
+            return
+        if policy == "hold" and recovered != "operator":
+            self.held_reason = (
+                f"held for an operator: outcome of job {job.tool} {job.job_id[:12]} unknown"
+            )
+            raise Held(self.held_reason)
+        if policy == "hold":
+            why = "the operator resumed past this unknown outcome; the job was not run again"
+        else:
+            why = "a crash interrupted this job and it is not idempotent, so it was not run again"
+        await self.append(
+            AsyncJobFinished(job.agent, job.job_id, False, f"outcome unknown: {why}", unknown=True)
+        )
 
     # --- CoordinatorContext ------------------------------------------------------------------------
 
@@ -808,6 +895,17 @@ class SessionRuntime:
         self, ref: str, *, purpose: str, prompt: str, ask: tuple[str, str] | None = None
     ) -> None:
         """Run one agent until it answers (or fails), re-dispatching it when its worker is lost."""
+        driver = asyncio.current_task()
+        assert driver is not None
+        self._drivers.add(driver)
+        try:
+            await self._drive(ref, purpose=purpose, prompt=prompt, ask=ask)
+        finally:
+            self._drivers.discard(driver)
+
+    async def _drive(
+        self, ref: str, *, purpose: str, prompt: str, ask: tuple[str, str] | None
+    ) -> None:
         agent = self.state.agents[ref]
         resume_reason: str | None = None
         lost_worker: str | None = None
@@ -815,6 +913,7 @@ class SessionRuntime:
             resume_reason = "daemon restart" if self.fresh_children else "operator resume"
             lost_worker = agent.worker
         resuming = False
+        refused = 0
         while True:
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
@@ -823,6 +922,9 @@ class SessionRuntime:
             config = moved_to or agent.current_config
             assert config is not None
             worker_id = await self.deps.workers.pick(config, prefer=agent.worker)
+            if self.held_reason:
+                self.deps.workers.release(worker_id)
+                raise Held(self.held_reason)
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
@@ -857,24 +959,34 @@ class SessionRuntime:
                 dispatch = self.deps.workers.track(worker_id, self.session_id, ref, epoch)
                 slot = DispatchSlot(ref, epoch, worker_id, dispatch)
                 self.slots[ref] = slot
-                run = Run(
-                    session_id=self.session_id,
-                    agent=ref,
-                    epoch=epoch,
-                    config=config,
-                    purpose=purpose,
-                    prompt=prompt,
-                    task=agent.task or "",
-                    task_index=agent.task_index or 0,
-                    memory=memory,
-                    incarnation=self.deps.incarnation,
+                run = self._fit_to_payload(
+                    slot,
+                    Run(
+                        session_id=self.session_id,
+                        agent=ref,
+                        epoch=epoch,
+                        config=config,
+                        purpose=purpose,
+                        prompt=prompt,
+                        task=agent.task or "",
+                        task_index=agent.task_index or 0,
+                        memory=memory,
+                        incarnation=self.deps.incarnation,
+                    ),
                 )
                 try:
                     if not await self.deps.workers.send_run(worker_id, run):
                         resume_reason, lost_worker = "dispatch not acknowledged", worker_id
-                        await asyncio.sleep(0.2)
+                        # Backing off: a worker that keeps refusing never floods the log.
+                        await asyncio.sleep(min(0.2 * 2**refused, 5.0))
+                        refused += 1
                         continue
+                    refused = 0
                     done = await slot.future
+                except PayloadTooLarge as exc:
+                    # Never sendable, however often it is tried: the agent fails, once, saying why.
+                    reason = f"the dispatch cannot be sent: {exc.message}"
+                    done = Done(worker_id, self.session_id, ref, epoch, "failed", reason=reason)
                 except WorkerLost as lost:
                     resume_reason, lost_worker = lost.reason, lost.worker_id
                     continue
@@ -897,6 +1009,18 @@ class SessionRuntime:
                 resuming = False
             if await self._settle(ref, done, purpose):
                 return
+
+    def _fit_to_payload(self, slot: DispatchSlot, run: Run) -> Run:
+        """The dispatch as it is sent: with the agent's memory while that fits in a page, else
+        without it (the worker fetches it from ``slot`` in pages), so a conversation of any size
+        can be dispatched again."""
+        page = self.deps.workers.page_bytes
+        if run.memory is None or len(ENCODER.encode(run)) <= page:
+            return run
+        slot.memory = ENCODER.encode(run.memory)
+        slot.page_bytes = page
+        pages = -(-len(slot.memory) // page)
+        return msgspec.structs.replace(run, memory=None, memory_pages=pages)
 
     def _migrated_config(self, agent: AgentView) -> AgentConfig | None:
         """The config of the agent's role in the migrated shape, when the agent does not run
@@ -961,7 +1085,7 @@ class SessionRuntime:
                     )
                 )
             for job in list(self.state.jobs_in_flight.values()):
-                self.start_job(job)
+                await self._take_up_job(job, recovered)
             kind = self.deps.plugins.coordination_kinds()[shape.coordination]
             output = await kind.run(self)
             await self.append(SessionEnded(status="completed", output=output))
@@ -969,6 +1093,7 @@ class SessionRuntime:
             raise
         except Held as held:
             log.warning("session %s held for an operator: %s", self.session_id, held)
+            await self._stop_for_hold()
             await self.deps.on_end(
                 self, Ending("stranded", reason=f"held for an operator: {held}", category="held")
             )
@@ -987,6 +1112,17 @@ class SessionRuntime:
         finally:
             if self.state.terminal:
                 await self.deps.on_end(self, Ending("finished"))
+
+    async def _stop_for_hold(self) -> None:
+        """One agent's hold stops the whole session before it is stranded: every other agent's
+        driver is stopped (its dispatch cancelled on its worker) and every job this writer runs
+        is cancelled, so nothing runs or appends while the session waits for an operator."""
+        current = asyncio.current_task()
+        tasks = [t for t in [*self._drivers, *self._jobs.values()] if t is not current]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def cancel(self, *, by: str) -> None:
         """The operator's cancel: logged (refused once the session has ended), the coordinator

@@ -4,7 +4,9 @@ A snapshot is (definition, budget runtime state, working-memory conversation, mo
 definition is stored once per agent (``defs``); the conversation is stored as appended segments,
 one per node (``segments``); a snapshot record (``snapshots``) names how far into the segments it
 reaches plus the small state. Every ``compact_every`` segments the recent small segments are merged
-into one, so the number of keys stays low without ever rewriting the whole conversation. A
+into one, so the number of keys stays low without ever rewriting the whole conversation; the merged
+segment keeps where each node's part ends and which counts it changed, so an earlier snapshot
+still loads exactly its own messages after compaction. A
 supervisor reset starts a new conversation: the record's ``base_seq`` says where it begins.
 
 The agent's call counts (how many times each journaled call was made, which keys its next repeat)
@@ -38,11 +40,19 @@ class SnapshotRecord(msgspec.Struct):
     """Only in records written before counts moved to the segments: the base they update."""
 
 
-class CountedSegment(msgspec.Struct):
-    """A segment whose node changed the agent's call counts: its messages and those counts."""
+class CountedSegment(msgspec.Struct, omit_defaults=True):
+    """A segment whose node changed the agent's call counts: its messages and those counts.
+
+    A merged segment (several nodes' segments compacted under the last one's key) also says
+    where each node's part ends: ``seqs`` (each part's sequence number), ``ends`` (how many of
+    ``messages`` the parts up to it hold) and ``part_counts`` (the counts each changed), so a
+    snapshot that reaches into the middle loads exactly its own parts."""
 
     messages: list[Message]
     call_counts: dict[str, int]
+    seqs: list[int] = []
+    ends: list[int] = []
+    part_counts: list[dict[str, int]] = []
 
 
 _record_decoder = msgspec.msgpack.Decoder(SnapshotRecord)
@@ -65,12 +75,10 @@ class _Tail:
     next_seq: int
     base_seq: int
     next_snapshot: int
-    small: list[tuple[int, list[Message]]] = field(default_factory=list)
+    small: list[tuple[int, list[Message], dict[str, int]]] = field(default_factory=list)
     has_definition: bool = False
     counts: dict[str, int] | None = None
     """The call counts as stored so far (None until this process wrote them: store them whole)."""
-    small_counts: dict[str, int] = field(default_factory=dict)
-    """The counts the ``small`` segments changed, for the one they are merged into."""
 
 
 class SnapshotStore:
@@ -117,7 +125,6 @@ class SnapshotStore:
         if report.reset:
             tail.base_seq = tail.next_seq
             tail.small = []
-            tail.small_counts = {}
         known = tail.counts
         changed = {
             k: v for k, v in report.call_counts.items() if known is None or known.get(k) != v
@@ -128,19 +135,28 @@ class SnapshotStore:
             puts.append(
                 ("segments", segment_key(agent_key, seq), _segment(report.new_messages, changed))
             )
-            tail.small.append((seq, list(report.new_messages)))
-            tail.small_counts.update(changed)
+            tail.small.append((seq, list(report.new_messages), changed))
             if len(tail.small) >= self.compact_every:
-                merged: list[Message] = [m for _, ms in tail.small for m in ms]
-                last = tail.small[-1][0]
-                puts[-1] = (
-                    "segments",
-                    segment_key(agent_key, last),
-                    _segment(merged, tail.small_counts),
+                ends: list[int] = []
+                messages: list[Message] = []
+                merged_counts: dict[str, int] = {}
+                for _, ms, cs in tail.small:
+                    messages.extend(ms)
+                    ends.append(len(messages))
+                    merged_counts.update(cs)
+                merged = CountedSegment(
+                    messages,
+                    merged_counts,
+                    seqs=[s for s, _, _ in tail.small],
+                    ends=ends,
+                    part_counts=[cs for _, _, cs in tail.small],
                 )
-                deletes.extend(("segments", segment_key(agent_key, s)) for s, _ in tail.small[:-1])
+                last = tail.small[-1][0]
+                puts[-1] = ("segments", segment_key(agent_key, last), _encoder.encode(merged))
+                deletes.extend(
+                    ("segments", segment_key(agent_key, s)) for s, _, _ in tail.small[:-1]
+                )
                 tail.small = []
-                tail.small_counts = {}
         tail.counts = dict(report.call_counts)
         record = SnapshotRecord(
             step=report.step,
@@ -173,15 +189,12 @@ class SnapshotStore:
         messages: list[Message] = []
         counts = dict(record.call_counts)
         for key, value in await self.store.scan("segments", agent_key + "\x00"):
-            seq = int(key.rpartition("\x00")[2], 16)
-            if seq > record.last_seq:
-                continue
-            segment = _segment_decoder.decode(value)
-            if isinstance(segment, CountedSegment):
-                counts.update(segment.call_counts)
-                segment = segment.messages
-            if seq >= record.base_seq:
-                messages.extend(segment)
+            for seq, part, changed in _parts(int(key.rpartition("\x00")[2], 16), value):
+                if seq > record.last_seq:
+                    continue
+                counts.update(changed)
+                if seq >= record.base_seq:
+                    messages.extend(part)
         return AgentMemory(
             messages=messages,
             model=record.model,
@@ -200,3 +213,19 @@ class SnapshotStore:
 
     def forget(self, agent_key: str) -> None:
         self._tails.pop(agent_key, None)
+
+
+def _parts(seq: int, value: bytes) -> list[tuple[int, list[Message], dict[str, int]]]:
+    """The (sequence number, messages, changed counts) parts one stored segment holds."""
+    segment = _segment_decoder.decode(value)
+    if isinstance(segment, list):
+        return [(seq, segment, {})]
+    if not segment.seqs:
+        return [(seq, segment.messages, segment.call_counts)]
+    starts = [0, *segment.ends[:-1]]
+    return [
+        (part_seq, segment.messages[start:end], counts)
+        for part_seq, start, end, counts in zip(
+            segment.seqs, starts, segment.ends, segment.part_counts, strict=True
+        )
+    ]

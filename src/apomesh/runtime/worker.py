@@ -18,25 +18,29 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from apomesh.core.errors import Fenced
+from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.plugins.api import ModelProvider, SupervisorPolicy, Tool
 from apomesh.runtime.agent_loop import run_agent
 from apomesh.runtime.protocol import (
     DISPATCH_DECODER,
     ENCODER,
+    MEMORY_DECODER,
     REGISTER_REPLY_DECODER,
     REPLY_DECODER,
     SUBJECT_DONE,
     SUBJECT_HITL,
     SUBJECT_JOB,
     SUBJECT_JOURNAL,
+    SUBJECT_MEMORY,
     SUBJECT_NODE,
     SUBJECT_REGISTER,
+    AgentMemory,
     Beat,
     Cancel,
     DispatchAck,
@@ -45,6 +49,7 @@ from apomesh.runtime.protocol import (
     JobStart,
     JournalBegin,
     JournalFinish,
+    MemoryFetch,
     NodeReport,
     Register,
     Reply,
@@ -65,6 +70,7 @@ _SUBJECTS: dict[type, str] = {
     JournalFinish: SUBJECT_JOURNAL,
     HitlAsk: SUBJECT_HITL,
     JobStart: SUBJECT_JOB,
+    MemoryFetch: SUBJECT_MEMORY,
     Done: SUBJECT_DONE,
 }
 
@@ -245,6 +251,8 @@ class Worker:
     async def _run(self, run: Run) -> None:
         key = (run.session_id, run.agent)
         try:
+            if run.memory_pages:
+                run = msgspec.structs.replace(run, memory=await self._fetch_memory(run))
             done = await run_agent(
                 run,
                 worker_id=self.worker_id,
@@ -277,6 +285,20 @@ class Worker:
             if current is not None and current[0] == run.epoch:
                 self.running.pop(key, None)
                 self._run_incarnation.pop(key, None)
+
+    async def _fetch_memory(self, run: Run) -> AgentMemory:
+        """The dispatch's working memory, fetched page by page (it was too large to travel with
+        the dispatch); a page the daemon refuses ends the dispatch like any refused report."""
+        pages: list[bytes] = []
+        for page in range(run.memory_pages):
+            fetch = MemoryFetch(self.worker_id, run.session_id, run.agent, run.epoch, page)
+            reply = await self.send(fetch)
+            if reply.status == "fenced":
+                raise Fenced(reply.message or "this dispatch was fenced off by a newer epoch")
+            if reply.status != "ok":
+                raise ApomeshError(f"memory page {page} refused: {reply.message}")
+            pages.append(reply.data)
+        return MEMORY_DECODER.decode(b"".join(pages))
 
     async def send(self, report: Report) -> Reply:
         """Send a report, retrying while the daemon is away; the daemon dedupes retries."""

@@ -21,6 +21,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from apomesh.core.definition import AgentConfig
+from apomesh.core.errors import PayloadTooLarge
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
@@ -222,11 +223,21 @@ class WorkerPool:
             if not pending:
                 del self._in_flight[dispatch.worker_id]
 
+    @property
+    def page_bytes(self) -> int:
+        """The most a dispatch or a page of memory sent to a worker carries: half the NATS
+        ``max_payload``, leaving room for the rest of the message."""
+        return max(4096, int(self.nc.max_payload) // 2)
+
     async def send_run(self, worker_id: str, run: Run) -> bool:
+        """Send a dispatch; False when it was not acknowledged (try again), ``PayloadTooLarge``
+        when it can never be sent."""
+        data = ENCODER.encode(run)
+        limit = int(self.nc.max_payload)
+        if len(data) > limit:
+            raise PayloadTooLarge(f"the dispatch of {run.session_id}/{run.agent}", len(data), limit)
         try:
-            msg = await self.nc.request(
-                dispatch_subject(worker_id), ENCODER.encode(run), timeout=5.0
-            )
+            msg = await self.nc.request(dispatch_subject(worker_id), data, timeout=5.0)
             ack = DISPATCH_ACK_DECODER.decode(msg.data)
         except Exception as exc:  # an RPC failure is never proof of death; liveness decides that
             self.log.warning(
