@@ -450,9 +450,14 @@ def test_metrics_count_what_happened_in_prometheus_format(mesh: Mesh) -> None:
     next(w for w in mesh.workers if w.name == names[worker_id]).kill()
     mesh.worker()
     assert wait_status(mesh.url, session_id, timeout=90)["status"] == "completed"
-    workers = httpx.get(f"{mesh.url}/v1/workers").json()["workers"]
+
+    # The replacement worker may register after the session is done (the other one finished it).
+    def two_alive() -> list[dict[str, Any]] | None:
+        found: list[dict[str, Any]] = httpx.get(f"{mesh.url}/v1/workers").json()["workers"]
+        return found if sum(w["alive"] for w in found) == 2 else None
+
+    workers = wait_until(two_alive, what="two live workers")
     assert [w["alive"] for w in workers if w["id"] == worker_id] == [False]
-    assert sum(w["alive"] for w in workers) == 2
 
     response = httpx.get(f"{mesh.url}/metrics")
     assert response.status_code == 200
