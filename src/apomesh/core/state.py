@@ -26,6 +26,7 @@ from apomesh.core.envelope import Envelope
 from apomesh.core.errors import DuplicateIndex, IndexGap, InvalidLog
 from apomesh.core.events import (
     TERMINAL_PHASES,
+    TURN_SOURCE,
     AgentLifecycle,
     AgentResumed,
     AgentResuming,
@@ -81,6 +82,11 @@ class AgentView:
     purpose: str | None = None
     migrated_config: AgentConfig | None = None
     """The config a later lifecycle event moved the agent to (an agent-version migration)."""
+    turn_step: int = 0
+    """The step of the agent's latest recorded model turn (snapshot source ``turn``)."""
+    answered_step: int = 0
+    """``turn_step`` when the agent last answered (``planned`` or ``completed``): a recorded plan
+    or final answer at or before it was taken as an answer, so it is never replayed."""
 
     @property
     def terminal(self) -> bool:
@@ -324,6 +330,8 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
         agent.purpose = ev.purpose
     if ev.config is not None:
         agent.migrated_config = ev.config
+    if ev.phase in ("planned", "completed"):
+        agent.answered_step = agent.turn_step
 
 
 def _on_checkpoint(state: SessionState, env: Envelope) -> None:
@@ -339,6 +347,8 @@ def _on_snapshot(state: SessionState, env: Envelope) -> None:
     agent.snapshot_id = ev.snapshot_id
     agent.snapshot_source = ev.source
     agent.step = ev.step
+    if ev.source == TURN_SOURCE:
+        agent.turn_step = ev.step
 
 
 def _on_intent(state: SessionState, env: Envelope) -> None:

@@ -67,6 +67,7 @@ from apomesh.core.events import (
     ToolCallRecorded,
     event_name,
 )
+from apomesh.core.journal import idempotency_key
 from apomesh.core.ports import EventLog
 from apomesh.core.state import AgentView, SessionState, apply, check
 from apomesh.plugins.api import ChildResult, RootAnswer
@@ -84,6 +85,7 @@ from apomesh.runtime.protocol import (
     Reply,
     Report,
     Run,
+    TurnReport,
 )
 from apomesh.runtime.snapshots import SnapshotStore
 from apomesh.runtime.workers import Dispatch, WorkerLost, WorkerPool
@@ -325,6 +327,11 @@ class SessionRuntime:
                 )
             if isinstance(report, NodeReport):
                 return await self._on_node(slot, report)
+            if isinstance(report, TurnReport):
+                reply = await self._on_turn(slot, report)
+                if report.intent is None or reply.status != "ok":
+                    return reply
+                return await self._on_journal_begin(slot, report.intent)
             if isinstance(report, JournalBegin):
                 return await self._on_journal_begin(slot, report)
             if isinstance(report, JournalFinish):
@@ -387,6 +394,44 @@ class SessionRuntime:
                 await self.deps.store.put_journal(agent_key, r.key, msgspec.msgpack.encode(record))
 
         await asyncio.gather(self.append(*events), copy_results())
+        slot.running_logged = True
+        slot.nodes.add(node)
+        self.deps.metrics.snapshot_bytes.inc(written)
+        return Reply("ok")
+
+    async def _on_turn(self, slot: DispatchSlot, report: TurnReport) -> Reply:
+        """A model turn the agent is about to act on: its snapshot (the turn in the record, the
+        messages before it in a segment) is stored and its pointer (source ``turn``) appended
+        before the worker hears back, so a later dispatch replays the turn instead of asking the
+        model again."""
+        intent = report.intent
+        if intent is not None and (intent.agent, intent.epoch) != (report.agent, report.epoch):
+            return Reply("error", message="a turn's intent names another dispatch")
+        node = (report.step, report.source, False)
+        if node in slot.nodes:
+            return Reply("ok")  # a retry of a turn already stored
+        size = len(ENCODER.encode(report))
+        limit = self.deps.limits.max_snapshot_bytes
+        if size > limit:
+            return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
+        agent = self.state.agents[report.agent]
+        agent_key = f"{self.session_id}/{report.agent}"
+        snapshot_id, written = await self.deps.snapshots.write(
+            agent_key, agent.config, report, after_id=agent.snapshot_id or 0
+        )
+        events: list[Event] = []
+        if not slot.running_logged:
+            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
+        events.append(
+            AgentSnapshotted(
+                report.agent,
+                snapshot_id=snapshot_id,
+                source=report.source,
+                step=report.step,
+                size=written,
+            )
+        )
+        await self.append(*events)
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
@@ -560,6 +605,7 @@ class SessionRuntime:
                 worker_id="daemon",
                 workspace_root=self.deps.workspace,
                 send=_no_send,
+                idempotency_key=idempotency_key(self.session_id, job.agent, job.job_id),
             )
             try:
                 result, ok = await tool.run(ctx, job.args), True
@@ -730,6 +776,7 @@ class SessionRuntime:
                     task_index=agent.task_index or 0,
                     memory=memory,
                     incarnation=self.deps.incarnation,
+                    answered_step=self.state.agents[ref].answered_step,
                 )
                 try:
                     if not await self.deps.workers.send_run(worker_id, run):

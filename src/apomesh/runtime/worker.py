@@ -37,6 +37,7 @@ from apomesh.runtime.protocol import (
     SUBJECT_JOURNAL,
     SUBJECT_NODE,
     SUBJECT_REGISTER,
+    SUBJECT_TURN,
     Beat,
     Cancel,
     DispatchAck,
@@ -51,6 +52,7 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    TurnReport,
     beat_subject,
     bound_subject,
     check_worker_id,
@@ -61,6 +63,7 @@ log = logging.getLogger("apomesh.worker")
 
 _SUBJECTS: dict[type, str] = {
     NodeReport: SUBJECT_NODE,
+    TurnReport: SUBJECT_TURN,
     JournalBegin: SUBJECT_JOURNAL,
     JournalFinish: SUBJECT_JOURNAL,
     HitlAsk: SUBJECT_HITL,
