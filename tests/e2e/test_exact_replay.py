@@ -134,9 +134,7 @@ def settle(url: str, session_id: str) -> dict[str, Any]:
         listed = httpx.get(f"{url}/v1/recoverable", timeout=10).json()
         rows = listed["sessions"] if isinstance(listed, dict) else listed
         if any(r["session_id"] == session_id for r in rows):
-            httpx.post(
-                f"{url}/v1/sessions/{session_id}/resume", json={"confirm": True}, timeout=10
-            )
+            httpx.post(f"{url}/v1/sessions/{session_id}/resume", json={"confirm": True}, timeout=10)
         time.sleep(0.2)
     raise AssertionError(f"session {session_id} did not end")
 
@@ -288,13 +286,12 @@ def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_a
         audited(system, session_id)
         assert ended["status"] == "completed", ended
         records = records_of(system.url, session_id)
-        assert any(
-            r.kind == "OperatorAction" and r.event["action"] == "resume" for r in records
-        ), "the session was not resumed by an operator"
+        assert any(r.kind == "OperatorAction" and r.event["action"] == "resume" for r in records), (
+            "the session was not resumed by an operator"
+        )
         # The step whose effect ran was not asked for again: its recorded turn was replayed.
         asked = asked_per_step(server)
         for slot_step, count in asked_before.items():
             assert asked[slot_step] == count, (slot_step, asked)
         assert set(asked.values()) == {1}, asked
         assert finals(server) == [ended["output"]]
-
