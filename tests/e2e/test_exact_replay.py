@@ -183,6 +183,17 @@ def asked_per_step(server: FreshModelServer) -> Counter[tuple[str, int]]:
     return Counter((c["slot"], c["step"]) for c in answers(server) if c["answer"].get("tool_calls"))
 
 
+def resumed_after_its_plan(records: list[EventRecord]) -> bool:
+    """Whether the root was re-dispatched after its plan (its first snapshot) was recorded."""
+    recorded = [
+        r.index for r in records if r.kind == "AgentSnapshotted" and r.event["agent"] == "root"
+    ]
+    return bool(recorded) and any(
+        r.kind == "AgentResuming" and r.event["agent"] == "root" and r.index > recorded[0]
+        for r in records
+    )
+
+
 # --- the tests -----------------------------------------------------------------------------------
 
 
@@ -238,12 +249,7 @@ def test_a_fanout_root_lost_before_its_plan_is_done_replays_the_plan_and_its_chi
         # threshold: the root is re-dispatched elsewhere; thawed, the zombie's Done is fenced.
         system.arm("done")
         frozen = system.wait_hit("done")
-        wait_for(
-            system.url,
-            session_id,
-            lambda rs: any(r.kind == "AgentResuming" and r.event["agent"] == "root" for r in rs),
-            "the root's re-dispatch",
-        )
+        wait_for(system.url, session_id, resumed_after_its_plan, "the root's re-dispatch")
         frozen.thaw()
         ended = settle(system.url, session_id)
         audited(system, session_id)
