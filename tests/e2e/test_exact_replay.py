@@ -301,3 +301,40 @@ def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_a
             assert asked[slot_step] == count, (slot_step, asked)
         assert set(asked.values()) == {1}, asked
         assert finals(server) == [ended["output"]]
+
+
+def test_a_question_answered_by_a_human_is_not_asked_again_in_other_words(mesh: Mesh) -> None:
+    with FreshModelServer() as server:
+        system = ReplayMesh(mesh, server)
+        definition = {
+            "name": "fresh-asker",
+            "version": "1.0.0",
+            "coordination": "solo",
+            "tools": ["ask_human", "fs.append"],
+            "model": fresh("fresh:asks=1,appends=1"),
+        }
+        session_id = start(system.url, "ask once", definition)
+        deadline = time.monotonic() + TIMEOUT
+        while not view(system.url, session_id).get("hitl_pending"):
+            assert time.monotonic() < deadline, "the agent never asked"
+            time.sleep(0.1)
+        (pause,) = view(system.url, session_id)["hitl_pending"]
+        response = httpx.post(
+            f"{system.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}",
+            json={"answer": "the blue one"},
+        )
+        assert response.status_code == 202, response.text
+        # The dispatch after the answer replays the recorded turn: the same question, the same
+        # pause, whose answer now waits (a model asked again would ask something else).
+        ended = settle(system.url, session_id)
+        audited(system, session_id)
+        assert ended["status"] == "completed", ended
+        questions = [
+            c
+            for c in answers(server)
+            for t in c["answer"].get("tool_calls") or []
+            if t["function"]["name"] == "ask_human"
+        ]
+        assert len(questions) == 1, questions
+        records = records_of(system.url, session_id)
+        assert [r.kind for r in records].count("HitlPaused") == 1
