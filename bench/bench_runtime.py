@@ -12,18 +12,19 @@ Every model is ``scripted`` and answers instantly. Figures, as medians over ``--
 - **steps/s across 50 concurrent sessions**: each session is a ``solo`` agent whose script is
   ``--steps`` turns of one tool call and then a final answer. Each step is a node: a model turn,
   the tool call, the snapshot written to LMDB and its events appended to the log. Two workloads:
-  ``fs.write`` (a side effect: the intent logged before the write, its result and the snapshot
-  pointer after it, three events per step) and ``fs.read`` (read-only: one snapshot pointer per
-  step). Steps are counted from the log (``AgentSnapshotted`` of source ``node``, the final
-  answer's node included) over the time from the first session created to the last one ended,
-  so session start and end are in the figure.
-- **p50/p99 step latency**: the time between consecutive ``AgentSnapshotted`` events of an
-  agent (node boundary to node boundary: model turn, tool call, journal, snapshot).
+  ``fs.write`` (a side effect: the model turn recorded and the intent logged before the write —
+  one report, a turn snapshot, two events — then its result and the node's snapshot pointer after
+  it, four events per step) and ``fs.read`` (read-only: one snapshot pointer per step). Steps are
+  counted from the log (the agent's distinct steps among its ``AgentSnapshotted`` of source
+  ``node`` or ``turn``, the final answer's turn included) over the time from the first session
+  created to the last one ended, so session start and end are in the figure.
+- **p50/p99 step latency**: the time between the last ``AgentSnapshotted`` of an agent's
+  consecutive steps (node boundary to node boundary: model turn, tool call, journal, snapshot).
 - **peak RSS** of the daemon's process (with in-process workers: daemon + workers + driver),
   sampled every 50 ms during the run, and the CPU each process spent per step.
 - **snapshot bytes per step** of one long agent (a 500-step ``fs.write`` script): the
-  ``AgentSnapshotted.size`` at steps 10 and 500 (bytes of keys and values the snapshot put in
-  LMDB) and the mean over 32 steps early and late (every ``compact_every`` = 32 nodes one step
+  ``AgentSnapshotted.size`` at steps 10 and 500 (bytes of keys and values the step's snapshots,
+  its turn's and its node's, put in LMDB) and the mean over 32 steps early and late (every ``compact_every`` = 32 nodes one step
   also writes the merged segment, so each window holds one compaction; step 1 also stores the
   definition, shown on its own), plus the LMDB data file at the end.
 - **the bare floor**: one awaited JetStream append (``JetStreamLog.append`` of one event) and one
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -74,6 +76,8 @@ from apomesh.runtime.node import Node
 LONG_STEPS = 500
 COMPACT_EVERY = Config().snapshots.compact_every
 SEED_FILES = 8
+STEP_SOURCES = ("node", "turn")
+"""The snapshot sources that mark an agent's steps: its nodes, and its turns (the final answer's)."""
 WORKLOADS = (("fs.write", "fs.write (side effect)"), ("fs.read", "fs.read (read-only)"))
 
 
@@ -275,14 +279,15 @@ async def step_latencies(node: Node, session_ids: list[str]) -> tuple[int, list[
     latencies: list[float] = []
     for sid in session_ids:
         envelopes = await node.daemon.log.read(sid)
-        last: dict[str, float] = {}
+        ends: dict[str, dict[int, float]] = {}
         for env in envelopes:
             ev = env.event
-            if isinstance(ev, AgentSnapshotted) and ev.source == "node":
-                steps += 1
-                if ev.agent in last:
-                    latencies.append(env.ts - last[ev.agent])
-                last[ev.agent] = env.ts
+            if isinstance(ev, AgentSnapshotted) and ev.source in STEP_SOURCES:
+                ends.setdefault(ev.agent, {})[ev.step] = env.ts
+        for by_step in ends.values():
+            steps += len(by_step)
+            times = [by_step[n] for n in sorted(by_step)]
+            latencies.extend(b - a for a, b in itertools.pairwise(times))
     return steps, latencies
 
 
@@ -342,8 +347,8 @@ async def measure_long_agent(
         sizes: dict[int, int] = {}
         for env in await node.daemon.log.read(sid):
             ev = env.event
-            if isinstance(ev, AgentSnapshotted) and ev.source == "node":
-                sizes[ev.step] = ev.size
+            if isinstance(ev, AgentSnapshotted) and ev.source in STEP_SOURCES:
+                sizes[ev.step] = sizes.get(ev.step, 0) + ev.size
         lmdb_file = system.config.daemon.data_path() / "lmdb" / "data.mdb"
         return LongResult(sizes, lmdb_file.stat().st_size)
 

@@ -104,7 +104,11 @@ async def test_frozen_worker_is_resumed_elsewhere_and_its_late_reports_are_fence
                 ev = record.event
                 if record.kind == "AgentLifecycle" and ev.get("phase") == "dispatched":
                     worker_of[ev["agent"]] = ev["worker"]
-                if zombie is None and record.kind == "AgentSnapshotted" and ev["step"] == 1:
+                if (
+                    zombie is None
+                    and record.kind == "AgentSnapshotted"
+                    and (ev["step"], ev["source"]) == (1, "node")
+                ):
                     # Frozen in the middle of the model turn that leads to its second call (past
                     # the node report's answer): when it wakes up, that call is the first thing
                     # it sends, before it reads the cancel the daemon sent it meanwhile.
@@ -136,7 +140,8 @@ async def test_frozen_worker_is_resumed_elsewhere_and_its_late_reports_are_fence
     assert not [
         r for r in after if r.kind == "AgentLifecycle" and r.event.get("worker") == zombie_id
     ], "something from the zombie's old dispatch was appended"
-    steps = [r.event["step"] for r in records if r.kind == "AgentSnapshotted"]
+    # Each step's turn (recorded before its call) and node, once each and in order.
+    steps = [(r.event["step"], r.event["source"] != "turn") for r in records if r.kind == "AgentSnapshotted"]
     assert steps == sorted(set(steps)), f"a snapshot was taken twice: {steps}"
     # The zombie's late report reaches the daemon once it runs again, and is refused.
     deadline = time.monotonic() + 15

@@ -268,7 +268,8 @@ async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement
         report = await client.verify_session(session_id)
         assert report["ok"], report
         assert report["status"] == "completed" and report["completed_record"] is True
-        assert report["snapshots_checked"] == 4 and report["journal_checked"] == 3
+        # Three steps (each its turn, recorded before its call, and its node), the final turn.
+        assert report["snapshots_checked"] == 7 and report["journal_checked"] == 3
         clean = run_cli("sessions", "verify", session_id, "--url", mesh.url)
         assert clean.returncode == 0, clean.stdout + clean.stderr
         await anyio.to_thread.run_sync(mesh.daemon.stop)

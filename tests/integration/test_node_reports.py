@@ -63,11 +63,14 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
     for ev in events:
         if isinstance(ev, ToolCallIntent | ToolCallRecorded):
             steps[-1].append(f"{type(ev).__name__}:{ev.tool}:{ev.outcome if isinstance(ev, ToolCallRecorded) else ''}")
+        elif isinstance(ev, AgentSnapshotted) and ev.source == "turn":
+            steps[-1].append("turn")
         elif isinstance(ev, AgentSnapshotted):
             steps.append([])
+    # Each model turn is recorded (its pointer, source "turn") before its first intent.
     assert steps[:2] == [
-        ["ToolCallIntent:fs.write:", "ToolCallRecorded:fs.write:ok"],
-        ["ToolCallIntent:fs.write:", "ToolCallRecorded:fs.write:ok"] * 2,
+        ["turn", "ToolCallIntent:fs.write:", "ToolCallRecorded:fs.write:ok"],
+        ["turn"] + ["ToolCallIntent:fs.write:", "ToolCallRecorded:fs.write:ok"] * 2,
     ]
     records = [msgspec.msgpack.decode(value) for _, value in journal]
     assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]

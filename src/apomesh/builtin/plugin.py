@@ -36,6 +36,7 @@ CHECKPOINT_SOURCE_DESCRIPTIONS = {
     "reset_point": "taken just before a supervisor reset",
     "explicit": "the agent called checkpoint.now",
     "affinity_release": "the agent released its worker affinity",
+    "turn": "a model turn recorded before it was acted on (side effects, or the agent's answer)",
 }
 
 

@@ -100,8 +100,14 @@ class CoordinatorCheckpoint(_Event, frozen=True):
     state: bytes
 
 
+TURN_SOURCE = "turn"
+"""The snapshot source of a model turn recorded before it is acted on."""
+
+
 class AgentSnapshotted(_Event, frozen=True):
-    """A pointer to snapshot bytes in the daemon's LMDB store (never the bytes themselves)."""
+    """A pointer to snapshot bytes in the daemon's LMDB store (never the bytes themselves).
+    ``source`` is one of the registered checkpoint sources; ``turn`` (``TURN_SOURCE``) points to a
+    model turn recorded before it was acted on."""
 
     agent: AgentRef
     snapshot_id: int

@@ -5,6 +5,12 @@ no whitespace, and numbers normalised: a float with an integral value becomes th
 and ``1`` are one call), ``-0.0`` becomes ``0``, tuples become lists. Non-finite floats are refused
 (they have no JSON form). The key is scoped by the agent ref that made the call, so two agents
 making the same call are two effects.
+
+A call's idempotency key (``ToolContext.idempotency_key``, for a downstream API that deduplicates
+requests) is the journal key made unique across sessions and agents: the hex ``sha256`` of the
+UTF-8 text ``apomesh-idempotency``, the session id, the agent ref and the journal key, joined by NUL
+characters. It is as stable as the journal key: a replayed turn makes the same calls with the same
+arguments and repeat numbers.
 """
 
 from __future__ import annotations
@@ -46,3 +52,12 @@ def pause_key(agent: str, step: int, question: str) -> str:
     """A HITL pause id that a re-run of the same loop reaches again (same agent, step, question)."""
     digest = hashlib.sha256(msgspec.json.encode([agent, step, question])).hexdigest()
     return digest[:16]
+
+
+IDEMPOTENCY_PREFIX = "apomesh-idempotency"
+
+
+def idempotency_key(session_id: str, agent: str, journal_key: str) -> str:
+    """The idempotency key of a journaled call (see the module docstring)."""
+    text = "\0".join((IDEMPOTENCY_PREFIX, session_id, agent, journal_key))
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -29,6 +29,7 @@ from apomesh.core.envelope import Envelope
 from apomesh.core.errors import DuplicateIndex, IndexGap, InvalidLog
 from apomesh.core.events import (
     TERMINAL_PHASES,
+    TURN_SOURCE,
     AgentLifecycle,
     AgentResumed,
     AgentResuming,
@@ -89,6 +90,11 @@ class AgentView:
     prompt_digest: str | None = None
     pauses: int = 0
     """How many HITL pauses it opened (a paused agent keeps its ref across an auto-resume)."""
+    turn_step: int = 0
+    """The step of the agent's latest recorded model turn (snapshot source ``turn``)."""
+    answered_step: int = 0
+    """``turn_step`` when the agent last answered (``planned`` or ``completed``): a recorded plan
+    or final answer at or before it was taken as an answer, so it is never replayed."""
 
     @property
     def terminal(self) -> bool:
@@ -368,6 +374,8 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
                 (ev.output or "") if ev.phase == "completed" else None,
             ),
         )
+    if ev.phase in ("planned", "completed"):
+        agent.answered_step = agent.turn_step
 
 
 def _on_checkpoint(state: SessionState, env: Envelope) -> None:
@@ -384,6 +392,8 @@ def _on_snapshot(state: SessionState, env: Envelope) -> None:
     agent.snapshot_id = ev.snapshot_id
     agent.snapshot_source = ev.source
     agent.step = ev.step
+    if ev.source == TURN_SOURCE:
+        agent.turn_step = ev.step
 
 
 def _on_intent(state: SessionState, env: Envelope) -> None:

@@ -17,6 +17,7 @@ import msgspec
 from apomesh.core.decisions import Classification
 from apomesh.core.definition import ModelSpec, ToolCallSpec
 from apomesh.core.errors import ApomeshError
+from apomesh.core.events import TURN_SOURCE
 from apomesh.core.state import SessionState
 
 # --- conversation -----------------------------------------------------------------------------
@@ -48,6 +49,16 @@ class ToolContext(Protocol):
 
     @property
     def agent(self) -> str: ...
+
+    @property
+    def idempotency_key(self) -> str:
+        """The key of the side-effecting call being run (``""`` for a call that is not journaled):
+        the same on every attempt of this call, through a re-dispatch, a daemon restart and an
+        operator resume, and different for any other call. Pass it to a downstream API that
+        deduplicates requests (a payment provider's ``Idempotency-Key`` header, say), so an effect
+        whose outcome was lost in a crash can be sent again and still happen once. It is the hex
+        sha256 of ``apomesh-idempotency``, the session id, the agent ref and the call's journal
+        key, joined by NUL characters (``apomesh.core.journal.idempotency_key``)."""
 
     async def ask_human(self, question: str) -> str:
         """The answer to ``question``; pauses the agent (and ends this dispatch) until one exists."""
@@ -310,4 +321,4 @@ class CheckpointSource(msgspec.Struct, frozen=True):
     description: str = ""
 
 
-BUILTIN_CHECKPOINT_SOURCES = ("node", "reset_point", "explicit", "affinity_release")
+BUILTIN_CHECKPOINT_SOURCES = ("node", "reset_point", "explicit", "affinity_release", TURN_SOURCE)

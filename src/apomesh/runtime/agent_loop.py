@@ -3,10 +3,19 @@
 Each node is one model turn plus the tool calls it asks for. At each node boundary the loop reports
 what the node added to working memory (``NodeReport``); the daemon stores the snapshot and appends
 the pointer. Side-effecting tools go through the journal (intent before the effect, result after);
-a call found in the journal is served from it. A human question, an async job or an operator hold
-stalls the loop: the dispatch ends, and a later dispatch re-runs the loop from the last snapshot to
-the same stall, where the answer now waits (pause ids and journal keys are derived from the call,
-so nothing is asked or run twice).
+a call found in the journal is served from it.
+
+A model turn is made durable before anything depends on it (``TurnRecorder``): a turn whose calls
+are about to run a side effect, start a job or ask a human is sent to the daemon (``TurnReport``)
+ahead of the first such report, the first journal intent riding on it; a plan or a final answer is
+sent before the agent ends with it. A dispatch whose memory holds a recorded turn replays it instead
+of asking the model again: the same calls with the same arguments reach the same journal keys (a
+call with a logged result is served from the log), and a recorded answer ends the agent with exactly
+that output. So a model that answers differently every time still runs each effect at most once.
+
+A human question, an async job or an operator hold stalls the loop: the dispatch ends, and a later
+dispatch replays the recorded turn to the same stall, where the answer now waits (pause ids and
+journal keys are derived from the call, so nothing is asked or run twice).
 """
 
 from __future__ import annotations
@@ -17,14 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
+
 from apomesh.builtin.skills import skill_digest
 from apomesh.core.errors import ApomeshError, CorruptPin, Fenced
-from apomesh.core.journal import call_key, pause_key
+from apomesh.core.journal import call_key, idempotency_key, pause_key
 from apomesh.plugins.api import (
     Message,
     Model,
     ModelProvider,
     ModelRequest,
+    ModelResponse,
     SupervisorPolicy,
     Tool,
     describe_tool,
@@ -39,9 +51,11 @@ from apomesh.runtime.protocol import (
     JournalBegin,
     JournalFinish,
     NodeReport,
+    RecordedTurn,
     Reply,
     Report,
     Run,
+    TurnReport,
 )
 
 Send = Callable[[Report], Awaitable[Reply]]
@@ -67,6 +81,8 @@ class LoopContext:
     step: int = 0
     explicit_checkpoint: bool = False
     asked: dict[str, str] = field(default_factory=dict)
+    idempotency_key: str = ""
+    """The key of the journaled call being run (``core.journal.idempotency_key``), else empty."""
 
     @property
     def workspace(self) -> Path:
@@ -111,6 +127,59 @@ async def _checked(awaitable: Awaitable[Reply]) -> Reply:
     return reply
 
 
+@dataclass
+class TurnRecorder:
+    """Makes a model turn durable before anything acts on it. The loop leaves each new turn's
+    report here (``wait``); it goes to the daemon ahead of the first report the turn's tool calls
+    send (``send`` is the dispatch's ``ToolContext`` transport): a journal intent rides on it, a
+    job start or a human question follows it. A plan or a final answer is sent at once
+    (``flush``). A turn whose calls send nothing (read-only tools) is never sent: its node records
+    it."""
+
+    send_report: Send
+    waiting: TurnReport | None = None
+    carried: int = 0
+    """How many of the node's first messages the sent turn report carried (they are stored)."""
+
+    def wait(self, report: TurnReport) -> None:
+        self.waiting, self.carried = report, 0
+
+    async def send(self, report: Report) -> Reply:
+        turn = self._take()
+        if turn is None:
+            return await self.send_report(report)
+        if isinstance(report, JournalBegin):
+            return await self.send_report(msgspec.structs.replace(turn, intent=report))
+        await _checked(self.send_report(turn))
+        return await self.send_report(report)
+
+    async def flush(self) -> None:
+        turn = self._take()
+        if turn is not None:
+            await _checked(self.send_report(turn))
+
+    def node_messages(self, pending: list[Message]) -> list[Message]:
+        """What a node reports of its ``pending`` messages: those its turn's report did not carry
+        (an unsent turn is dropped: the node records it)."""
+        carried, self.carried, self.waiting = self.carried, 0, None
+        return pending[carried:]
+
+    def _take(self) -> TurnReport | None:
+        turn, self.waiting = self.waiting, None
+        if turn is not None:
+            self.carried = len(turn.new_messages)
+        return turn
+
+
+def _turn_message(response: ModelResponse) -> Message:
+    """The assistant message a model turn adds to the conversation."""
+    if response.final is not None:
+        return Message(role="assistant", content=response.final)
+    if response.plan is not None:
+        return Message(role="assistant", content="\n".join(response.plan))
+    return Message(role="assistant", content=response.text, tool_calls=list(response.tool_calls))
+
+
 def _instructions(run: Run) -> str:
     parts = [run.config.instructions] if run.config.instructions else []
     for skill in run.config.skills:
@@ -153,11 +222,18 @@ async def run_agent(
     call_counts = dict(memory.call_counts)
     step = memory.step
     pending: list[Message] = []
+    replay = memory.turn
+    if replay is not None and replay.ends_agent and replay.step <= run.answered_step:
+        # The plan or final answer the agent ended with was taken as an earlier ask's answer:
+        # this new ask goes on from a conversation that holds it.
+        pending.append(_turn_message(replay.response))
+        replay = None
     prompt = memory.prompt
     if run.prompt and run.prompt != memory.prompt:
         pending.append(Message(role="user", content=run.prompt))
         prompt = run.prompt
-    ctx = LoopContext(run, worker_id, workspace, send, step=step)
+    recorder = TurnRecorder(send)
+    ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step)
     provider = providers.get(run.config.model.provider)
 
     def done(outcome: Any, **kw: Any) -> Done:
@@ -183,9 +259,12 @@ async def run_agent(
 
     finished: list[CallResult] = []  # the node's last journaled call, reported with the node
 
-    async def report(source: str, reset: bool = False) -> None:
-        nonlocal pending, finished
+    def spent() -> BudgetState:
         budget.seconds = memory.budget.seconds + (time.monotonic() - started)
+        return msgspec.structs.replace(budget)
+
+    async def report(source: str, reset: bool = False, turn: RecordedTurn | None = None) -> None:
+        nonlocal pending, finished
         await _checked(
             send(
                 NodeReport(
@@ -194,14 +273,15 @@ async def run_agent(
                     run.agent,
                     run.epoch,
                     step=step,
-                    new_messages=pending,
+                    new_messages=recorder.node_messages(pending),
                     model=model_memory,
-                    budget=budget,
+                    budget=spent(),
                     source=source,
                     reset=reset,
                     prompt=prompt,
                     call_counts=call_counts,
                     results=finished,
+                    turn=turn,
                 )
             )
         )
@@ -210,47 +290,59 @@ async def run_agent(
 
     try:
         while True:
-            budget.seconds = memory.budget.seconds + (time.monotonic() - started)
-            exhausted = _budget_exhausted(run, budget)
-            if exhausted:
-                if pending:
-                    await report("node")
-                return done("budget_exhausted", reason=exhausted)
-            response = await model.respond(
-                ModelRequest(
-                    instructions=_instructions(run),
-                    messages=messages + pending,
-                    tools=schemas,
-                    memory=model_memory,
-                    task=run.task,
-                    task_index=run.task_index,
-                    purpose=run.purpose,
+            if replay is not None:
+                # Recorded before a crash cut it short: acted on again, never asked again.
+                turn, replay = replay, None
+                step = turn.step
+            else:
+                exhausted = _budget_exhausted(run, spent())
+                if exhausted:
+                    if pending:
+                        await report("node")
+                    return done("budget_exhausted", reason=exhausted)
+                response = await model.respond(
+                    ModelRequest(
+                        instructions=_instructions(run),
+                        messages=messages + pending,
+                        tools=schemas,
+                        memory=model_memory,
+                        task=run.task,
+                        task_index=run.task_index,
+                        purpose=run.purpose,
+                    )
                 )
-            )
-            step += 1
+                step += 1
+                budget.steps += 1
+                budget.tokens += response.tokens
+                turn = RecordedTurn(step, response)
+                recorder.wait(
+                    TurnReport(
+                        worker_id,
+                        run.session_id,
+                        run.agent,
+                        run.epoch,
+                        step=step,
+                        turn=turn,
+                        new_messages=list(pending),
+                        model=dict(response.memory),
+                        budget=spent(),
+                        prompt=prompt,
+                        call_counts=dict(call_counts),
+                    )
+                )
+            response = turn.response
             ctx.step = step
-            budget.steps += 1
-            budget.tokens += response.tokens
             model_memory = dict(response.memory)
-            if response.final is not None or response.plan is not None:
-                text = (
-                    response.final if response.final is not None else "\n".join(response.plan or [])
-                )
-                pending.append(Message(role="assistant", content=text))
-                messages.extend(pending)
-                await report("node")
+            if turn.ends_agent:
+                await recorder.flush()
                 if response.plan is not None:
                     return done("plan", plan=list(response.plan))
                 if run.config.affinity == "sticky":
                     # The agent is done with its worker: record the release point, so a later
                     # dispatch (another worker) starts from exactly what this one ended with.
-                    await report("affinity_release")
+                    await report("affinity_release", turn=turn)
                 return done("final", output=response.final or "")
-            pending.append(
-                Message(
-                    role="assistant", content=response.text, tool_calls=list(response.tool_calls)
-                )
-            )
+            pending.append(_turn_message(response))
             last_call = len(response.tool_calls) - 1
             for i, call in enumerate(response.tool_calls):
                 budget.tool_calls += 1
@@ -342,6 +434,7 @@ async def _call_tool(
     if reply.decision == "hold":
         raise Stall("waiting", f"held for an operator: outcome of {name} {key[:12]} unknown")
     outcome: Literal["ok", "error"]
+    ctx.idempotency_key = idempotency_key(run.session_id, run.agent, key)
     try:
         result = await tool.run(ctx, args)
         outcome = "ok"
@@ -349,6 +442,8 @@ async def _call_tool(
         result, outcome = exc.message, "error"
     except Exception as exc:
         result, outcome = f"{type(exc).__name__}: {exc}", "error"
+    finally:
+        ctx.idempotency_key = ""
     if defer is not None:
         defer.append(CallResult(key=key, tool=name, outcome=outcome, result=result))
         return result if outcome == "ok" else f"error: {result}"

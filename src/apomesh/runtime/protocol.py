@@ -23,15 +23,16 @@ inbox and fenced by the dispatch's epoch like any report).
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from apomesh.core.definition import AgentConfig
-from apomesh.plugins.api import Message
+from apomesh.plugins.api import Message, ModelResponse
 
 SUBJECT_REGISTER = "apomesh.ctl.register"
 SUBJECT_NODE = "apomesh.ctl.node"
+SUBJECT_TURN = "apomesh.ctl.turn"
 SUBJECT_JOURNAL = "apomesh.ctl.journal"
 SUBJECT_HITL = "apomesh.ctl.hitl"
 SUBJECT_JOB = "apomesh.ctl.job"
@@ -109,8 +110,26 @@ class BudgetState(msgspec.Struct):
     seconds: float = 0.0
 
 
+class RecordedTurn(msgspec.Struct):
+    """A model turn recorded before it was acted on: the answer the model gave at ``step``.
+
+    A re-dispatched or resumed agent whose memory holds one replays it instead of asking the model
+    again: its tool calls go through the journal with the same arguments (so the same keys), and a
+    recorded plan or final answer ends the agent with exactly that output."""
+
+    step: int
+    response: ModelResponse
+
+    @property
+    def ends_agent(self) -> bool:
+        """A plan or a final answer (the agent's answer to its ask), not tool calls."""
+        return self.response.final is not None or self.response.plan is not None
+
+
 class AgentMemory(msgspec.Struct):
-    """An agent's working memory as a snapshot restores it."""
+    """An agent's working memory as a snapshot restores it. ``turn`` is the model turn recorded
+    at ``step`` and not yet completed by a node (its tool calls may be cut short), or the plan or
+    final answer the agent ended with."""
 
     messages: list[Message] = []
     model: dict[str, Any] = {}
@@ -118,6 +137,7 @@ class AgentMemory(msgspec.Struct):
     step: int = 0
     prompt: str = ""
     call_counts: dict[str, int] = {}
+    turn: RecordedTurn | None = None
 
 
 # --- worker -> daemon ---------------------------------------------------------------------------
@@ -169,7 +189,9 @@ class CallResult(msgspec.Struct):
 
 
 class NodeReport(_Report):
-    """A node boundary: what the node added to working memory, and why the snapshot is taken."""
+    """A node boundary: what the node added to working memory, and why the snapshot is taken.
+    ``turn`` is a recorded turn the snapshot still holds (the plan or final answer an agent ended
+    with, at its ``affinity_release``); a node that completes a turn carries none."""
 
     step: int
     new_messages: list[Message]
@@ -180,6 +202,7 @@ class NodeReport(_Report):
     prompt: str = ""
     call_counts: dict[str, int] = {}
     results: list[CallResult] = []
+    turn: RecordedTurn | None = None
 
 
 class JournalBegin(_Report):
@@ -188,6 +211,27 @@ class JournalBegin(_Report):
     args: dict[str, Any]
     idempotent: bool
     on_unknown: str
+
+
+class TurnReport(_Report):
+    """A model turn, to be made durable before it is acted on (snapshot source ``turn``): a turn
+    whose tool calls are about to run a side effect (or start a job, or ask a human), or one that
+    ends the agent (a plan or a final answer). ``new_messages`` are what the agent added before the
+    turn (a new prompt); ``model``, ``budget`` and ``call_counts`` are as they stand once the model
+    answered and before any of its calls ran. ``intent`` is the turn's first side-effecting call,
+    riding on the report to save a round trip: the reply is then that call's journal answer."""
+
+    step: int
+    turn: RecordedTurn
+    new_messages: list[Message]
+    model: dict[str, Any]
+    budget: BudgetState
+    prompt: str = ""
+    call_counts: dict[str, int] = {}
+    intent: JournalBegin | None = None
+
+    source: ClassVar[str] = "turn"
+    reset: ClassVar[bool] = False
 
 
 class JournalFinish(_Report):
@@ -224,7 +268,9 @@ class Done(_Report):
     reason: str = ""
 
 
-Report = NodeReport | JournalBegin | JournalFinish | HitlAsk | JobStart | MemoryFetch | Done
+Report = (
+    NodeReport | TurnReport | JournalBegin | JournalFinish | HitlAsk | JobStart | MemoryFetch | Done
+)
 
 
 class Reply(msgspec.Struct):
@@ -258,6 +304,10 @@ class Run(msgspec.Struct, tag=True):
     memory_pages: int = 0
     """When the memory is too large to travel with the dispatch (``memory`` is None then): how
     many pages of its encoded bytes the worker fetches with ``MemoryFetch``, in order."""
+    answered_step: int = 0
+    """The step of the agent's latest recorded plan or final answer that the daemon took as the
+    answer to an earlier ask (0: none). A recorded ending turn at or before it is part of the
+    conversation this new ask goes on from; a later one is replayed."""
 
 
 class Cancel(msgspec.Struct, tag=True):

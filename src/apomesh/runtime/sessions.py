@@ -57,6 +57,7 @@ from apomesh.core.errors import (
     PayloadTooLarge,
 )
 from apomesh.core.events import (
+    TURN_SOURCE,
     AgentLifecycle,
     AgentResumed,
     AgentResuming,
@@ -75,6 +76,7 @@ from apomesh.core.events import (
     ToolCallRecorded,
     event_name,
 )
+from apomesh.core.journal import idempotency_key
 from apomesh.core.ports import EventLog
 from apomesh.core.state import AgentView, SessionState, apply, check
 from apomesh.plugins.api import (
@@ -100,6 +102,7 @@ from apomesh.runtime.protocol import (
     Reply,
     Report,
     Run,
+    TurnReport,
 )
 from apomesh.runtime.snapshots import SnapshotStore
 from apomesh.runtime.workers import Dispatch, WorkerLost, WorkerPool
@@ -369,6 +372,11 @@ class SessionRuntime:
                 )
             if isinstance(report, NodeReport):
                 return await self._on_node(slot, report)
+            if isinstance(report, TurnReport):
+                reply = await self._on_turn(slot, report)
+                if report.intent is None or reply.status != "ok":
+                    return reply
+                return await self._on_journal_begin(slot, report.intent)
             if isinstance(report, JournalBegin):
                 return await self._on_journal_begin(slot, report)
             if isinstance(report, JournalFinish):
@@ -389,6 +397,9 @@ class SessionRuntime:
         if node in slot.nodes:
             return Reply("ok")  # a retry of a node already stored
         sources = self.deps.plugins.checkpoint_sources()
+        if report.source == TURN_SOURCE:
+            # Only a TurnReport records a turn: a node pointer of that source would be replayed.
+            return Reply("error", message=f"a node report cannot carry source {TURN_SOURCE!r}")
         if report.source not in sources:
             # The closed set: the built-in sources and those plugins declare (never a HITL pause).
             known = ", ".join(sorted(sources))
@@ -451,6 +462,44 @@ class SessionRuntime:
             return Reply("error", message=f"this dispatch has no memory page {report.page}")
         start = report.page * slot.page_bytes
         return Reply("ok", data=slot.memory[start : start + slot.page_bytes])
+
+    async def _on_turn(self, slot: DispatchSlot, report: TurnReport) -> Reply:
+        """A model turn the agent is about to act on: its snapshot (the turn in the record, the
+        messages before it in a segment) is stored and its pointer (source ``turn``) appended
+        before the worker hears back, so a later dispatch replays the turn instead of asking the
+        model again."""
+        intent = report.intent
+        if intent is not None and (intent.agent, intent.epoch) != (report.agent, report.epoch):
+            return Reply("error", message="a turn's intent names another dispatch")
+        node = (report.step, report.source, False)
+        if node in slot.nodes:
+            return Reply("ok")  # a retry of a turn already stored
+        size = len(ENCODER.encode(report))
+        limit = self.deps.limits.max_snapshot_bytes
+        if size > limit:
+            return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
+        agent = self.state.agents[report.agent]
+        agent_key = f"{self.session_id}/{report.agent}"
+        snapshot_id, written = await self.deps.snapshots.write(
+            agent_key, agent.config, report, after_id=agent.snapshot_id or 0
+        )
+        events: list[Event] = []
+        if not slot.running_logged:
+            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
+        events.append(
+            AgentSnapshotted(
+                report.agent,
+                snapshot_id=snapshot_id,
+                source=report.source,
+                step=report.step,
+                size=written,
+            )
+        )
+        await self.append(*events)
+        slot.running_logged = True
+        slot.nodes.add(node)
+        self.deps.metrics.snapshot_bytes.inc(written)
+        return Reply("ok")
 
     async def _on_journal_begin(self, slot: DispatchSlot, report: JournalBegin) -> Reply:
         agent_key = f"{self.session_id}/{report.agent}"
@@ -640,6 +689,7 @@ class SessionRuntime:
                 worker_id="daemon",
                 workspace_root=self.deps.workspace,
                 send=_no_send,
+                idempotency_key=idempotency_key(self.session_id, job.agent, job.job_id),
             )
             try:
                 result, ok = await tool.run(ctx, job.args), True
@@ -972,6 +1022,7 @@ class SessionRuntime:
                         task_index=agent.task_index or 0,
                         memory=memory,
                         incarnation=self.deps.incarnation,
+                        answered_step=self.state.agents[ref].answered_step,
                     ),
                 )
                 try:

@@ -13,6 +13,11 @@ The agent's call counts (how many times each journaled call was made, which keys
 grow with every side-effecting call, so they are stored the same way: a segment carries the counts
 its node changed, and a load merges them over every segment up to the record (a reset keeps them).
 A segment without counts is the plain list of messages.
+
+A model turn recorded before it is acted on (a ``TurnReport``, source ``turn``) is a snapshot
+like any other: its record holds the turn (``SnapshotRecord.turn``, small: one model answer) and
+the node that completes the turn writes a record without it. The turn's assistant message joins
+the conversation only with that node, so a turn is never in the segments twice.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import msgspec
 from apomesh.adapters.lmdb_store import AsyncStore, snapshot_key
 from apomesh.core.definition import AgentConfig
 from apomesh.plugins.api import Message
-from apomesh.runtime.protocol import AgentMemory, BudgetState, NodeReport
+from apomesh.runtime.protocol import AgentMemory, BudgetState, NodeReport, RecordedTurn, TurnReport
 
 
 class SnapshotRecord(msgspec.Struct):
@@ -38,6 +43,8 @@ class SnapshotRecord(msgspec.Struct):
     prompt: str = ""
     call_counts: dict[str, int] = {}
     """Only in records written before counts moved to the segments: the base they update."""
+    turn: RecordedTurn | None = None
+    """The model turn recorded and not completed by a node (see the module docstring)."""
 
 
 class CountedSegment(msgspec.Struct, omit_defaults=True):
@@ -109,7 +116,12 @@ class SnapshotStore:
         return tail
 
     async def write(
-        self, agent_key: str, config: AgentConfig | None, report: NodeReport, *, after_id: int = 0
+        self,
+        agent_key: str,
+        config: AgentConfig | None,
+        report: NodeReport | TurnReport,
+        *,
+        after_id: int = 0,
     ) -> tuple[int, int]:
         """Store one node's snapshot; answers (snapshot_id, bytes written).
 
@@ -166,6 +178,7 @@ class SnapshotStore:
             budget=report.budget,
             source=report.source,
             prompt=report.prompt,
+            turn=report.turn,
         )
         snapshot_id = tail.next_snapshot
         tail.next_snapshot += 1
@@ -202,6 +215,7 @@ class SnapshotStore:
             step=record.step,
             prompt=record.prompt,
             call_counts=counts,
+            turn=record.turn,
         )
 
     async def records(self, agent_key: str) -> list[tuple[int, SnapshotRecord]]:

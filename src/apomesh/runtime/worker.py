@@ -40,6 +40,7 @@ from apomesh.runtime.protocol import (
     SUBJECT_MEMORY,
     SUBJECT_NODE,
     SUBJECT_REGISTER,
+    SUBJECT_TURN,
     AgentMemory,
     Beat,
     Cancel,
@@ -56,6 +57,7 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    TurnReport,
     beat_subject,
     bound_subject,
     check_worker_id,
@@ -66,6 +68,7 @@ log = logging.getLogger("apomesh.worker")
 
 _SUBJECTS: dict[type, str] = {
     NodeReport: SUBJECT_NODE,
+    TurnReport: SUBJECT_TURN,
     JournalBegin: SUBJECT_JOURNAL,
     JournalFinish: SUBJECT_JOURNAL,
     HitlAsk: SUBJECT_HITL,
