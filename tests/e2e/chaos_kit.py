@@ -239,7 +239,8 @@ def check_session(
         ev = r.event
         if r.kind == "ToolCallIntent":
             key = (ev["agent"], ev["key"])
-            intents[key] += 1
+            # A second intent its probe found never happened runs the call for the first time.
+            intents[key] += ev.get("resolution") != "not_happened"
             if ev.get("idempotent"):
                 idempotent.add(key)
             if ev["tool"] == "fs.append":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ class FakeToolContext:
     def agent(self) -> str:
         return "root"
 
+    epoch = 1
+    call_key = "k"
+
     async def ask_human(self, question: str) -> str:
         self.questions.append(question)
         return "yes, go ahead"
@@ -57,6 +61,7 @@ def ctx(workspace: Path) -> FakeToolContext:
 
 
 async def call(ctx: FakeToolContext, name: str, **args: Any) -> str:
+    ctx.call_key = uuid.uuid4().hex  # each call a new effect, as the loop's journal keys make it
     return await TOOLS[name].run(ctx, args)
 
 
@@ -92,7 +97,8 @@ async def test_write_replaces_the_whole_file_so_a_rerun_leaves_the_same_file(
     await call(ctx, "fs.write", path="out.txt", content="final")
     await call(ctx, "fs.write", path="out.txt", content="final")
     assert (workspace / "out.txt").read_text() == "final"
-    assert sorted(p.name for p in workspace.iterdir()) == ["out.txt"]  # no temp files left
+    # no temp files left; the ledger is the tools' own directory
+    assert sorted(p.name for p in workspace.iterdir()) == [".apomesh", "out.txt"]
 
 
 async def test_append_adds_one_line_per_call(ctx: FakeToolContext, workspace: Path) -> None:

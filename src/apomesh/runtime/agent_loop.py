@@ -25,6 +25,7 @@ from apomesh.plugins.api import (
     Model,
     ModelProvider,
     ModelRequest,
+    ProbeResult,
     SupervisorPolicy,
     Tool,
     describe_tool,
@@ -67,6 +68,8 @@ class LoopContext:
     step: int = 0
     explicit_checkpoint: bool = False
     asked: dict[str, str] = field(default_factory=dict)
+    call_key: str = ""
+    """The journal key of the side-effecting call running (or being probed) now."""
 
     @property
     def workspace(self) -> Path:
@@ -79,6 +82,10 @@ class LoopContext:
     @property
     def agent(self) -> str:
         return self.run.agent
+
+    @property
+    def epoch(self) -> int:
+        return self.run.epoch
 
     async def ask_human(self, question: str) -> str:
         pause_id = pause_key(self.run.agent, self.step, question)
@@ -320,27 +327,58 @@ async def _call_tool(
         if reply.decision == "done":
             return reply.result
         raise Stall("waiting", f"waiting for async job {name} {key[:12]}")
-    reply = await _checked(
-        ctx.send(
-            JournalBegin(
-                ctx.worker_id,
-                run.session_id,
-                run.agent,
-                run.epoch,
-                key=key,
-                tool=name,
-                args=args,
-                idempotent=tool.idempotent,
-                on_unknown=tool.on_unknown,
-            )
+    ctx.call_key = key
+
+    def begin(probed: str = "", reason: str = "") -> JournalBegin:
+        return JournalBegin(
+            ctx.worker_id,
+            run.session_id,
+            run.agent,
+            run.epoch,
+            key=key,
+            tool=name,
+            args=args,
+            idempotent=tool.idempotent,
+            on_unknown=tool.on_unknown,
+            probe=tool.probe is not None,
+            probed=probed,
+            probe_reason=reason,
         )
-    )
+
+    reply = await _checked(ctx.send(begin()))
+    if reply.decision == "probe" and tool.probe is not None:
+        # An earlier dispatch logged this call's intent and no result: ask the tool, here where
+        # the effect runs, whether it happened; the daemon logs the answer.
+        try:
+            probed = await tool.probe(ctx, args)
+        except Exception as exc:
+            probed = ProbeResult("cannot_tell", reason=f"the probe failed: {exc}")
+        if probed.status == "happened":
+            await _checked(
+                ctx.send(
+                    JournalFinish(
+                        ctx.worker_id,
+                        run.session_id,
+                        run.agent,
+                        run.epoch,
+                        key=key,
+                        tool=name,
+                        outcome="ok",
+                        result=probed.result,
+                        resolved_by="probe",
+                    )
+                )
+            )
+            return probed.result
+        reply = await _checked(ctx.send(begin(probed.status, probed.reason)))
     if reply.decision == "done":
         return reply.result if reply.outcome == "ok" else f"error: {reply.result}"
     if reply.decision == "failed":
         return f"error: outcome unknown for {name}: {reply.message}"
     if reply.decision == "hold":
         raise Stall("waiting", f"held for an operator: outcome of {name} {key[:12]} unknown")
+    if reply.decision != "run":
+        raise ApomeshError(f"the daemon answered {reply.decision!r} to the journal intent")
     outcome: Literal["ok", "error"]
     try:
         result = await tool.run(ctx, args)
