@@ -31,6 +31,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import stat
 import time
@@ -45,6 +46,8 @@ import anyio.to_thread
 
 from apomesh.core.errors import ToolError
 from apomesh.plugins.api import ProbeResult, Tool, ToolContext
+
+log = logging.getLogger("apomesh.tools")
 
 MAX_READ_BYTES = 1 << 20
 """``fs.read`` refuses files larger than this, so one call cannot flood a conversation."""
@@ -337,11 +340,15 @@ def _locked_ledger(workspace: Path, where: WorkspacePath, tool: str) -> Iterator
         lock_fd = os.open(f"{name}.lock", flags, _FILE_MODE, dir_fd=effects)
         try:
             deadline = time.monotonic() + LOCK_TIMEOUT
+            waited = False
             while True:
                 try:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if not waited:
+                        log.info("%s waits for the lock of %s", tool, "/".join(where.parts))
+                        waited = True
                     if time.monotonic() >= deadline:
                         raise ToolError(
                             f"{tool}: another writer held {'/'.join(where.parts)} for over "
@@ -389,10 +396,12 @@ def _settle(ledger: _Ledger, where: WorkspacePath) -> None:
 def _fence(ledger: _Ledger, effect: Effect) -> None:
     newest = ledger.epochs.get(effect.writer, 0)
     if newest > effect.epoch:
-        raise ToolError(
+        refused = ToolError(
             f"{effect.tool}: {effect.path} was reached by a newer dispatch of this agent "
             f"(epoch {newest}); this one (epoch {effect.epoch}) is stale and does not change it"
         )
+        log.warning("%s refused for %s: %s", effect.tool, effect.writer, refused.message)
+        raise refused
     ledger.epochs[effect.writer] = effect.epoch
 
 
