@@ -34,6 +34,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def chaos(session: nox.Session) -> None:
-    """The long chaos run: hundreds of SIGKILLs of workers and daemons, with a summary."""
+    """The long chaos run on a model that never repeats itself: at least 300 SIGKILLs of workers,
+    daemons and nats-servers, concurrent operator actions, and a summary (``-- --kills N``,
+    ``-- --seconds S``)."""
     session.install("-e", ".[test]")
-    session.run("python", "bench/chaos.py", *session.posargs)
+    session.run("python", "bench/chaos.py", *(session.posargs or ["--kills", "300"]))

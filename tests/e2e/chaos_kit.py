@@ -50,8 +50,8 @@ from apomesh.core.events import (
 from apomesh.core.journal import call_key
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.composition import compose_shape
-from apomesh.sdk.client import Client, EventRecord
-from apomesh.testing import Mesh, WorkerProcess
+from apomesh.sdk.client import Client, EventRecord, ServerUnavailable
+from apomesh.testing import DaemonProcess, Mesh, WorkerProcess
 
 STEP_DELAY = 0.12
 """Seconds each scripted model turn waits: the window a 'before' kill lands in."""
@@ -559,3 +559,414 @@ def shape_of(definition: dict[str, Any], host: PluginHost | None = None) -> Sess
     return compose_shape(
         parse_definition(definition), host=host or PluginHost(), skills=[], source="inline"
     )
+
+
+# --- runs on a nondeterministic model ------------------------------------------------------------
+#
+# The agents below are answered by a ``FreshModelServer`` (``tests/fakes/fresh_model.py``) that
+# never repeats itself, so a step asked of the model twice gets a different effect; every session
+# is audited against the server's record (``tests/e2e/chaos_audit.py``).
+
+ModelTable = Callable[[str], dict[str, Any]]
+"""Model name -> the ``[model]`` table reaching the fresh server (``fresh_model_spec``)."""
+
+
+def fresh_solo(
+    model: ModelTable, *, appends: int = 3, reads: int = 1, asks: int = 0
+) -> dict[str, Any]:
+    """A solo agent making ``appends`` fresh ``fs.append`` calls (and ``asks`` questions first)."""
+    tools = ["fs.append", "fs.list"] + (["ask_human"] if asks else [])
+    return {
+        "name": "fresh-solo",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": tools,
+        "model": model(f"fresh:appends={appends},reads={reads},asks={asks}"),
+    }
+
+
+def fresh_fanout(
+    model: ModelTable, *, children: int = 2, appends: int = 2, jobs: int = 1
+) -> dict[str, Any]:
+    """A fanout of ``children`` sub-agents, each making the same ``jobs.sleep {"seconds": 1}``
+    call ``jobs`` times, then ``appends`` fresh appends."""
+    return {
+        "name": "fresh-fanout",
+        "version": "1.0.0",
+        "coordination": "fanout",
+        "coordination_params": {"max_parallel": children},
+        "model": model(f"fresh:plan={children}"),
+        "roles": {
+            "worker": {
+                "tools": ["fs.append", "fs.list", "jobs.sleep"],
+                "model": model(f"fresh:appends={appends},jobs={jobs},reads=1"),
+            }
+        },
+    }
+
+
+def fresh_refine(model: ModelTable, *, children: int = 2, appends: int = 1) -> dict[str, Any]:
+    """A refine loop: a fresh plan of ``children`` sub-tasks, each appending, then a critique."""
+    return {
+        "name": "fresh-refine",
+        "version": "1.0.0",
+        "coordination": "refine",
+        "coordination_params": {"max_parallel": children, "max_iterations": 2},
+        "model": model(f"fresh:plan={children}"),
+        "roles": {
+            "worker": {
+                "tools": ["fs.append", "fs.write"],
+                "model": model(f"fresh:appends={appends},writes=1"),
+            }
+        },
+    }
+
+
+@dataclass
+class FreshTally:
+    """Totals of a chaos run on the fresh model, as the summary prints them."""
+
+    worker_kills: int = 0
+    daemon_kills: int = 0
+    nats_kills: int = 0
+    sessions: int = 0
+    completed: int = 0
+    duplicates: int = 0
+    never_run: int = 0
+    never_run_probed: int = 0
+    lost: int = 0
+    undecodable: int = 0
+    output_not_from_model: int = 0
+    foreign_effects: int = 0
+    races: Counter[str] = field(default_factory=Counter)
+    race_refusals: Counter[str] = field(default_factory=Counter)
+    acknowledged_lost: int = 0
+    shapes: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def kills(self) -> int:
+        return self.worker_kills + self.daemon_kills + self.nats_kills
+
+    def add(self, audit: Any, shape: str) -> None:
+        self.sessions += 1
+        self.shapes[shape] += 1
+        self.completed += audit.status == "completed"
+        self.duplicates += audit.duplicates
+        self.never_run += audit.never_run
+        self.never_run_probed += audit.never_run_probed
+        self.lost += audit.lost
+        self.undecodable += audit.undecodable
+        self.output_not_from_model += audit.output_from_model is False
+        self.foreign_effects += audit.foreign_effects
+        self.problems += [f"{shape} {audit.session_id}: {p}" for p in audit.problems]
+
+    def summary(self) -> list[str]:
+        return [
+            f"kills               {self.kills} ({self.worker_kills} workers, "
+            f"{self.daemon_kills} daemons, {self.nats_kills} nats-servers)",
+            f"sessions            {self.sessions} ({', '.join(f'{n} {s}' for s, n in sorted(self.shapes.items()))})",
+            f"completed           {self.completed}",
+            f"duplicates          {self.duplicates}",
+            f"effects never run   {self.never_run_probed} for tools with probes (none today); "
+            f"{self.never_run} ok-but-absent in all",
+            f"lost sessions       {self.lost}",
+            f"undecodable logs    {self.undecodable}",
+            f"output not from the model {self.output_not_from_model}",
+            f"effects from no model answer {self.foreign_effects}",
+            f"acknowledged events lost {self.acknowledged_lost}",
+            f"operator races      {dict(self.races)} (refused: {dict(self.race_refusals)})",
+        ]
+
+
+class FreshChaos:
+    """Kill scenarios on sessions answered by a fresh-model server, each session audited."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        client: Client,
+        model: ModelTable,
+        model_log: Callable[[], list[dict[str, Any]]],
+        *,
+        rng: random.Random,
+        tally: FreshTally | None = None,
+        say: Callable[[str], None] | None = None,
+        deadline: float = SESSION_DEADLINE,
+    ) -> None:
+        self.mesh = mesh
+        self.client = client
+        self.model = model
+        self.model_log = model_log
+        self.rng = rng
+        self.pool = WorkerPool(mesh)
+        self.tally = tally or FreshTally()
+        self.say = say or (lambda _text: None)
+        self.deadline = deadline
+        self._daemon_lock = anyio.Lock()
+
+    # --- pieces --------------------------------------------------------------------------------
+
+    def definition(self, shape: str) -> dict[str, Any]:
+        if shape == "fanout":
+            return fresh_fanout(self.model, children=self.rng.choice((2, 3)))
+        if shape == "refine":
+            return fresh_refine(self.model)
+        return fresh_solo(self.model, appends=self.rng.choice((2, 3, 4)))
+
+    async def start_with_retry(self, goal: str, definition: dict[str, Any]) -> str:
+        """Start a session, retrying a refusal (503) for a while as a client would: a cluster
+        that has just lost a node may not have a stream leader yet. Goals must be unique in a
+        run: the fresh model names an agent's files after its task."""
+        for _ in range(30):
+            try:
+                return await self.client.start_session(goal, definition=definition)
+            except ServerUnavailable as exc:
+                self.say(f"start {goal!r} refused, retrying: {exc}")
+                await anyio.sleep(1.0)
+        return await self.client.start_session(goal, definition=definition)
+
+    async def kill_daemon(self) -> None:
+        async with self._daemon_lock:
+            await anyio.to_thread.run_sync(self.mesh.daemon.kill)
+            self.tally.daemon_kills += 1
+            await anyio.to_thread.run_sync(self.mesh.daemon.start)
+
+    async def read_log(self, session_id: str) -> list[EventRecord]:
+        """The session's events up to its current last index."""
+        last = (await self.client.get_session(session_id)).last_index
+        records: list[EventRecord] = []
+        if last < 0:
+            return records
+        with anyio.fail_after(60):
+            async for record in self.client.events(session_id):
+                records.append(record)
+                if record.index >= last:
+                    break
+        return records
+
+    async def settle(self, session_id: str, *, accept: tuple[str, ...] = ("completed",)) -> bool:
+        """Until the session is terminal (resuming it, as an operator would, whenever it is on
+        the recoverable list); False when the deadline passed first."""
+        deadline = anyio.current_time() + self.deadline
+        said = ""
+        while anyio.current_time() < deadline:
+            try:
+                view = await self.client.get_session(session_id)
+                if view.status in ("completed", "failed", "cancelled"):
+                    return True
+                recoverable = {r.session_id for r in await self.client.list_recoverable()}
+                if session_id in recoverable:
+                    await self.client.resume(session_id)
+            except Exception as exc:  # a refused resume or a restarting daemon: try again
+                if str(exc) != said:
+                    self.say(f"settle {session_id}: {type(exc).__name__}: {exc}")
+                said = str(exc)
+            await anyio.sleep(0.5)
+        return False
+
+    async def audit(
+        self,
+        session_id: str,
+        shape: str,
+        *,
+        in_time: bool,
+        accept: tuple[str, ...] = ("completed",),
+    ) -> Any:
+        from tests.e2e.chaos_audit import audit_session
+
+        try:
+            records: list[EventRecord] = await self.read_log(session_id)
+            verification = await self.client.verify_session(session_id)
+        except Exception as exc:
+            records, verification = [], {"problems": [{"kind": "undecodable", "message": str(exc)}]}
+        result = audit_session(
+            records,
+            verification,
+            self.mesh.daemon.workspace,
+            await anyio.to_thread.run_sync(self.model_log),
+            session_id=session_id,
+            timed_out=not in_time,
+        )
+        if result.lost and result.status in accept and in_time:
+            result.lost = False
+            result.problems = [p for p in result.problems if not p.startswith("lost:")]
+        self.tally.add(result, shape)
+        self.say(
+            f"{shape:<14} {session_id[:12]} {result.status:<9} dup {result.duplicates} "
+            f"never-run {result.never_run} lost {int(result.lost)} "
+            f"undecodable {int(result.undecodable)} output-from-model {result.output_from_model}"
+        )
+        return result
+
+    # --- runs ----------------------------------------------------------------------------------
+
+    async def kill_run(self, tag: str, shape: str | None = None) -> Any:
+        """One session; SIGKILL the worker running an agent of it (or, one time in five, the
+        daemon) after a random number of its events, or at its n-th side-effecting call's intent
+        or result; resume what lands on the recoverable list."""
+        rng = self.rng
+        shape = shape or rng.choice(("solo", "fanout", "refine"))
+        session_id = await self.client.start_session(
+            f"{tag} {shape}", definition=self.definition(shape)
+        )
+        # At the n-th event of a kind: any event, or right at a side-effecting call's intent or
+        # result (where a model asked again for the cut-short step rephrases the effect).
+        trigger = rng.choice(("AnyEvent", "ToolCallIntent", "ToolCallRecorded"))
+        kill_at = rng.randrange(3, 30) if trigger == "AnyEvent" else rng.randrange(1, 4)
+        worker_of: dict[str, str] = {}
+        seen = 0
+        try:
+            with anyio.fail_after(self.deadline):
+                async for record in self.client.events(session_id):
+                    ev = record.event
+                    if record.kind == "AgentLifecycle" and ev.get("phase") == "dispatched":
+                        worker_of[ev["agent"]] = ev["worker"]
+                    seen += trigger in ("AnyEvent", record.kind)
+                    if seen == kill_at and trigger in ("AnyEvent", record.kind):
+                        agent = ev.get("agent")
+                        if rng.random() < 0.2 or agent not in worker_of:
+                            await self.kill_daemon()
+                            break
+                        if self.pool.kill(worker_of[agent]):
+                            self.tally.worker_kills += 1
+                    if record.kind == "SessionEnded":
+                        break
+        except TimeoutError:
+            pass
+        in_time = await self.settle(session_id)
+        return await self.audit(session_id, shape, in_time=in_time)
+
+    async def _post_pair(
+        self, first: tuple[str, dict[str, Any]], second: tuple[str, dict[str, Any]]
+    ) -> list[int]:
+        import httpx
+
+        statuses = [0, 0]
+
+        async def post(n: int, path: str, body: dict[str, Any]) -> None:
+            async with httpx.AsyncClient(base_url=self.mesh.url, timeout=30) as http:
+                try:
+                    statuses[n] = (await http.post(path, json=body)).status_code
+                except httpx.HTTPError:
+                    statuses[n] = -1
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(post, 0, *first)
+            group.start_soon(post, 1, *second)
+        return statuses
+
+    async def hitl_race_run(self, tag: str) -> Any:
+        """Two answers to one HITL pause at the same moment; the session must complete."""
+        definition = fresh_solo(self.model, appends=2, asks=1)
+        session_id = await self.client.start_session(f"{tag} ask", definition=definition)
+        pause_id = ""
+        with anyio.fail_after(self.deadline):
+            async for record in self.client.events(session_id):
+                if record.kind == "HitlPaused":
+                    pause_id = record.event["pause_id"]
+                    break
+                if record.kind == "SessionEnded":
+                    break
+        if pause_id:
+            path = f"/v1/sessions/{session_id}/hitl/{pause_id}"
+            statuses = await self._post_pair(
+                (path, {"answer": f"first {uuid.uuid4().hex}"}),
+                (path, {"answer": f"second {uuid.uuid4().hex}"}),
+            )
+            self.tally.races["hitl+hitl"] += 1
+            self.tally.race_refusals["hitl+hitl"] += sum(s >= 400 for s in statuses)
+        in_time = await self.settle(session_id)
+        return await self.audit(session_id, "race hitl", in_time=in_time)
+
+    async def resume_race_run(self, tag: str, *, with_cancel: bool) -> Any:
+        """A session with side effects cut by a daemon SIGKILL; once it is recoverable, two
+        resumes (or a resume and a cancel) at the same moment."""
+        definition = fresh_solo(self.model, appends=4)
+        session_id = await self.client.start_session(f"{tag} resume", definition=definition)
+        with anyio.fail_after(self.deadline):
+            async for record in self.client.events(session_id):
+                if record.kind == "ToolCallRecorded" or record.kind == "SessionEnded":
+                    break
+        await self.kill_daemon()
+        name = "resume+cancel" if with_cancel else "resume+resume"
+        with anyio.move_on_after(15):
+            while session_id not in {r.session_id for r in await self.client.list_recoverable()}:
+                await anyio.sleep(0.2)
+            base = f"/v1/sessions/{session_id}"
+            second = (
+                (f"{base}/cancel", {}) if with_cancel else (f"{base}/resume", {"confirm": True})
+            )
+            statuses = await self._post_pair((f"{base}/resume", {"confirm": True}), second)
+            self.tally.races[name] += 1
+            self.tally.race_refusals[name] += sum(s >= 400 for s in statuses)
+        accept = ("completed", "cancelled") if with_cancel else ("completed",)
+        in_time = await self.settle(session_id, accept=accept)
+        return await self.audit(session_id, f"race {name}", in_time=in_time, accept=accept)
+
+    async def nats_kill_run(
+        self, tag: str, servers: list[Any], *, sessions: int = 3, down: float = 2.0
+    ) -> list[Any]:
+        """Sessions running while one nats-server of ``servers`` is SIGKILLed (its store kept) and
+        started again: every event a client received before (an SSE frame) and every session
+        the API acknowledged (201) must be on the log afterwards."""
+        rng = self.rng
+        shapes = [rng.choice(("solo", "fanout", "refine")) for _ in range(sessions)]
+        ids = [
+            await self.start_with_retry(f"{tag} nats {n} {s}", self.definition(s))
+            for n, s in enumerate(shapes)
+        ]
+        received: dict[str, list[tuple[int, str]]] = {sid: [] for sid in ids}
+
+        async def follow(session_id: str) -> None:
+            with anyio.move_on_after(self.deadline):
+                async for record in self.client.events(session_id):
+                    received[session_id].append((record.index, record.event_id))
+                    if record.kind == "SessionEnded":
+                        return
+
+        async with anyio.create_task_group() as group:
+            for sid in ids:
+                group.start_soon(follow, sid)
+            await anyio.sleep(rng.uniform(0.5, 2.5))
+            victim = rng.choice(servers)
+            await anyio.to_thread.run_sync(victim.kill)
+            self.tally.nats_kills += 1
+            await anyio.sleep(down)
+            await anyio.to_thread.run_sync(victim.start)
+        audits = []
+        for session_id, shape in zip(ids, shapes, strict=True):
+            in_time = await self.settle(session_id)
+            try:
+                on_log = {(r.index, r.event_id) for r in await self.read_log(session_id)}
+            except Exception as exc:
+                on_log = set()
+                self.tally.problems.append(f"nats {session_id}: cannot read the log: {exc}")
+            missing = [frame for frame in received[session_id] if frame not in on_log]
+            if missing or not on_log:
+                self.tally.acknowledged_lost += len(missing) or 1
+                self.tally.problems.append(
+                    f"nats {session_id}: {len(missing)} received events not on the log"
+                    + ("" if on_log else " (no log for an acknowledged session)")
+                )
+            audits.append(await self.audit(session_id, f"nats {shape}", in_time=in_time))
+        return audits
+
+
+class ClusterMesh(Mesh):
+    """A ``Mesh`` on a three-node cluster: the daemon asks for three-replica streams and every
+    process is given all three URLs."""
+
+    def __init__(self, servers: list[Any], base: Path) -> None:
+        super().__init__(servers[0], base)
+        self.servers = servers
+        urls = [s.url for s in servers]
+        self.daemon = DaemonProcess(urls, base / "daemon", extra_args=("--replicas", "3"))
+
+    def worker(self, name: str | None = None) -> WorkerProcess:
+        worker = WorkerProcess(
+            [s.url for s in self.servers], self.daemon.workspace, name or f"w{len(self.workers)}"
+        )
+        worker.start()
+        self.workers.append(worker)
+        return worker
