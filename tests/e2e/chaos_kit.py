@@ -668,7 +668,7 @@ class FreshTally:
             f"sessions            {self.sessions} ({', '.join(f'{n} {s}' for s, n in sorted(self.shapes.items()))})",
             f"completed           {self.completed}",
             f"duplicates          {self.duplicates}",
-            f"effects never run   {self.never_run_probed} for tools with probes (none today); "
+            f"effects never run   {self.never_run_probed} for tools with probes; "
             f"{self.never_run} ok-but-absent in all",
             f"lost sessions       {self.lost}",
             f"undecodable logs    {self.undecodable}",
