@@ -45,7 +45,7 @@ import anyio
 import anyio.to_thread
 
 from apomesh.core.errors import ToolError
-from apomesh.plugins.api import ProbeResult, Tool, ToolContext
+from apomesh.plugins.api import ProbeResult, Tool, ToolContext, ToolProbe
 
 log = logging.getLogger("apomesh.tools")
 
@@ -533,7 +533,7 @@ async def fs_append(ctx: ToolContext, args: dict[str, Any]) -> str:
     return await anyio.to_thread.run_sync(_append, ctx.workspace, effect, line)
 
 
-def _file_probe(tool: str) -> Any:
+def _file_probe(tool: str) -> ToolProbe:
     async def probe(ctx: ToolContext, args: dict[str, Any]) -> ProbeResult:
         path = _str_arg(tool, args, "path")
         return await anyio.to_thread.run_sync(_probe, ctx.workspace, effect_of(ctx, tool, path))

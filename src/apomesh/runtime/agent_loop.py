@@ -3,10 +3,12 @@
 Each node is one model turn plus the tool calls it asks for. At each node boundary the loop reports
 what the node added to working memory (``NodeReport``); the daemon stores the snapshot and appends
 the pointer. Side-effecting tools go through the journal (intent before the effect, result after);
-a call found in the journal is served from it. A human question, an async job or an operator hold
-stalls the loop: the dispatch ends, and a later dispatch re-runs the loop from the last snapshot to
-the same stall, where the answer now waits (pause ids and journal keys are derived from the call,
-so nothing is asked or run twice).
+a call found in the journal is served from it, and one an earlier dispatch left with an unknown
+outcome is first put to the tool's probe, here where the effect runs, when it has one (the daemon
+answers ``probe``; the answer goes back as a result or as a ``not_happened`` intent). A human
+question, an async job or an operator hold stalls the loop: the dispatch ends, and a later
+dispatch re-runs the loop from the last snapshot to the same stall, where the answer now waits
+(pause ids and journal keys are derived from the call, so nothing is asked or run twice).
 """
 
 from __future__ import annotations
