@@ -274,14 +274,14 @@ class Effect:
 
 
 def effect_of(ctx: ToolContext, tool: str, path: str) -> Effect:
-    """The ``Effect`` of a call made in ``ctx``: its id is ``ctx.idempotency_key`` when the
-    context has one, else the session, agent and journal key of the call running now."""
+    """The ``Effect`` of a call made in ``ctx``: its id is the session and agent with
+    ``ctx.idempotency_key`` when the context has one, else with the journal key of the call
+    running now (both stable across re-dispatch, restart and resume)."""
     key = getattr(ctx, "idempotency_key", "") or getattr(ctx, "call_key", "")
     if not key:
         raise ToolError(f"{tool}: this context names no call to fence the effect by")
     writer = f"{ctx.session_id}/{ctx.agent}"
-    effect_id = key if hasattr(ctx, "idempotency_key") else f"{writer}/{key}"
-    return Effect(tool, path, writer, ctx.epoch, effect_id)
+    return Effect(tool, path, writer, ctx.epoch, f"{writer}/{key}")
 
 
 def ledger_name(parts: tuple[str, ...]) -> str:
