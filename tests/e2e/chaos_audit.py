@@ -10,8 +10,8 @@ verification of it, its workspace and the calls a ``FreshModelServer`` recorded,
   ``fs.write``, whose file keeps only the last content, an earlier write with an ``ok`` result
   counts as landed);
 - **effects never run**: an intent whose logged result is ``ok`` but whose line is not in the file
-  (``never_run``), and among them those of tools with a probe (``never_run_probed``; today no
-  tool has one);
+  (``never_run``), and among them those of tools with a probe (``never_run_probed``), which also
+  counts a probed tool's effect left ``unknown`` and absent (its probe should have resolved it);
 - **lost**: the session did not end ``completed`` within the deadline;
 - **undecodable**: the daemon's verification cannot fold the log;
 - **output_from_model**: whether the session's output is an answer the server really gave;
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 EFFECT_TOOLS = ("fs.append", "fs.write")
-PROBED_TOOLS: frozenset[str] = frozenset()
-"""Tools that declare a probe (an unknown outcome can be resolved): none today."""
+PROBED_TOOLS: frozenset[str] = frozenset({"fs.append", "fs.write"})
+"""Tools that declare a probe (an unknown outcome is resolved, so none is left "never run")."""
 
 
 class Record(Protocol):
@@ -153,6 +153,9 @@ def audit_session(
             audit.never_run += 1
             audit.never_run_probed += tool_of[effect] in PROBED_TOOLS
             audit.problems.append(f"{effect[0]}: {effect[1]!r} has an ok result but never ran")
+        elif tool_of[effect] in PROBED_TOOLS and any(outcome.get(k) == "unknown" for k in keys):
+            audit.never_run_probed += 1
+            audit.problems.append(f"{effect[0]}: {effect[1]!r} left unknown and never ran")
     if model_calls is None:
         return audit
     given, texts = model_effects(model_calls)

@@ -240,7 +240,8 @@ def check_session(
         ev = r.event
         if r.kind == "ToolCallIntent":
             key = (ev["agent"], ev["key"])
-            intents[key] += 1
+            # A second intent its probe found never happened runs the call for the first time.
+            intents[key] += ev.get("resolution") != "not_happened"
             if ev.get("idempotent"):
                 idempotent.add(key)
             if ev["tool"] == "fs.append":
@@ -693,7 +694,7 @@ class FreshTally:
             f"sessions            {self.sessions} ({', '.join(f'{n} {s}' for s, n in sorted(self.shapes.items()))})",
             f"completed           {self.completed}",
             f"duplicates          {self.duplicates}",
-            f"effects never run   {self.never_run_probed} for tools with probes (none today); "
+            f"effects never run   {self.never_run_probed} for tools with probes; "
             f"{self.never_run} ok-but-absent in all",
             f"lost sessions       {self.lost}",
             f"undecodable logs    {self.undecodable}",

@@ -87,7 +87,7 @@ async def finished(client: Client, session_id: str) -> list[EventRecord]:
 
 
 @pytest.mark.anyio
-async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_never_rerun(
+async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolved_by_the_probe(
     mesh: Mesh,
 ) -> None:
     goal = "unknown-outcome"
@@ -120,12 +120,15 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_never_r
     check = check_session(records, verification, mesh.daemon.workspace)
     assert check.ok, check.problems
     recorded = [r.event for r in records if r.kind == "ToolCallRecorded"]
-    # fs.append's policy is "fail": the call is not run again and the model is told so.
-    assert recorded[0]["outcome"] == "unknown" and "not re-run" in recorded[0]["result"]
+    # fs.append has a probe: asked after the resume, it finds the line was never appended, so
+    # the call runs now, once (its "fail" policy is only the fallback when a probe cannot tell).
+    assert recorded[0]["outcome"] == "ok"
+    intents = [r.event for r in records if r.kind == "ToolCallIntent"]
+    assert [i.get("resolution", "") for i in intents if i["args"] == args] == ["", "not_happened"]
     assert [r.event["action"] for r in records if r.kind == "OperatorAction"] == ["resume"]
     assert [r.event["reason"] for r in records if r.kind == "AgentResuming"] == ["operator resume"]
     lines = (mesh.daemon.workspace / args["path"]).read_text().splitlines()
-    assert f"{goal} line 0" not in lines and f"{goal} line 1" in lines
+    assert lines.count(f"{goal} line 0") == 1 and f"{goal} line 1" in lines
 
 
 # --- what the boot scan does with each kind of session --------------------------------------------

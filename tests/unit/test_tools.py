@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from apomesh.builtin.tools import BUILTIN_TOOLS, resolve_in_workspace
 from apomesh.core.errors import ToolError
-from apomesh.plugins.api import Tool
+from apomesh.plugins.api import ProbeResult, Tool
 
 pytestmark = pytest.mark.anyio
 
@@ -36,6 +37,9 @@ class FakeToolContext:
     def agent(self) -> str:
         return "root"
 
+    epoch = 1
+    call_key = "k"
+
     async def ask_human(self, question: str) -> str:
         self.questions.append(question)
         return "yes, go ahead"
@@ -57,6 +61,7 @@ def ctx(workspace: Path) -> FakeToolContext:
 
 
 async def call(ctx: FakeToolContext, name: str, **args: Any) -> str:
+    ctx.call_key = uuid.uuid4().hex  # each call a new effect, as the loop's journal keys make it
     return await TOOLS[name].run(ctx, args)
 
 
@@ -92,7 +97,8 @@ async def test_write_replaces_the_whole_file_so_a_rerun_leaves_the_same_file(
     await call(ctx, "fs.write", path="out.txt", content="final")
     await call(ctx, "fs.write", path="out.txt", content="final")
     assert (workspace / "out.txt").read_text() == "final"
-    assert sorted(p.name for p in workspace.iterdir()) == ["out.txt"]  # no temp files left
+    # no temp files left; the ledger is the tools' own directory
+    assert sorted(p.name for p in workspace.iterdir()) == [".apomesh", "out.txt"]
 
 
 async def test_append_adds_one_line_per_call(ctx: FakeToolContext, workspace: Path) -> None:
@@ -288,3 +294,108 @@ async def test_a_fifo_is_refused_without_blocking(ctx: FakeToolContext, workspac
             pytest.fail(f"{tool} blocked on a FIFO")
         with pytest.raises(ToolError, match=r"regular file|cannot open"):
             task.result()
+
+
+# --- probes and fencing ---------------------------------------------------------------------------
+
+
+def dispatch(workspace: Path, key: str, epoch: int = 1) -> FakeToolContext:
+    """The context of one call (journal key ``key``) made by dispatch ``epoch`` of ``root``."""
+    ctx = FakeToolContext(workspace)
+    ctx.call_key, ctx.epoch = key, epoch
+    return ctx
+
+
+async def probe(ctx: FakeToolContext, name: str, **args: Any) -> ProbeResult:
+    found = TOOLS[name].probe
+    assert found is not None
+    return await found(ctx, args)
+
+
+class Crash(BaseException):
+    """A kill at a chosen point inside a tool (nothing after it runs)."""
+
+
+def crash_at_fsync(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    calls = {"n": 0}
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise Crash
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("name", ["fs.append", "fs.write"])
+async def test_a_probe_tells_whether_the_effect_happened(workspace: Path, name: str) -> None:
+    args = (
+        {"path": "p.txt", "line": "one"}
+        if name == "fs.append"
+        else {"path": "p.txt", "content": "one"}
+    )
+    ctx = dispatch(workspace, "k1")
+    assert (await probe(ctx, name, **args)).status == "not_happened"
+    result = await TOOLS[name].run(ctx, args)
+    assert await probe(dispatch(workspace, "k1", epoch=2), name, **args) == ProbeResult(
+        "happened", result=result
+    )
+    assert (await probe(dispatch(workspace, "k2", epoch=2), name, **args)).status == "not_happened"
+
+
+async def test_an_append_cut_short_by_a_crash_is_settled_from_the_file(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = {"path": "log.txt", "line": "the line"}
+    await TOOLS["fs.append"].run(dispatch(workspace, "k0"), {"path": "log.txt", "line": "before"})
+    # Killed after the line reached the file, before the ledger said it was done: it happened.
+    crash_at_fsync(monkeypatch, 2)
+    with pytest.raises(Crash):
+        await TOOLS["fs.append"].run(dispatch(workspace, "k1"), args)
+    monkeypatch.undo()
+    found = await probe(dispatch(workspace, "k1", epoch=2), "fs.append", **args)
+    assert found == ProbeResult("happened", result="appended 1 line to log.txt")
+    assert (workspace / "log.txt").read_text() == "before\nthe line\n"
+    # Killed halfway through writing the line: the half line is cut off, it did not happen, and
+    # the call then runs once.
+    crash_at_fsync(monkeypatch, 2)
+    with pytest.raises(Crash):
+        await TOOLS["fs.append"].run(dispatch(workspace, "k2", epoch=2), {**args, "line": "second"})
+    monkeypatch.undo()
+    with open(workspace / "log.txt", "r+b") as handle:
+        handle.truncate(len(b"before\nthe line\nsec"))
+    again = dispatch(workspace, "k2", epoch=3)
+    assert (await probe(again, "fs.append", path="log.txt", line="second")).status == "not_happened"
+    assert (workspace / "log.txt").read_text() == "before\nthe line\n"
+    await TOOLS["fs.append"].run(again, {**args, "line": "second"})
+    await TOOLS["fs.append"].run(again, {**args, "line": "second"})  # the same effect: no-op
+    assert (workspace / "log.txt").read_text() == "before\nthe line\nsecond\n"
+
+
+async def test_a_stale_dispatch_cannot_write_over_a_newer_one(workspace: Path) -> None:
+    stale, newer = dispatch(workspace, "x", epoch=1), dispatch(workspace, "y", epoch=2)
+    await TOOLS["fs.write"].run(newer, {"path": "config.txt", "content": "Y"})
+    with pytest.raises(ToolError, match="stale"):
+        await TOOLS["fs.write"].run(stale, {"path": "config.txt", "content": "X"})
+    assert (workspace / "config.txt").read_text() == "Y"
+    # A newer dispatch's probe alone fences the older one off, before it writes anything.
+    await probe(dispatch(workspace, "z", epoch=3), "fs.append", path="other.txt", line="z")
+    with pytest.raises(ToolError, match="stale"):
+        await TOOLS["fs.append"].run(newer, {"path": "other.txt", "line": "late"})
+    assert not (workspace / "other.txt").exists() or (workspace / "other.txt").read_text() == ""
+    # Another agent is not fenced by this one's epochs.
+    other = dispatch(workspace, "w", epoch=1)
+    other_agent = type("Other", (FakeToolContext,), {"agent": "root/0"})(workspace)
+    other_agent.call_key, other_agent.epoch = other.call_key, 1
+    await TOOLS["fs.write"].run(other_agent, {"path": "config.txt", "content": "Z"})
+    assert (workspace / "config.txt").read_text() == "Z"
+
+
+async def test_the_ledger_is_not_for_tools_to_write(ctx: FakeToolContext) -> None:
+    with pytest.raises(ToolError, match="own records"):
+        await call(ctx, "fs.write", path=".apomesh/effects/x.json", content="{}")
+    with pytest.raises(ToolError, match="own records"):
+        await call(ctx, "fs.append", path="./.apomesh/x", line="x")
+    assert ".apomesh" not in await call(ctx, "fs.list", path=".")

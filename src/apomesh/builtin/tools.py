@@ -9,17 +9,32 @@ while a call runs can reach outside the workspace; the final open is ``O_NOFOLLO
 and appending refuse what is not a regular file (a FIFO is opened ``O_NONBLOCK`` and refused
 without blocking) and a file with other hard links (which could be a file outside). File I/O runs
 in a worker thread (``anyio.to_thread.run_sync``) so a tool never blocks the event loop.
-``fs.write`` rewrites a whole file (idempotent: the same call leaves the same file, so an unknown
-outcome is simply re-run); ``fs.append`` appends one line (not idempotent: an unknown outcome fails
-rather than risk a second line).
+``fs.write`` rewrites a whole file and ``fs.append`` appends one line.
+
+Both keep an effect ledger per target file under ``<workspace>/.apomesh/effects/`` (which no tool
+may write) and change the file only under that ledger's ``flock`` (waited for at most
+``LOCK_TIMEOUT``). Under the lock an effect (1) settles the ledger's pending entry, if a crash left
+one (did its bytes land? the file says), (2) is refused when a newer dispatch (a higher epoch) of
+the same agent has reached this file — so a frozen worker that wakes after its agent was resumed
+elsewhere cannot land its stale write — (3) is answered from the ledger when its effect id
+(``ctx.idempotency_key``) already happened, (4) records itself as pending (the file's size and the
+digest of the bytes it adds), (5) changes the file, (6) records itself done. Their probes, asked
+about an unknown outcome, take the same lock, settle the pending entry, raise the agent's epoch on
+the file (fencing the older dispatch from then on) and answer from the ledger: the effect happened
+(with its result) or did not (the call may run now); a lock not had in time cannot tell.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import hashlib
+import json
+import logging
 import os
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,12 +45,19 @@ import anyio
 import anyio.to_thread
 
 from apomesh.core.errors import ToolError
-from apomesh.plugins.api import Tool, ToolContext
+from apomesh.plugins.api import ProbeResult, Tool, ToolContext, ToolProbe
+
+log = logging.getLogger("apomesh.tools")
 
 MAX_READ_BYTES = 1 << 20
 """``fs.read`` refuses files larger than this, so one call cannot flood a conversation."""
 MAX_SYMLINKS = 40
 """Symlinks one path may go through (the kernel's own limit), so a loop ends in an error."""
+
+LEDGER_DIR = ".apomesh"
+"""The workspace directory holding the file tools' effect ledgers; no tool writes into it."""
+LOCK_TIMEOUT = 10.0
+"""How long an effect or a probe waits for its file's ledger lock before giving up."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_MODE = 0o644
@@ -227,16 +249,193 @@ def _list(workspace: Path, path: str) -> str:
         try:
             with os.scandir(fd) as entries:
                 names = sorted(
-                    e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries
+                    e.name + ("/" if e.is_dir(follow_symlinks=False) else "")
+                    for e in entries
+                    if where.parts or e.name != LEDGER_DIR
                 )
         finally:
             os.close(fd)
     return "\n".join(names)
 
 
-def _write(workspace: Path, path: str, content: str) -> str:
+# --- the effect ledger ----------------------------------------------------------------------------
+
+
+@dataclass
+class Effect:
+    """One file-tool call as its ledger knows it: ``writer`` (``session/agent``) and ``epoch``
+    fence it, ``effect_id`` names it across dispatches, ``path`` is the target's workspace path."""
+
+    tool: str
+    path: str
+    writer: str
+    epoch: int
+    effect_id: str
+
+
+def effect_of(ctx: ToolContext, tool: str, path: str) -> Effect:
+    """The ``Effect`` of a call made in ``ctx``: its id is the session and agent with
+    ``ctx.idempotency_key`` when the context has one, else with the journal key of the call
+    running now (both stable across re-dispatch, restart and resume)."""
+    key = getattr(ctx, "idempotency_key", "") or getattr(ctx, "call_key", "")
+    if not key:
+        raise ToolError(f"{tool}: this context names no call to fence the effect by")
+    writer = f"{ctx.session_id}/{ctx.agent}"
+    return Effect(tool, path, writer, ctx.epoch, f"{writer}/{key}")
+
+
+def ledger_name(parts: tuple[str, ...]) -> str:
+    """The ledger file stem of the workspace file at ``parts`` (its components from the root)."""
+    return hashlib.sha256("/".join(parts).encode("utf-8")).hexdigest()[:40]
+
+
+def ledger_lock_path(workspace: Path, path: str) -> Path:
+    """The lock file guarding the workspace file ``path`` (its directories must exist)."""
+    with open_in_workspace(workspace, path) as where:
+        name = ledger_name(where.parts)
+    return workspace.resolve() / LEDGER_DIR / "effects" / f"{name}.lock"
+
+
+class _Ledger:
+    """A target file's ledger, read and written under its lock (see the module text)."""
+
+    def __init__(self, dir_fd: int, name: str) -> None:
+        self.dir_fd = dir_fd
+        self.name = f"{name}.json"
+        try:
+            fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            data: dict[str, Any] = {}
+        else:
+            with os.fdopen(fd, "rb") as handle:
+                data = json.loads(handle.read() or b"{}")
+        self.epochs: dict[str, int] = data.get("epochs", {})
+        self.pending: dict[str, Any] | None = data.get("pending")
+        self.done: dict[str, str] = data.get("done", {})
+
+    def save(self, *, sync: bool = True) -> None:
+        """Store the ledger; ``sync=False`` only where a lost save is re-decided from the file
+        (a done entry whose pending one is on disk)."""
+        data = {"epochs": self.epochs, "pending": self.pending, "done": self.done}
+        encoded = json.dumps(data, sort_keys=True).encode("utf-8")
+        _replace_file(self.dir_fd, self.name, encoded, sync=sync)
+
+
+@contextlib.contextmanager
+def _locked_ledger(workspace: Path, where: WorkspacePath, tool: str) -> Iterator[_Ledger]:
+    """The ledger of the file ``where`` names, under its ``flock`` (``ToolError`` after
+    ``LOCK_TIMEOUT``)."""
+    root = os.open(workspace.resolve(), _DIR_FLAGS)
+    try:
+        top = _open_dir(LEDGER_DIR, root, f"{tool}: ", LEDGER_DIR, True)
+        try:
+            effects = _open_dir("effects", top, f"{tool}: ", LEDGER_DIR, True)
+        finally:
+            os.close(top)
+    finally:
+        os.close(root)
+    try:
+        name = ledger_name(where.parts)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        lock_fd = os.open(f"{name}.lock", flags, _FILE_MODE, dir_fd=effects)
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT
+            waited = False
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not waited:
+                        log.info("%s waits for the lock of %s", tool, "/".join(where.parts))
+                        waited = True
+                    if time.monotonic() >= deadline:
+                        raise ToolError(
+                            f"{tool}: another writer held {'/'.join(where.parts)} for over "
+                            f"{LOCK_TIMEOUT:g} s"
+                        ) from None
+                    time.sleep(0.02)
+            ledger = _Ledger(effects, name)
+            _settle(ledger, where)
+            yield ledger
+        finally:
+            os.close(lock_fd)  # releases the flock
+    finally:
+        os.close(effects)
+
+
+def _settle(ledger: _Ledger, where: WorkspacePath) -> None:
+    """Decide the pending entry a crash left: done when its bytes are in the file, else gone
+    (a half-appended line is cut off first)."""
+    pending = ledger.pending
+    if pending is None:
+        return
+    landed = False
+    try:
+        fd = os.open(where.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=where.dir_fd)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        with os.fdopen(fd, "r+b") as handle:
+            if pending["kind"] == "write":
+                landed = hashlib.sha256(handle.read()).hexdigest() == pending["digest"]
+            else:
+                offset, length = pending["offset"], pending["length"]
+                handle.seek(offset)
+                added = handle.read(length)
+                landed = hashlib.sha256(added).hexdigest() == pending["digest"]
+                if not landed and len(added) < length and os.fstat(fd).st_size > offset:
+                    handle.truncate(offset)
+                    os.fsync(fd)
+    if landed:
+        ledger.done[pending["id"]] = pending["result"]
+    ledger.pending = None
+    ledger.save()
+
+
+def _fence(ledger: _Ledger, effect: Effect) -> None:
+    newest = ledger.epochs.get(effect.writer, 0)
+    if newest > effect.epoch:
+        refused = ToolError(
+            f"{effect.tool}: {effect.path} was reached by a newer dispatch of this agent "
+            f"(epoch {newest}); this one (epoch {effect.epoch}) is stale and does not change it"
+        )
+        log.warning("%s refused for %s: %s", effect.tool, effect.writer, refused.message)
+        raise refused
+    ledger.epochs[effect.writer] = effect.epoch
+
+
+def _replace_file(dir_fd: int, name: str, data: bytes, *, sync: bool = True) -> None:
+    """Write ``data`` to a temporary file, fsync it (unless not ``sync``), rename it over
+    ``name`` (a crash never leaves a half file; a symlink swapped in at ``name`` is replaced, not
+    followed)."""
+    tmp = f".{name[:200]}.{uuid.uuid4().hex[:12]}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, _FILE_MODE, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            if sync:
+                os.fsync(handle.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _target(workspace: Path, effect: Effect) -> contextlib.AbstractContextManager[WorkspacePath]:
+    if _parts(effect.path)[:1] == [LEDGER_DIR]:
+        raise ToolError(f"{effect.tool}: {LEDGER_DIR}/ holds the tools' own records")
+    return open_in_workspace(workspace, effect.path, tool=effect.tool, make_dirs=True)
+
+
+def _write(workspace: Path, effect: Effect, content: str) -> str:
+    path = effect.path
     data = content.encode("utf-8")
-    with open_in_workspace(workspace, path, tool="fs.write", make_dirs=True) as where:
+    result = f"wrote {len(data)} bytes to {path}"
+    with _target(workspace, effect) as where:
         if not where.name:
             raise ToolError(f"fs.write: {path} is a directory")
         with contextlib.suppress(FileNotFoundError):
@@ -244,35 +443,70 @@ def _write(workspace: Path, path: str, content: str) -> str:
                 os.stat(where.name, dir_fd=where.dir_fd, follow_symlinks=False).st_mode
             ):
                 raise ToolError(f"fs.write: {path} is a directory")
-        # Write then rename, so a crash mid-write never leaves a half file for a re-run to find;
-        # the rename replaces whatever is at the name (a symlink swapped in is replaced, not
-        # followed).
-        tmp = f".{where.name[:200]}.{uuid.uuid4().hex[:12]}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, _FILE_MODE, dir_fd=where.dir_fd)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, where.name, src_dir_fd=where.dir_fd, dst_dir_fd=where.dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=where.dir_fd)
-            raise
-    return f"wrote {len(data)} bytes to {path}"
+        with _locked_ledger(workspace, where, "fs.write") as ledger:
+            _fence(ledger, effect)
+            if effect.effect_id in ledger.done:
+                ledger.save(sync=False)
+                return ledger.done[effect.effect_id]
+            digest = hashlib.sha256(data).hexdigest()
+            ledger.pending = {"id": effect.effect_id, "kind": "write", "digest": digest}
+            ledger.pending["result"] = result
+            ledger.save()
+            try:
+                _replace_file(where.dir_fd, where.name, data)
+            except OSError as exc:
+                # ENOENT: the directory was removed (or swapped away) while the call ran.
+                raise ToolError(f"fs.write: cannot write {path}: {exc.strerror}") from None
+            ledger.done[effect.effect_id] = result
+            ledger.pending = None
+            ledger.save(sync=False)
+    return result
 
 
-def _append(workspace: Path, path: str, line: str) -> str:
+def _append(workspace: Path, effect: Effect, line: str) -> str:
     if "\n" in line or "\r" in line:
         raise ToolError("fs.append: `line` must be one line (no line breaks)")
-    with open_in_workspace(workspace, path, tool="fs.append", make_dirs=True) as where:
+    path = effect.path
+    data = (line + "\n").encode("utf-8")
+    result = f"appended 1 line to {path}"
+    with _target(workspace, effect) as where:
         fd = _open_file(where, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "fs.append", path)
-        with os.fdopen(fd, "ab") as handle:
-            handle.write((line + "\n").encode("utf-8"))
+        with os.fdopen(fd, "ab") as handle, _locked_ledger(workspace, where, "fs.append") as ledger:
+            _fence(ledger, effect)
+            if effect.effect_id in ledger.done:
+                ledger.save(sync=False)
+                return ledger.done[effect.effect_id]
+            ledger.pending = {
+                "id": effect.effect_id,
+                "kind": "append",
+                "offset": os.fstat(fd).st_size,
+                "length": len(data),
+                "digest": hashlib.sha256(data).hexdigest(),
+                "result": result,
+            }
+            ledger.save()
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-    return f"appended 1 line to {path}"
+            ledger.done[effect.effect_id] = result
+            ledger.pending = None
+            ledger.save(sync=False)
+    return result
+
+
+def _probe(workspace: Path, effect: Effect) -> ProbeResult:
+    try:
+        with _target(workspace, effect) as where:
+            if not where.name:
+                return ProbeResult("cannot_tell", reason=f"{effect.path} is a directory")
+            with _locked_ledger(workspace, where, effect.tool) as ledger:
+                _fence(ledger, effect)
+                ledger.save()  # from now on an older dispatch cannot land its effect here
+                if effect.effect_id in ledger.done:
+                    return ProbeResult("happened", result=ledger.done[effect.effect_id])
+                return ProbeResult("not_happened")
+    except ToolError as exc:
+        return ProbeResult("cannot_tell", reason=exc.message)
 
 
 async def fs_read(ctx: ToolContext, args: dict[str, Any]) -> str:
@@ -288,13 +522,23 @@ async def fs_list(ctx: ToolContext, args: dict[str, Any]) -> str:
 async def fs_write(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = _str_arg("fs.write", args, "path")
     content = _str_arg("fs.write", args, "content")
-    return await anyio.to_thread.run_sync(_write, ctx.workspace, path, content)
+    effect = effect_of(ctx, "fs.write", path)
+    return await anyio.to_thread.run_sync(_write, ctx.workspace, effect, content)
 
 
 async def fs_append(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = _str_arg("fs.append", args, "path")
     line = _str_arg("fs.append", args, "line")
-    return await anyio.to_thread.run_sync(_append, ctx.workspace, path, line)
+    effect = effect_of(ctx, "fs.append", path)
+    return await anyio.to_thread.run_sync(_append, ctx.workspace, effect, line)
+
+
+def _file_probe(tool: str) -> ToolProbe:
+    async def probe(ctx: ToolContext, args: dict[str, Any]) -> ProbeResult:
+        path = _str_arg(tool, args, "path")
+        return await anyio.to_thread.run_sync(_probe, ctx.workspace, effect_of(ctx, tool, path))
+
+    return probe
 
 
 async def ask_human(ctx: ToolContext, args: dict[str, Any]) -> str:
@@ -352,6 +596,7 @@ BUILTIN_TOOLS: list[Tool] = [
         side_effect=True,
         idempotent=True,
         on_unknown="rerun",
+        probe=_file_probe("fs.write"),
     ),
     Tool(
         name="fs.append",
@@ -364,6 +609,7 @@ BUILTIN_TOOLS: list[Tool] = [
         side_effect=True,
         idempotent=False,
         on_unknown="fail",
+        probe=_file_probe("fs.append"),
     ),
     Tool(
         name="ask_human",

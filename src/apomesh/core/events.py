@@ -117,23 +117,31 @@ class AgentSnapshotted(_Event, frozen=True):
 
 
 class ToolCallIntent(_Event, frozen=True):
-    """A side-effecting tool call is about to run (journal key = content hash of tool + args)."""
+    """A side-effecting tool call is about to run (journal key = content hash of tool + args).
+    A second intent for the same key after an unknown outcome says why the call runs again:
+    ``resolution="not_happened"`` when the tool's probe found the earlier attempt had no effect
+    (empty for an idempotent re-run)."""
 
     agent: AgentRef
     key: str
     tool: str
     args: dict[str, Any]
     idempotent: bool = False
+    resolution: str = ""
 
 
 class ToolCallRecorded(_Event, frozen=True):
-    """The result of a journaled call; ``outcome`` is ``ok``, ``error`` or ``unknown``."""
+    """The result of a journaled call; ``outcome`` is ``ok``, ``error`` or ``unknown``.
+    ``resolved_by="probe"`` when the outcome was unknown and the tool's probe found that the
+    effect happened (the result is the probe's); an ``unknown`` one's ``result`` says why it
+    stays unresolved."""
 
     agent: AgentRef
     key: str
     tool: str
     outcome: Literal["ok", "error", "unknown"]
     result: str
+    resolved_by: str = ""
 
 
 class AsyncJobStarted(_Event, frozen=True):

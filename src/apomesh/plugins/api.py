@@ -60,6 +60,11 @@ class ToolContext(Protocol):
         sha256 of ``apomesh-idempotency``, the session id, the agent ref and the call's journal
         key, joined by NUL characters (``apomesh.core.journal.idempotency_key``)."""
 
+    @property
+    def epoch(self) -> int:
+        """The fencing epoch of this dispatch of the agent (higher = newer). A tool that fences
+        its effects refuses one from an epoch older than the newest that reached its target."""
+
     async def ask_human(self, question: str) -> str:
         """The answer to ``question``; pauses the agent (and ends this dispatch) until one exists."""
 
@@ -68,6 +73,22 @@ class ToolContext(Protocol):
 
 
 ToolRun = Callable[[ToolContext, dict[str, Any]], Awaitable[str]]
+
+
+class ProbeResult(msgspec.Struct, frozen=True):
+    """A probe's answer about a call whose outcome is unknown: the effect ``happened`` (with the
+    ``result`` the call would have returned), ``not_happened`` (the call is safe to run now), or
+    ``cannot_tell`` (``reason`` says why; the tool's ``on_unknown`` policy decides)."""
+
+    status: Literal["happened", "not_happened", "cannot_tell"]
+    result: str = ""
+    reason: str = ""
+
+
+ToolProbe = Callable[[ToolContext, dict[str, Any]], Awaitable[ProbeResult]]
+"""Asked, with the same context and arguments the call was made with, whether its effect
+happened. It runs where the effect runs (on the worker, in its workspace) and must itself have no
+effect the call would not have had."""
 
 
 class Tool(msgspec.Struct, frozen=True):
@@ -87,6 +108,7 @@ class Tool(msgspec.Struct, frozen=True):
     idempotent: bool = False
     on_unknown: UnknownOutcomePolicy = "fail"
     async_job: bool = False
+    probe: ToolProbe | None = None
 
 
 def describe_tool(tool: Tool) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Each node is one model turn plus the tool calls it asks for. At each node boundary the loop reports
 what the node added to working memory (``NodeReport``); the daemon stores the snapshot and appends
 the pointer. Side-effecting tools go through the journal (intent before the effect, result after);
-a call found in the journal is served from it.
+a call found in the journal is served from it, and one an earlier dispatch left with an unknown
+outcome is first put to the tool's probe, here where the effect runs, when it has one (the daemon
+answers ``probe``; the answer goes back as a result or as a ``not_happened`` intent).
 
 A model turn is made durable before anything depends on it (``TurnRecorder``): a turn whose calls
 are about to run a side effect, start a job or ask a human is sent to the daemon (``TurnReport``)
@@ -37,6 +39,7 @@ from apomesh.plugins.api import (
     ModelProvider,
     ModelRequest,
     ModelResponse,
+    ProbeResult,
     SupervisorPolicy,
     Tool,
     describe_tool,
@@ -83,6 +86,8 @@ class LoopContext:
     asked: dict[str, str] = field(default_factory=dict)
     idempotency_key: str = ""
     """The key of the journaled call being run (``core.journal.idempotency_key``), else empty."""
+    call_key: str = ""
+    """The journal key of the side-effecting call running (or being probed) now."""
 
     @property
     def workspace(self) -> Path:
@@ -95,6 +100,10 @@ class LoopContext:
     @property
     def agent(self) -> str:
         return self.run.agent
+
+    @property
+    def epoch(self) -> int:
+        return self.run.epoch
 
     async def ask_human(self, question: str) -> str:
         pause_id = pause_key(self.run.agent, self.step, question)
@@ -388,6 +397,7 @@ async def _call_tool(
 ) -> str:
     """Run one tool call. A journaled call's result goes to ``defer`` when given (the node
     report carries it, right after this call), else in its own ``JournalFinish``."""
+    ctx.idempotency_key = ""  # a read-only call has none, whatever ran before it
     tool = tools.get(name)
     if tool is None or name not in allowed:
         return f"error: tool {name!r} is not available to this agent"
@@ -412,29 +422,62 @@ async def _call_tool(
         if reply.decision == "done":
             return reply.result
         raise Stall("waiting", f"waiting for async job {name} {key[:12]}")
-    reply = await _checked(
-        ctx.send(
-            JournalBegin(
-                ctx.worker_id,
-                run.session_id,
-                run.agent,
-                run.epoch,
-                key=key,
-                tool=name,
-                args=args,
-                idempotent=tool.idempotent,
-                on_unknown=tool.on_unknown,
-            )
+    ctx.call_key = key
+    # One key for the probe and the run alike: a probe looks for the evidence the effect left
+    # under it.
+    ctx.idempotency_key = idempotency_key(run.session_id, run.agent, key)
+
+    def begin(probed: str = "", reason: str = "") -> JournalBegin:
+        return JournalBegin(
+            ctx.worker_id,
+            run.session_id,
+            run.agent,
+            run.epoch,
+            key=key,
+            tool=name,
+            args=args,
+            idempotent=tool.idempotent,
+            on_unknown=tool.on_unknown,
+            probe=tool.probe is not None,
+            probed=probed,
+            probe_reason=reason,
         )
-    )
+
+    reply = await _checked(ctx.send(begin()))
+    if reply.decision == "probe" and tool.probe is not None:
+        # An earlier dispatch logged this call's intent and no result: ask the tool, here where
+        # the effect runs, whether it happened; the daemon logs the answer.
+        try:
+            probed = await tool.probe(ctx, args)
+        except Exception as exc:
+            probed = ProbeResult("cannot_tell", reason=f"the probe failed: {exc}")
+        if probed.status == "happened":
+            await _checked(
+                ctx.send(
+                    JournalFinish(
+                        ctx.worker_id,
+                        run.session_id,
+                        run.agent,
+                        run.epoch,
+                        key=key,
+                        tool=name,
+                        outcome="ok",
+                        result=probed.result,
+                        resolved_by="probe",
+                    )
+                )
+            )
+            return probed.result
+        reply = await _checked(ctx.send(begin(probed.status, probed.reason)))
     if reply.decision == "done":
         return reply.result if reply.outcome == "ok" else f"error: {reply.result}"
     if reply.decision == "failed":
         return f"error: outcome unknown for {name}: {reply.message}"
     if reply.decision == "hold":
         raise Stall("waiting", f"held for an operator: outcome of {name} {key[:12]} unknown")
+    if reply.decision != "run":
+        raise ApomeshError(f"the daemon answered {reply.decision!r} to the journal intent")
     outcome: Literal["ok", "error"]
-    ctx.idempotency_key = idempotency_key(run.session_id, run.agent, key)
     try:
         result = await tool.run(ctx, args)
         outcome = "ok"

@@ -206,11 +206,18 @@ class NodeReport(_Report):
 
 
 class JournalBegin(_Report):
+    """A side-effecting call about to run. ``probe``: the tool can tell whether an earlier
+    attempt's effect happened; ``probed`` carries its answer when the daemon asked for it
+    (``not_happened`` or ``cannot_tell``, with ``probe_reason``)."""
+
     key: str
     tool: str
     args: dict[str, Any]
     idempotent: bool
     on_unknown: str
+    probe: bool = False
+    probed: str = ""
+    probe_reason: str = ""
 
 
 class TurnReport(_Report):
@@ -235,10 +242,14 @@ class TurnReport(_Report):
 
 
 class JournalFinish(_Report):
+    """A journaled call's result; ``resolved_by="probe"`` when a probe found that an earlier
+    attempt's effect happened (the result is the probe's)."""
+
     key: str
     tool: str
     outcome: Literal["ok", "error"]
     result: str
+    resolved_by: str = ""
 
 
 class HitlAsk(_Report):
@@ -275,7 +286,7 @@ Report = (
 
 class Reply(msgspec.Struct):
     """The daemon's answer to any report. ``status``: ``ok``, ``fenced`` or ``error``; journal and
-    HITL answers add a ``decision`` (``run``, ``done``, ``failed``, ``hold``, ``paused``,
+    HITL answers add a ``decision`` (``run``, ``probe``, ``done``, ``failed``, ``hold``, ``paused``,
     ``answered``, ``waiting``) and a ``result``."""
 
     status: Literal["ok", "fenced", "error"] = "ok"

@@ -161,6 +161,8 @@ class DispatchSlot:
     worker_id: str
     dispatch: Dispatch
     intents: set[str] = field(default_factory=set)
+    probes: set[str] = field(default_factory=set)
+    """Keys this dispatch was asked to probe (an intent from an earlier one, with no result)."""
     running_logged: bool = False
     nodes: set[tuple[int, str, bool]] = field(default_factory=set)
     """(step, source, reset) of every node report stored for this dispatch (retries are no-ops)."""
@@ -380,7 +382,7 @@ class SessionRuntime:
             if isinstance(report, JournalBegin):
                 return await self._on_journal_begin(slot, report)
             if isinstance(report, JournalFinish):
-                return await self._on_journal_finish(report)
+                return await self._on_journal_finish(slot, report)
             if isinstance(report, HitlAsk):
                 return await self._on_hitl(report)
             if isinstance(report, JobStart):
@@ -518,7 +520,7 @@ class SessionRuntime:
                 # The same dispatch asking again after a lost reply.
                 return [], (Reply("ok", decision="run"), False)
             if entry is not None:
-                return self._unknown_outcome(state, report, entry.outcome)
+                return self._unknown_outcome(state, slot, report, entry.outcome)
             if size > limit:
                 message = f"tool arguments of {size} bytes are over the limit of {limit}"
                 return [], (Reply("error", message=message), False)
@@ -530,14 +532,33 @@ class SessionRuntime:
         reply, new_intent = await self.decide(rule)
         if reply.decision == "run":
             slot.intents.add(report.key)
+        if reply.decision == "probe":
+            slot.probes.add(report.key)
         if new_intent:
             self._copy_to_journal(agent_key, report.key, {"tool": report.tool, "args": report.args})
         return reply
 
     def _unknown_outcome(
-        self, state: SessionState, report: JournalBegin, outcome: str | None
+        self, state: SessionState, slot: DispatchSlot, report: JournalBegin, outcome: str | None
     ) -> tuple[list[Event], tuple[Reply, bool]]:
-        """An intent with no result from an earlier dispatch: the outcome is unknown."""
+        """An intent with no result from an earlier dispatch: the outcome is unknown. A tool with
+        a probe is asked first (the worker runs it where the effect runs): an effect that
+        happened comes back as its result (``JournalFinish``, ``resolved_by="probe"``), one
+        that did not runs now under a new intent (``resolution="not_happened"``, same key).
+        Only without a probe, or when it cannot tell, does ``on_unknown`` decide."""
+        if report.probe and not report.probed:
+            return [], (Reply("ok", decision="probe"), False)
+        if report.probed == "not_happened" and report.key in slot.probes:
+            intent = ToolCallIntent(
+                report.agent,
+                report.key,
+                report.tool,
+                report.args,
+                idempotent=report.idempotent,
+                resolution="not_happened",
+            )
+            return [intent], (Reply("ok", decision="run"), False)
+        why = f" (its probe cannot tell: {report.probe_reason})" if report.probed else ""
         if report.on_unknown == "rerun" and report.idempotent:
             intent = ToolCallIntent(
                 report.agent, report.key, report.tool, report.args, idempotent=True
@@ -555,7 +576,7 @@ class SessionRuntime:
                         report.key,
                         report.tool,
                         "unknown",
-                        "outcome unknown: held for an operator",
+                        f"outcome unknown: held for an operator{why}",
                     )
                 )
             message = f"outcome of {report.tool} unknown"
@@ -568,7 +589,7 @@ class SessionRuntime:
                     report.key,
                     report.tool,
                     "unknown",
-                    "outcome unknown after a crash; not re-run",
+                    f"outcome unknown after a crash; not re-run{why}",
                 )
             )
         message = "a crash interrupted this call and it is not idempotent, so it was not run again"
@@ -603,7 +624,10 @@ class SessionRuntime:
         if pending:
             await asyncio.wait(list(pending))
 
-    async def _on_journal_finish(self, report: JournalFinish) -> Reply:
+    async def _on_journal_finish(self, slot: DispatchSlot, report: JournalFinish) -> Reply:
+        if report.resolved_by and (report.resolved_by != "probe" or report.key not in slot.probes):
+            return Reply("error", message="a probe's answer that was not asked for")
+
         def rule(state: SessionState) -> tuple[list[Event], Reply | None]:
             entry = state.journal.get((report.agent, report.key))
             if entry is None:
@@ -611,7 +635,12 @@ class SessionRuntime:
             if entry.outcome in ("ok", "error"):
                 return [], Reply("ok")
             recorded = ToolCallRecorded(
-                report.agent, report.key, report.tool, report.outcome, report.result
+                report.agent,
+                report.key,
+                report.tool,
+                report.outcome,
+                report.result,
+                resolved_by=report.resolved_by,
             )
             return [recorded], None
 

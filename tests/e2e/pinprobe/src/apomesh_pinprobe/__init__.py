@@ -5,6 +5,9 @@ exact instructions the agent loop built for the model (its own instructions and 
 skill body), the purpose, the task, the script position, the worker's process id and the wall time, then the
 call is answered like the ``scripted`` provider would. Tests read the file to see which skill
 bytes a resumed agent really ran with. Installed into the test environment by the e2e tests.
+
+Also the ``pinprobe.mark`` tool: a side effect (one line appended to a workspace file) with no
+probe, not idempotent, ``on_unknown="fail"``, for tests of the policy a tool without a probe gets.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from apomesh.builtin.models import SCRIPT_POSITION, ScriptedModel
 from apomesh.core.definition import ModelSpec
 from apomesh.core.errors import DefinitionError
-from apomesh.plugins.api import Model, ModelProvider, ModelRequest, ModelResponse
+from apomesh.plugins.api import Model, ModelProvider, ModelRequest, ModelResponse, Tool, ToolContext
 from apomesh.plugins.hookspecs import hookimpl
 
 
@@ -59,3 +63,25 @@ class ProbeProvider:
 @hookimpl
 def register_model_providers(register: Callable[[ModelProvider], None]) -> None:
     register(ProbeProvider())
+
+
+async def mark(ctx: ToolContext, args: dict[str, Any]) -> str:
+    target = ctx.workspace / str(args["path"])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "a", encoding="utf-8") as handle:
+        handle.write(f"{args['line']}\n")
+    return f"marked {args['path']}"
+
+
+@hookimpl
+def register_tools(register: Callable[[Tool], None]) -> None:
+    register(
+        Tool(
+            name="pinprobe.mark",
+            description="Append one line to a workspace file (no probe).",
+            run=mark,
+            side_effect=True,
+            idempotent=False,
+            on_unknown="fail",
+        )
+    )
