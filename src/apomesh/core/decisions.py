@@ -46,6 +46,18 @@ def classify(state: SessionState, pin_problem: str | None = None) -> Classificat
     return Classification("auto_resume", "no side effects logged", "auto")
 
 
+def acknowledged_unknown(state: SessionState, agent: str, key: str) -> bool:
+    """Whether an operator resumed the session past this unknown outcome (it was among those the
+    resume showed): a ``hold`` then stops holding it. A new unknown outcome is held again."""
+    return (agent, key) in state.acknowledged_unknown
+
+
+def acknowledgement(state: SessionState) -> list[list[str]]:
+    """What an operator's resume acknowledges: every unknown outcome the session holds now, as
+    the ``acknowledged`` detail of its ``OperatorAction(resume)``."""
+    return [[entry.agent, entry.key] for entry in state.unknown_outcomes]
+
+
 def next_child_ref(state: SessionState, parent: str) -> str:
     """A fresh child ref under ``parent`` that the log has never used."""
     n = len(state.children_of(parent))

@@ -23,6 +23,7 @@ import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.builtin.agents import DEFAULT_AGENT
+from apomesh.core import decisions
 from apomesh.core.definition import parse_definition
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import (
@@ -299,12 +300,13 @@ class Service:
         actions: list[Event] = []
         if migration is not None:
             actions.append(OperatorAction(action="migrate_pin", by=by, detail=migration))
-        unknown = len(state.unknown_outcomes)
-        actions.append(
-            OperatorAction(
-                action="resume", by=by, detail={"unknown_outcomes": unknown, "reason": rec.reason}
-            )
-        )
+        acknowledged = decisions.acknowledgement(state)
+        detail = {
+            "unknown_outcomes": len(acknowledged),
+            "acknowledged": acknowledged,
+            "reason": rec.reason,
+        }
+        actions.append(OperatorAction(action="resume", by=by, detail=detail))
         await self.registry.adopt(
             state, recovered="operator", fresh_children=False, opening=actions
         )

@@ -434,10 +434,11 @@ class SessionRuntime:
                 report.agent, report.key, report.tool, report.args, idempotent=True
             )
             return [intent], (Reply("ok", decision="run"), False)
-        if outcome == "unknown" and report.on_unknown == "hold" and state.operator_actions:
+        acknowledged = decisions.acknowledged_unknown(state, report.agent, report.key)
+        if outcome == "unknown" and report.on_unknown == "hold" and acknowledged:
             message = "the operator resumed past this unknown outcome"
             return [], (Reply("ok", decision="failed", message=message), False)
-        if report.on_unknown == "hold" and not state.operator_actions:
+        if report.on_unknown == "hold" and not acknowledged:
             events: list[Event] = []
             if outcome is None:
                 events.append(

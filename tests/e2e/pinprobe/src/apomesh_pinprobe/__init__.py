@@ -5,10 +5,15 @@ exact instructions the agent loop built for the model (its own instructions and 
 skill body), the purpose, the task, the script position, the worker's process id and the wall time, then the
 call is answered like the ``scripted`` provider would. Tests read the file to see which skill
 bytes a resumed agent really ran with. Installed into the test environment by the e2e tests.
+
+It also registers ``probe.charge``: a side-effecting, non-idempotent tool whose unknown outcome is
+held for an operator (``on_unknown = "hold"``). It appends ``id`` to ``charges.txt`` in the
+workspace; with ``hang: true`` it never returns (a test kills the worker inside the call).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -17,7 +22,14 @@ from collections.abc import Callable
 from apomesh.builtin.models import SCRIPT_POSITION, ScriptedModel
 from apomesh.core.definition import ModelSpec
 from apomesh.core.errors import DefinitionError
-from apomesh.plugins.api import Model, ModelProvider, ModelRequest, ModelResponse
+from apomesh.plugins.api import (
+    Model,
+    ModelProvider,
+    ModelRequest,
+    ModelResponse,
+    Tool,
+    ToolContext,
+)
 from apomesh.plugins.hookspecs import hookimpl
 
 
@@ -59,3 +71,25 @@ class ProbeProvider:
 @hookimpl
 def register_model_providers(register: Callable[[ModelProvider], None]) -> None:
     register(ProbeProvider())
+
+
+async def charge(ctx: ToolContext, args: dict[str, object]) -> str:
+    if args.get("hang"):
+        await asyncio.sleep(3600)
+    with open(ctx.workspace / "charges.txt", "a", encoding="utf-8") as out:
+        out.write(f"{args.get('id')}\n")
+    return f"charged {args.get('id')}"
+
+
+@hookimpl
+def register_tools(register: Callable[[Tool], None]) -> None:
+    register(
+        Tool(
+            name="probe.charge",
+            description="Charge once (test support).",
+            run=charge,
+            side_effect=True,
+            idempotent=False,
+            on_unknown="hold",
+        )
+    )
