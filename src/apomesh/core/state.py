@@ -41,6 +41,7 @@ from apomesh.core.events import (
     SessionRecovered,
     SessionShape,
     SessionStarted,
+    SessionSuspended,
     ToolCallIntent,
     ToolCallRecorded,
 )
@@ -191,6 +192,14 @@ class SessionState:
     def unknown_outcomes(self) -> list[JournalEntry]:
         """Side effects with an intent and no recorded result, or recorded as ``unknown``."""
         return [e for e in self.journal.values() if e.outcome in (None, "unknown")]
+
+    @property
+    def cleanly_suspended(self) -> bool:
+        """The log ends with a drained daemon's ``SessionSuspended`` and no side effect is in
+        flight (no intent without its result)."""
+        return self.suspended_index == self.last_index and all(
+            e.outcome is not None for e in self.journal.values()
+        )
 
     def children_of(self, ref: str) -> list[str]:
         return self.children.get(ref, [])
@@ -424,6 +433,11 @@ def _on_recovered(state: SessionState, env: Envelope) -> None:
     state.recoveries += 1
 
 
+def _on_suspended(state: SessionState, env: Envelope) -> None:
+    assert isinstance(env.event, SessionSuspended)
+    state.suspended_index = env.index
+
+
 def _on_operator(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, OperatorAction)
@@ -487,6 +501,7 @@ _HANDLERS: dict[type, Any] = {
     AgentResuming: _on_resuming,
     AgentResumed: _on_resumed,
     SessionRecovered: _on_recovered,
+    SessionSuspended: _on_suspended,
     OperatorAction: _on_operator,
     SessionEnded: _on_ended,
 }

@@ -215,6 +215,28 @@ class SessionRegistry:
         for ref in state.agents:
             self.snapshots.forget(f"{session_id}/{ref}")
 
+    async def drain(self, grace: float) -> int:
+        """A graceful shutdown's first half: every driven session stops dispatching, its running
+        dispatches stop at their next node boundary and it logs ``SessionSuspended`` (the next
+        daemon resumes it by itself). Waits up to ``grace`` seconds; answers how many sessions
+        did not stop in time (``stop_all`` cuts them off: a side effect in flight among them is
+        an unknown outcome, recovered like a crash)."""
+        runtimes = [r for r in self.live.values() if r.task is not None and not r.task.done()]
+        for runtime in runtimes:
+            await runtime.drain()
+        tasks = [r.task for r in runtimes if r.task is not None]
+        if not tasks:
+            return 0
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        if pending:
+            self.log.warning(
+                "%d of %d sessions did not reach a node boundary within %.1f s; cut off",
+                len(pending),
+                len(tasks),
+                grace,
+            )
+        return len(pending)
+
     async def stop_all(self) -> None:
         """Daemon shutdown: stop every writer; leases expire by themselves (see ``Daemon.aclose``)."""
         for runtime in list(self.live.values()):
