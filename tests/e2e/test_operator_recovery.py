@@ -12,9 +12,12 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import httpx
 import pytest
 from tests.e2e.chaos_kit import appender, check_session
+from tests.e2e.plane_support import install_test_plugins, session_view
 
+from apomesh.core.views import RecoverableView
 from apomesh.sdk.client import Client, EventRecord
 from apomesh.testing import Mesh
 
@@ -83,3 +86,76 @@ async def test_a_graceful_restart_resumes_every_session_by_itself_and_a_crash_li
                 assert "SessionSuspended" not in kinds
                 assert resumed == ["operator resume"]
             assert {r.event["agent"] for r in records if r.kind == "AgentLifecycle"} == {"root"}
+
+
+# --- hold holds every new unknown outcome, after an earlier operator resume too -------------------
+
+
+@pytest.fixture(scope="module")
+def plugin_packages() -> None:
+    install_test_plugins()
+
+
+def charging_agent(*ids: str) -> dict[str, Any]:
+    """A solo agent making one ``probe.charge`` per turn (``on_unknown = "hold"``); every call
+    hangs, so a test can kill the worker inside it."""
+    turns: list[dict[str, Any]] = [
+        {"tool_calls": [{"tool": "probe.charge", "args": {"id": i, "hang": True}}]} for i in ids
+    ]
+    return {
+        "name": "charger",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["probe.charge"],
+        "model": {"provider": "scripted", "turns": [*turns, {"final": "charged"}]},
+    }
+
+
+def kill_worker_running(mesh: Mesh, session_id: str, ref: str = "root") -> None:
+    names = {w["id"]: w["name"] for w in httpx.get(f"{mesh.url}/v1/workers").json()["workers"]}
+    agents = {a["ref"]: a for a in session_view(mesh.url, session_id)["agents"]}
+    name = names[agents[ref]["worker"]]
+    next(w for w in mesh.workers if w.name == name).kill()
+
+
+async def held(client: Client, session_id: str) -> RecoverableView:
+    async def listed() -> RecoverableView | None:
+        entries = {r.session_id: r for r in await client.list_recoverable()}
+        if session_id not in entries:
+            view = await client.get_session(session_id)
+            assert not view.terminal, f"ended {view.status} instead of being held: {view.reason}"
+        return entries.get(session_id)
+
+    entry: RecoverableView = await wait_for(listed, "the session is held for an operator")
+    return entry
+
+
+@pytest.mark.anyio
+async def test_hold_holds_a_new_unknown_outcome_after_an_earlier_operator_resume(
+    mesh: Mesh, plugin_packages: None
+) -> None:
+    async with Client(mesh.url) as client:
+        session_id = await client.start_session("charge twice", definition=charging_agent("a", "b"))
+        for n, charge in enumerate(("a", "b"), start=1):
+
+            async def intent_logged(count: int = n) -> bool:
+                return (await client.get_session(session_id)).side_effects >= count
+
+            await wait_for(intent_logged, f"the intent of charge {charge} is on the log")
+            mesh.worker()  # somewhere for the agent to go once its worker is gone
+            await anyio.to_thread.run_sync(kill_worker_running, mesh, session_id)
+            entry = await held(client, session_id)
+            # Held, not failed: the operator sees exactly this call's unknown outcome.
+            assert entry.category == "held"
+            assert [u.args["id"] for u in entry.unknown_outcomes][-1] == charge
+            view = await client.get_session(session_id)
+            assert not view.terminal
+            await client.resume(session_id)
+        records = await finished(client, session_id)
+    assert records[-1].event["status"] == "completed"
+    resumes = [r.event for r in records if r.kind == "OperatorAction"]
+    assert [len(r["detail"]["acknowledged"]) for r in resumes] == [1, 2]
+    recorded = [r.event for r in records if r.kind == "ToolCallRecorded"]
+    assert [r["outcome"] for r in recorded] == ["unknown", "unknown"]
+    assert all("held for an operator" in r["result"] for r in recorded)
+    assert not (mesh.daemon.workspace / "charges.txt").exists()  # neither charge ever ran
