@@ -14,12 +14,15 @@ import anyio
 import anyio.to_thread
 import httpx
 import pytest
-from tests.e2e.chaos_kit import appender, check_session
-from tests.e2e.plane_support import install_test_plugins, session_view
+from tests.e2e.chaos_kit import appender, check_session, shape_of, stored_session
+from tests.e2e.plane_support import install_test_plugins, run_cli, session_view
+from tests.e2e.test_recovery import write_log
 
 from apomesh.core.views import RecoverableView
 from apomesh.sdk.client import Client, EventRecord
 from apomesh.testing import Mesh
+
+JSON = {"Content-Type": "application/json"}
 
 
 async def finished(client: Client, session_id: str, timeout: float = 90) -> list[EventRecord]:
@@ -159,3 +162,88 @@ async def test_hold_holds_a_new_unknown_outcome_after_an_earlier_operator_resume
     assert [r["outcome"] for r in recorded] == ["unknown", "unknown"]
     assert all("held for an operator" in r["result"] for r in recorded)
     assert not (mesh.daemon.workspace / "charges.txt").exists()  # neither charge ever ran
+
+
+# --- bulk resume, from the CLI and the API; two resumes of one session ----------------------------
+
+
+async def stranded_sessions(mesh: Mesh, goals: list[str]) -> list[str]:
+    """Sessions a crashed daemon left with a side effect logged: on the recoverable list once the
+    daemon is started again (SIGKILL then start, as after a crash)."""
+    logs = []
+    for goal in goals:
+        session_id = uuid.uuid4().hex
+        args = {"path": f"chaos/{goal}.txt", "line": f"{goal} line 0"}
+        done = mesh.daemon.workspace / args["path"]  # the effect the log records as done
+        done.parent.mkdir(parents=True, exist_ok=True)
+        done.write_text(args["line"] + "\n")
+        logs.append(
+            stored_session(
+                session_id,
+                shape_of(appender(2)),
+                goal=goal,
+                events=5,
+                side_effect=("fs.append", args, False),
+            )
+        )
+    await write_log(mesh.nats_url, *logs)
+    await anyio.to_thread.run_sync(mesh.daemon.kill)
+    await anyio.to_thread.run_sync(mesh.daemon.start)
+    return [envs[0].session_id for envs in logs]
+
+
+@pytest.mark.anyio
+async def test_bulk_resume_from_the_cli_and_the_api_and_two_resumes_of_one_session(
+    mesh: Mesh,
+) -> None:
+    cli_goals = [f"bulk-cli {n}" for n in range(3)]
+    api_goals = [f"bulk-api {n}" for n in range(3)]
+    cli_ids = await stranded_sessions(mesh, cli_goals)
+    api_ids = await stranded_sessions(mesh, [*api_goals, "race"])
+    race_id = api_ids.pop()
+    async with Client(mesh.url) as client:
+        listed = {r.session_id for r in await client.list_recoverable()}
+        assert listed == {*cli_ids, *api_ids, race_id}
+
+        # The CLI shows what it would resume and, without a terminal to ask, refuses unless --yes.
+        args = ("recover", "resume", "--all", "--filter", "goal=bulk-cli")
+        refused = run_cli(mesh.url, *args, check=False)
+        assert refused.returncode == 2 and "--yes" in refused.stderr
+        assert all(s in refused.stdout for s in cli_ids)
+        assert {r.session_id for r in await client.list_recoverable()} == listed
+        resumed = run_cli(mesh.url, *args, "--yes", "--filter", "category=side_effects")
+        assert all(f"resumed {s}" in resumed.stdout for s in cli_ids)
+
+        # The API: without confirm, the sessions it would resume; with it, one outcome each.
+        body = {"filter": {"goal": "BULK-API"}}
+        async with httpx.AsyncClient(base_url=mesh.url, headers=JSON) as http:
+            ask = await http.post("/v1/recoverable/resume", json=body)
+            assert ask.status_code == 409 and ask.json()["error"] == "confirm_required"
+            assert {s["session_id"] for s in ask.json()["sessions"]} == set(api_ids)
+            done = await http.post("/v1/recoverable/resume", json={**body, "confirm": True})
+            assert done.status_code == 200
+            outcomes = {s["session_id"]: s["outcome"] for s in done.json()["sessions"]}
+            assert outcomes == dict.fromkeys(api_ids, "resumed")
+
+            # Two operators resume one session at the same moment: one wins, the other is 409.
+            path = f"/v1/sessions/{race_id}/resume"
+            answers = []
+
+            async def resume() -> None:
+                answers.append(await http.post(path, json={"confirm": True}))
+
+            async with anyio.create_task_group() as both:
+                both.start_soon(resume)
+                both.start_soon(resume)
+            assert sorted(a.status_code for a in answers) == [202, 409]
+            assert {a.json().get("error") for a in answers if a.status_code == 409} == {
+                "apomesh_error"
+            }
+        assert await client.list_recoverable() == []
+        for session_id in [*cli_ids, *api_ids, race_id]:
+            records = await finished(client, session_id)
+            check = check_session(
+                records, await client.verify_session(session_id), mesh.daemon.workspace
+            )
+            assert check.ok, check.problems
+            assert [r.event["action"] for r in records if r.kind == "OperatorAction"] == ["resume"]

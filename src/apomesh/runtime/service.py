@@ -46,7 +46,9 @@ from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
     AgentRecordView,
     PinDiff,
+    RecoverableFilter,
     RecoverableView,
+    ResumeOutcome,
     SessionSummary,
     SessionView,
     SkillView,
@@ -310,6 +312,32 @@ class Service:
         await self.registry.adopt(
             state, recovered="operator", fresh_children=False, opening=actions
         )
+
+    async def resume_matching(self, which: RecoverableFilter, *, by: str) -> list[ResumeOutcome]:
+        """Resume every recoverable session ``which`` matches, one by one, each exactly as
+        ``resume`` does (its unknown outcomes acknowledged); a session that cannot be resumed is
+        answered ``refused`` with its error and the others go on."""
+        chosen = [
+            session_id
+            for session_id, rec in list(self.registry.stranded.items())
+            if which.matches(self._recoverable_view(rec))
+        ]
+        outcomes: list[ResumeOutcome] = []
+        for session_id in chosen:
+            try:
+                await self.resume(session_id, migrate_pins={}, by=by)
+            except ApomeshError as exc:
+                outcomes.append(
+                    ResumeOutcome(
+                        session_id=session_id,
+                        outcome="refused",
+                        error=exc.code,
+                        message=exc.message,
+                    )
+                )
+                continue
+            outcomes.append(ResumeOutcome(session_id=session_id, outcome="resumed"))
+        return outcomes
 
     async def _not_stranded(self, session_id: str, migrate_pins: dict[str, str] | None) -> NoReturn:
         """404 for an unknown session, else 409: only a session on the recoverable list resumes."""
