@@ -129,6 +129,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             tools=plugins.tools(),
             providers=plugins.model_providers(),
             supervisors=list(plugins.supervisor_policies().values()),
+            plugin_versions=plugins.installed_versions(),
             workspace=workspace,
             name=name,
             worker_id=worker_id,

@@ -8,6 +8,7 @@ session's agents off a worker whose plugin versions differ.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -15,14 +16,23 @@ import anyio.to_thread
 import httpx
 import pytest
 from tests.e2e.chaos_kit import appender, check_session, shape_of, stored_session
-from tests.e2e.plane_support import install_test_plugins, run_cli, session_view
+from tests.e2e.plane_support import (
+    PROBE_PROJECT,
+    build_at_version,
+    install_test_plugins,
+    probe_records,
+    run_cli,
+    session_view,
+)
 from tests.e2e.test_recovery import write_log
 
 from apomesh.core.views import RecoverableView
+from apomesh.plugins.manager import PluginHost
 from apomesh.sdk.client import Client, EventRecord
-from apomesh.testing import Mesh
+from apomesh.testing import Mesh, WorkerProcess
 
 JSON = {"Content-Type": "application/json"}
+PROBE = "apomesh-pinprobe"
 
 
 async def finished(client: Client, session_id: str, timeout: float = 90) -> list[EventRecord]:
@@ -247,3 +257,70 @@ async def test_bulk_resume_from_the_cli_and_the_api_and_two_resumes_of_one_sessi
             )
             assert check.ok, check.problems
             assert [r.event["action"] for r in records if r.kind == "OperatorAction"] == ["resume"]
+
+
+# --- pins reach the workers ------------------------------------------------------------------------
+
+
+def workers_by_name(mesh: Mesh) -> dict[str, dict[str, Any]]:
+    rows = httpx.get(f"{mesh.url}/v1/workers").json()["workers"]
+    return {w["name"]: w for w in rows if w["alive"]}
+
+
+@pytest.mark.anyio
+async def test_a_worker_with_another_version_of_a_pinned_plugin_never_gets_the_sessions_agents(
+    mesh: Mesh, plugin_packages: None, tmp_path: Path
+) -> None:
+    installed = PluginHost(allow=[PROBE], environ={}).installed_versions()[PROBE]
+    site = await anyio.to_thread.run_sync(build_at_version, PROBE_PROJECT, "9.9.9", tmp_path)
+    for worker in mesh.workers:
+        await anyio.to_thread.run_sync(worker.stop)
+
+    async def only(names: set[str]) -> bool:
+        return set(await anyio.to_thread.run_sync(workers_by_name, mesh)) == names
+
+    await wait_for(lambda: only(set()), "the matching workers are gone")
+    other = WorkerProcess(  # this plugin at another version first on its path
+        [mesh.nats_url], mesh.daemon.workspace, "other", env={"PYTHONPATH": str(site)}
+    )
+    other.start()
+    mesh.workers.append(other)
+    await wait_for(lambda: only({"other"}), "the other worker registered")
+    assert workers_by_name(mesh)["other"]["plugins"][PROBE] == "9.9.9"
+
+    record = tmp_path / "calls.jsonl"
+    definition = {
+        "name": "pinned-reader",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.list"],
+        "model": {
+            "provider": "probe",
+            "record": str(record),
+            "turns": [
+                {"tool_calls": [{"tool": "fs.list", "args": {"path": "."}}]},
+                {"final": "read"},
+            ],
+        },
+    }
+    async with Client(mesh.url) as client:
+        session_id = await client.start_session("pinned", definition=definition)
+        waiting = f"session {session_id} agent root waits for a worker whose plugins match its pins"
+
+        async def says_it_waits() -> bool:
+            return waiting in mesh.daemon.output_tail(200_000)
+
+        # No capable worker: the session waits, visibly, and is not failed.
+        await wait_for(says_it_waits, "the daemon says the session waits for a worker")
+        assert f"{PROBE}=={installed}: the worker has version 9.9.9" in mesh.daemon.output_tail()
+        view = await client.get_session(session_id)
+        assert view.status == "running" and {a.ref: a.phase for a in view.agents} == {
+            "root": "born"
+        }
+        good = mesh.worker("good")
+        records = await finished(client, session_id)
+    assert records[-1].event["status"] == "completed"
+    ids = {w["name"]: w["id"] for w in httpx.get(f"{mesh.url}/v1/workers").json()["workers"]}
+    dispatched = {r.event["worker"] for r in records if r.event.get("phase") == "dispatched"}
+    assert dispatched == {ids["good"]}
+    assert {call["pid"] for call in probe_records(record)} == {good.pid}

@@ -112,6 +112,8 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     tools: list[str] = []
     providers: list[str] = []
     alive: bool = True
+    plugins: dict[str, str] = {}
+    """The plugin versions it registered with (it runs only agents whose session pins them)."""
 
 
 class PinDiff(msgspec.Struct, frozen=True, kw_only=True):

@@ -413,6 +413,7 @@ class Service:
                 tools=list(w.tools),
                 providers=list(w.providers),
                 alive=now - w.last_seen <= pool.threshold,
+                plugins=dict(w.plugins),
             )
             for w in pool.workers.values()
         ]
@@ -425,6 +426,7 @@ class Service:
                 tools=list(w.tools),
                 providers=list(w.providers),
                 alive=False,
+                plugins=dict(w.plugins),
             )
             for w in reversed(pool.lost_workers.values())
             if w.worker_id not in pool.workers

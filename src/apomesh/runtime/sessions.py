@@ -742,7 +742,12 @@ class SessionRuntime:
             moved_to = self._migrated_config(agent)
             config = moved_to or agent.current_config
             assert config is not None
-            worker_id = await self.deps.workers.pick(config, prefer=agent.worker)
+            worker_id = await self.deps.workers.pick(
+                config,
+                prefer=agent.worker,
+                pins=self.state.plugin_pins,
+                who=f"session {self.session_id} agent {ref}",
+            )
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
