@@ -747,7 +747,10 @@ class SessionRuntime:
                 prefer=agent.worker,
                 pins=self.state.plugin_pins,
                 who=f"session {self.session_id} agent {ref}",
+                stop=lambda: self.draining,
             )
+            if worker_id is None:
+                raise Drained(f"{ref} not dispatched: the daemon is shutting down")
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"

@@ -178,12 +178,15 @@ class WorkerPool:
         *,
         pins: Sequence[PluginPin] = (),
         who: str = "",
-    ) -> str:
+        stop: Callable[[], bool] | None = None,
+    ) -> str | None:
         """A live registered worker that has the agent's model provider and tools and whose
         plugin versions satisfy the session's ``pins``; waits for one (``who``, the session and
-        agent, is named in a warning while it waits)."""
+        agent, is named in a warning while it waits), or answers None once ``stop()`` is true."""
         warned = False
         while True:
+            if stop is not None and stop():
+                return None
             fresh = time.monotonic() - self.threshold
             capable = [
                 w
