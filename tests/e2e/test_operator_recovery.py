@@ -330,3 +330,31 @@ async def test_a_worker_with_another_version_of_a_pinned_plugin_never_gets_the_s
     dispatched = {r.event["worker"] for r in records if r.event.get("phase") == "dispatched"}
     assert dispatched == {ids["good"]}
     assert {call["pid"] for call in probe_records(record)} == {good.pid}
+
+
+@pytest.mark.anyio
+async def test_a_session_waiting_for_a_worker_is_suspended_by_a_graceful_restart(
+    mesh: Mesh,
+) -> None:
+    for worker in mesh.workers:
+        await anyio.to_thread.run_sync(worker.stop)
+    (session_id,) = await stranded_sessions(mesh, ["waits for a worker"])
+    async with Client(mesh.url) as client:
+        await client.resume(session_id)  # live now, its agent waiting for a worker
+        assert await client.list_recoverable() == []
+    await anyio.to_thread.run_sync(mesh.daemon.stop)
+    await anyio.to_thread.run_sync(mesh.daemon.start)
+    async with Client(mesh.url) as client:
+        assert await client.list_recoverable() == []  # resumed by itself, not stranded
+        mesh.worker()
+        records = await finished(client, session_id)
+        check = check_session(
+            records, await client.verify_session(session_id), mesh.daemon.workspace
+        )
+    assert check.ok, check.problems
+    kinds = [r.kind for r in records]
+    assert kinds.count("SessionSuspended") == 1 and kinds.count("OperatorAction") == 1
+    assert [r.event["path"] for r in records if r.kind == "SessionRecovered"] == [
+        "operator",
+        "auto",
+    ]
