@@ -8,7 +8,9 @@ step fails; ``end`` is every writer's ``on_end`` callback (finished, stranded fo
 lost to another writer after an append conflict). ``state(session_id)`` answers from the live
 writer, else the stranded entry, else the fold cache over the log. The lease of every live session
 is renewed here (a lease found held by another owner stops this daemon's writer, as an append
-conflict does) and given back when this daemon stops driving it.
+conflict does) and given back when this daemon stops driving it. At shutdown ``drain`` lets every
+live session stop at a node boundary and mark itself suspended for the next daemon, within a grace
+period, before ``stop_all`` cuts off the rest.
 """
 
 from __future__ import annotations

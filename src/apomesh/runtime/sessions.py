@@ -19,7 +19,9 @@ new fencing epoch, wait for the outcome, and when the worker is lost append ``Ag
 re-dispatch under the same ref. Agents are composed from the session's effective shape: after an
 operator moved the session to another agent version, new children are born with the new role
 configs and an agent dispatched again is moved to its role's new config on its ``dispatched``
-event.
+event. At a graceful shutdown ``drain`` stops the session at a node boundary: nothing more is
+dispatched or started, each running dispatch ends after its next stored node, and the coordinator
+logs ``SessionSuspended`` when no side effect is in flight.
 """
 
 from __future__ import annotations
