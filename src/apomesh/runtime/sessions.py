@@ -76,6 +76,7 @@ from apomesh.plugins.api import ChildResult, RootAnswer
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.pinning import worker_pins
 from apomesh.runtime.protocol import (
     ENCODER,
     Done,
@@ -747,7 +748,7 @@ class SessionRuntime:
             worker_id = await self.deps.workers.pick(
                 config,
                 prefer=agent.worker,
-                pins=self.state.plugin_pins,
+                pins=worker_pins(self.deps.plugins, self.state.plugin_pins, config),
                 who=f"session {self.session_id} agent {ref}",
                 stop=lambda: self.draining,
             )
