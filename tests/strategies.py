@@ -49,6 +49,7 @@ from apomesh.core.events import (
     SessionShape,
     SessionStarted,
     SessionStatus,
+    SessionSuspended,
     ToolCallIntent,
     ToolCallRecorded,
 )
@@ -359,6 +360,7 @@ def example_events() -> list[Event]:
         AgentResuming(agent="root/0", reason="worker lost", worker="w-2", snapshot_id=7, epoch=4),
         AgentResumed(agent="root/0", epoch=4),
         SessionRecovered(path="operator", checkpoint_index=2, incarnation="daemon-2"),
+        SessionSuspended(reason="daemon shutdown", incarnation="daemon-2"),
         OperatorAction(action="migrate_pin", by="bob", detail={"pins": {"x": "2.0"}}),
         SessionEnded(status="failed", output=None, reason="budget exhausted"),
     ]

@@ -129,6 +129,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             tools=plugins.tools(),
             providers=plugins.model_providers(),
             supervisors=list(plugins.supervisor_policies().values()),
+            plugin_versions=plugins.installed_versions(),
             workspace=workspace,
             name=name,
             worker_id=worker_id,
@@ -247,6 +248,66 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     return 2
 
 
+FILTER_KEYS = ("category", "reason", "goal")
+
+
+def _resume_all(client: Any, args: argparse.Namespace) -> int:
+    """``recover resume --all [--filter KEY=VALUE ...]``: show every matching session and what
+    resuming it faces, ask once, then resume exactly the sessions shown."""
+    from apomesh.core.views import RecoverableFilter
+
+    if args.id or args.migrate_pin:
+        err.print("--all resumes by filter: no session id and no --migrate-pin with it")
+        return 2
+    wanted: dict[str, str] = {}
+    for item in args.filter or []:
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in FILTER_KEYS or not value.strip():
+            err.print(f"--filter wants one of {', '.join(FILTER_KEYS)} as KEY=VALUE, not {item!r}")
+            return 2
+        wanted[key.strip()] = value.strip()
+    which = RecoverableFilter(
+        category=wanted.get("category"), reason=wanted.get("reason"), goal=wanted.get("goal")
+    )
+    chosen = [r for r in client.list_recoverable() if which.matches(r)]
+    if not chosen:
+        console.print("no recoverable session matches")
+        return 0
+    for r in chosen:
+        console.print(f"{r.session_id}  {r.goal!r}  {r.category}: {r.reason}")
+        for u in r.unknown_outcomes:
+            console.print(
+                f"  [yellow]outcome unknown (not run again):[/] {u.agent} {u.tool} {json.dumps(u.args)}"
+            )
+        for d in r.pin_diff:
+            console.print(
+                f"  [yellow]pin differs:[/] {d.name}: {d.old} -> {d.new or 'not installed'}"
+            )
+    if not args.yes:
+        if not sys.stdin.isatty():
+            err.print(
+                f"refusing to resume {len(chosen)} sessions without a terminal to ask; pass --yes"
+            )
+            return 2
+        if console.input(f"resume these {len(chosen)} sessions? [y/N] ").strip().lower() not in (
+            "y",
+            "yes",
+        ):
+            return 1
+    outcomes = client.resume_matching(
+        category=which.category,
+        reason=which.reason,
+        goal=which.goal,
+        session_ids=[r.session_id for r in chosen],
+    )
+    for o in outcomes:
+        if o.outcome == "resumed":
+            console.print(f"resumed {o.session_id}")
+        else:
+            err.print(f"refused {o.session_id}: {o.error}: {o.message}")
+    return 0 if all(o.outcome == "resumed" for o in outcomes) else 1
+
+
 def cmd_recover(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "list":
@@ -262,8 +323,13 @@ def cmd_recover(args: argparse.Namespace) -> int:
             )
         console.print(table)
         return 0
+    if args.all:
+        return _resume_all(client, args)
+    if args.filter:
+        err.print("--filter goes with --all")
+        return 2
     if not args.id:
-        err.print("a session id is needed")
+        err.print("a session id is needed (or --all)")
         return 2
     migrate: dict[str, str] = {}
     for pin in args.migrate_pin or []:
@@ -544,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "recover",
-        help="list recoverable sessions or resume one",
+        help="list recoverable sessions or resume one (or all that match a filter)",
         description="List sessions waiting for an operator, or resume one after seeing what "
         "resuming would face. --migrate-pin moves a stranded session first: PLUGIN=VERSION to "
         "the installed version of a plugin it pins, agent=VERSION to another published version "
@@ -559,6 +625,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VERSION",
         help="move a pin before resuming (repeatable): a plugin's distribution name, or `agent` "
         "for another published version of the session's agent; the difference is shown first",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="resume every recoverable session (that --filter keeps), after showing each one",
+    )
+    p.add_argument(
+        "--filter",
+        action="append",
+        metavar="KEY=VALUE",
+        help="with --all, keep only sessions whose category is VALUE (category=held), or whose "
+        "reason or goal contains VALUE (reason=..., goal=...); repeatable, all must match",
     )
     p.add_argument("--yes", action="store_true", help="resume without asking")
     _remote(p)

@@ -57,7 +57,9 @@ from apomesh.core.state import SessionState, fold
 from apomesh.core.views import (
     AgentRecordView,
     PinDiff,
+    RecoverableFilter,
     RecoverableView,
+    ResumeOutcome,
     SessionSummary,
     SessionView,
     SkillView,
@@ -332,6 +334,26 @@ class FakeService:
             OperatorAction(action="resume", by=by, detail={"migrate_pins": dict(migrate_pins)}),
             SessionRecovered(path="operator"),
         )
+
+    async def resume_matching(self, which: RecoverableFilter, *, by: str) -> list[ResumeOutcome]:
+        outcomes: list[ResumeOutcome] = []
+        for view in await self.list_recoverable():
+            if not which.matches(view):
+                continue
+            try:
+                await self.resume(view.session_id, migrate_pins={}, by=by)
+            except ApomeshError as exc:
+                outcomes.append(
+                    ResumeOutcome(
+                        session_id=view.session_id,
+                        outcome="refused",
+                        error=exc.code,
+                        message=exc.message,
+                    )
+                )
+                continue
+            outcomes.append(ResumeOutcome(session_id=view.session_id, outcome="resumed"))
+        return outcomes
 
     async def recovery_preview(
         self, session_id: str, migrate_pins: dict[str, str] | None = None

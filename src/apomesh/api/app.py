@@ -36,6 +36,9 @@ from apomesh.api.openapi import (
     ActionAccepted,
     AgentChoice,
     AgentList,
+    BulkConfirmRequired,
+    BulkResumeBody,
+    BulkResumed,
     CancelBody,
     ConfirmRequired,
     CreateSessionBody,
@@ -328,6 +331,16 @@ class _Api:
 
     async def list_recoverable(self, request: Request, who: Identity) -> Response:
         return JSONResponse(RecoverableList(sessions=await self.service.list_recoverable()))
+
+    async def resume_matching(self, request: Request, who: Identity) -> Response:
+        body = await self.decode_body(request, BulkResumeBody, optional=True)
+        if not body.confirm:
+            previews = [
+                view for view in await self.service.list_recoverable() if body.filter.matches(view)
+            ]
+            return JSONResponse(BulkConfirmRequired(sessions=previews), status_code=409)
+        outcomes = await self.service.resume_matching(body.filter, by=who.name)
+        return JSONResponse(BulkResumed(sessions=outcomes))
 
     async def recovery_preview(self, request: Request, who: Identity) -> Response:
         migrate: dict[str, str] = {}

@@ -19,7 +19,9 @@ from apomesh._version import __version__
 from apomesh.api.tokens import Role
 from apomesh.core.views import (
     AgentRecordView,
+    RecoverableFilter,
     RecoverableView,
+    ResumeOutcome,
     SessionSummary,
     SessionView,
     SkillView,
@@ -59,6 +61,15 @@ class ResumeBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     confirm: bool = False
 
 
+class BulkResumeBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /v1/recoverable/resume``: resume every recoverable session ``filter`` matches (all
+    of them with an empty filter). Without ``confirm: true`` the API answers 409
+    ``confirm_required`` with the sessions it would resume and what each faces."""
+
+    filter: RecoverableFilter = RecoverableFilter()
+    confirm: bool = False
+
+
 class CancelBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``POST /v1/sessions/{id}/cancel`` takes no fields (an empty body is fine too)."""
 
@@ -88,6 +99,20 @@ class ConfirmRequired(msgspec.Struct, frozen=True):
     message: str = (
         "resuming needs confirm=true after the unknown outcomes and pin differences are seen"
     )
+
+
+class BulkConfirmRequired(msgspec.Struct, frozen=True):
+    """The 409 answer to a bulk resume without ``confirm: true``: the sessions it would resume."""
+
+    sessions: list[RecoverableView]
+    error: str = "confirm_required"
+    message: str = "resuming needs confirm=true after these sessions' previews are seen"
+
+
+class BulkResumed(msgspec.Struct, frozen=True):
+    """One outcome per matching session, in the order they were resumed."""
+
+    sessions: list[ResumeOutcome]
 
 
 class SessionCreated(msgspec.Struct, frozen=True):
@@ -279,6 +304,19 @@ ROUTES: tuple[RouteSpec, ...] = (
         "Sessions waiting for an operator to resume them",
         "read",
         {200: RecoverableList},
+        tags=("recovery",),
+    ),
+    RouteSpec(
+        "POST",
+        "/v1/recoverable/resume",
+        "resume_matching",
+        "Resume every recoverable session a filter matches (needs confirm=true; 409 "
+        "confirm_required lists them otherwise); one outcome per session",
+        "operator",
+        {200: BulkResumed, 409: BulkConfirmRequired},
+        request=BulkResumeBody,
+        request_optional=True,
+        errors=(400, 413),
         tags=("recovery",),
     ),
     RouteSpec(

@@ -23,7 +23,9 @@ from typing import Any, Protocol
 from apomesh.core.envelope import Envelope
 from apomesh.core.views import (
     AgentRecordView,
+    RecoverableFilter,
     RecoverableView,
+    ResumeOutcome,
     SessionSummary,
     SessionView,
     SkillView,
@@ -99,6 +101,12 @@ class DaemonService(Protocol):
         ``ApomeshError`` when it is not recoverable (``MigrationRefused`` when a migration was
         asked, or the move changes the coordination kind), ``PinError`` when its pins still
         cannot be satisfied."""
+        ...
+
+    async def resume_matching(self, which: RecoverableFilter, *, by: str) -> list[ResumeOutcome]:
+        """Resume every session on the recoverable list that ``which`` matches, each as
+        ``resume`` would (no pin moves), and answer one outcome per session: ``resumed``, or
+        ``refused`` with the error's code and message. Nothing matching answers an empty list."""
         ...
 
     async def recovery_preview(

@@ -208,6 +208,15 @@ class SessionRecovered(_Event, frozen=True):
     incarnation: str = ""
 
 
+class SessionSuspended(_Event, frozen=True):
+    """A daemon shutting down (``SIGTERM``) stopped driving the session with every in-flight agent
+    at a node boundary and no side effect in flight: the next daemon resumes it by itself, under
+    the same agent refs. Written only as the last event a daemon appends to the session."""
+
+    reason: str = "daemon shutdown"
+    incarnation: str = ""
+
+
 class OperatorAction(_Event, frozen=True):
     """A deliberate operator act: ``resume``, ``cancel`` or ``migrate_pin``."""
 
@@ -238,6 +247,7 @@ Event = (
     | AgentResuming
     | AgentResumed
     | SessionRecovered
+    | SessionSuspended
     | OperatorAction
     | SessionEnded
 )
@@ -256,6 +266,7 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     AgentResuming,
     AgentResumed,
     SessionRecovered,
+    SessionSuspended,
     OperatorAction,
     SessionEnded,
 )

@@ -45,6 +45,7 @@ from apomesh.core.events import (
     SessionRecovered,
     SessionShape,
     SessionStarted,
+    SessionSuspended,
     ToolCallIntent,
     ToolCallRecorded,
 )
@@ -161,6 +162,10 @@ class SessionState:
     terminal: bool = False
     ended: SessionEnded | None = None
     operator_actions: list[OperatorAction] = field(default_factory=list)
+    acknowledged_unknown: set[tuple[str, str]] = field(default_factory=set)
+    """(agent, key) of every unknown outcome an operator's resume was shown and resumed past."""
+    suspended_index: int | None = None
+    """The index of the last ``SessionSuspended`` (a drained daemon's clean stop), if any."""
     pin_overrides: dict[str, str] = field(default_factory=dict)
     migrated_shape: SessionShape | None = None
     """The pinned shape of the agent version an operator migrated the session to, if any."""
@@ -221,6 +226,14 @@ class SessionState:
         """Side effects with an intent and no recorded result, or recorded as ``unknown``."""
         return [e for e in self.journal.values() if e.outcome in (None, "unknown")]
 
+    @property
+    def cleanly_suspended(self) -> bool:
+        """The log ends with a drained daemon's ``SessionSuspended`` and no side effect is in
+        flight (no intent without its result)."""
+        return self.suspended_index == self.last_index and all(
+            e.outcome is not None for e in self.journal.values()
+        )
+
     def children_of(self, ref: str) -> list[str]:
         return self.children.get(ref, [])
 
@@ -264,6 +277,7 @@ def trial_copy(state: SessionState) -> SessionState:
         hitl_answers=dict(state.hitl_answers),
         journal={key: dataclasses.replace(e) for key, e in state.journal.items()},
         operator_actions=list(state.operator_actions),
+        acknowledged_unknown=set(state.acknowledged_unknown),
         pin_overrides=dict(state.pin_overrides),
     )
 
@@ -489,6 +503,11 @@ def _on_recovered(state: SessionState, env: Envelope) -> None:
     state.recoveries += 1
 
 
+def _on_suspended(state: SessionState, env: Envelope) -> None:
+    assert isinstance(env.event, SessionSuspended)
+    state.suspended_index = env.index
+
+
 def _on_operator(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, OperatorAction)
@@ -510,7 +529,26 @@ def _on_operator(state: SessionState, env: Envelope) -> None:
             state.migrated_shape = shape
             state.pin_overrides.clear()
         state.pin_overrides.update(pins)
+    if ev.action == "resume":
+        state.acknowledged_unknown.update(_acknowledged(state, env, ev))
     state.operator_actions.append(ev)
+
+
+def _acknowledged(state: SessionState, env: Envelope, ev: OperatorAction) -> set[tuple[str, str]]:
+    """The unknown outcomes a resume acknowledges: those its ``acknowledged`` detail names
+    (``[agent, key]`` pairs: what the operator was shown), or, on a log written before resumes
+    named them, every unknown outcome the log held at that point."""
+    named = ev.detail.get("acknowledged")
+    if named is None:
+        return {(e.agent, e.key) for e in state.unknown_outcomes}
+    if not isinstance(named, list) or not all(
+        isinstance(pair, list | tuple)
+        and len(pair) == 2
+        and all(isinstance(part, str) for part in pair)
+        for pair in named
+    ):
+        raise _invalid(state, env, "a resume's `acknowledged` must be [agent, key] pairs")
+    return {(agent, key) for agent, key in named}
 
 
 def _on_ended(state: SessionState, env: Envelope) -> None:
@@ -533,6 +571,7 @@ _HANDLERS: dict[type, Any] = {
     AgentResuming: _on_resuming,
     AgentResumed: _on_resumed,
     SessionRecovered: _on_recovered,
+    SessionSuspended: _on_suspended,
     OperatorAction: _on_operator,
     SessionEnded: _on_ended,
 }

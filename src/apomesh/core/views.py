@@ -115,6 +115,8 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     tools: list[str] = []
     providers: list[str] = []
     alive: bool = True
+    plugins: dict[str, str] = {}
+    """The plugin versions it registered with (it runs only agents whose session pins them)."""
 
 
 class PinDiff(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,6 +159,35 @@ class AgentDiff(msgspec.Struct, frozen=True, kw_only=True):
     plugins: list[PinChange] = []
     roles: list[str] = []
     problem: str | None = None
+
+
+class RecoverableFilter(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which recoverable sessions a bulk resume takes: every field given must match (``category``
+    exactly; ``reason`` and ``goal`` as case-insensitive substrings; ``session_ids``: only these,
+    e.g. exactly the ones an operator was shown)."""
+
+    category: str | None = None
+    reason: str | None = None
+    goal: str | None = None
+    session_ids: list[str] | None = None
+
+    def matches(self, view: RecoverableView) -> bool:
+        return (
+            (self.category is None or view.category == self.category)
+            and (self.reason is None or self.reason.lower() in view.reason.lower())
+            and (self.goal is None or self.goal.lower() in view.goal.lower())
+            and (self.session_ids is None or view.session_id in self.session_ids)
+        )
+
+
+class ResumeOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """One session of a bulk resume: ``resumed``, or ``refused`` with the error's code and
+    message (its pins cannot be satisfied, another operator resumed it first, ...)."""
+
+    session_id: str
+    outcome: str
+    error: str = ""
+    message: str = ""
 
 
 class RecoverableView(msgspec.Struct, frozen=True, kw_only=True):

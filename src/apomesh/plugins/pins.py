@@ -83,6 +83,19 @@ def pin_problem(host: PluginHost, pins: Iterable[PluginPin]) -> str | None:
     return None
 
 
+def worker_pin_problem(versions: dict[str, str], pins: Iterable[PluginPin]) -> str | None:
+    """Why a worker whose plugins are at ``versions`` (distribution -> version, as it registered)
+    must not run a session with these pins: the first pinned plugin it has at another version.
+    A pinned plugin the worker lacks is no problem here (placement needs the agent's tools and
+    model provider on the worker anyway, and a plugin that runs on the daemon alone, a
+    coordination kind's, is not needed there)."""
+    for pin in pins:
+        version = versions.get(pin.name)
+        if version is not None and version != pin.version:
+            return f"{pin_label(pin)}: the worker has version {version}"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class PinChange:
     """One difference between two pin lists."""

@@ -181,6 +181,10 @@ class Daemon:
         return daemon_id
 
     async def aclose(self) -> None:
+        # Drain first, while the control plane still hears the workers: every session stops at a
+        # node boundary and is marked suspended, so the next daemon resumes it by itself
+        # (``[daemon] shutdown_timeout`` is the grace period; what is still running then is cut).
+        await self.registry.drain(self.config.daemon.shutdown_timeout)
         self._closing = True
         # Leases are not given back here: they expire by themselves, and this daemon (its id is
         # kept in the data dir) takes its own back at once when it starts again. A release request

@@ -227,6 +227,7 @@ async def start_local_worker(
         tools=plugins.tools(),
         providers=plugins.model_providers(),
         supervisors=list(plugins.supervisor_policies().values()),
+        plugin_versions=plugins.installed_versions(),
         workspace=workspace,
         name=name,
         heartbeat_interval=config.liveness.heartbeat_interval,

@@ -16,7 +16,8 @@ coordination kind, every agent still running has its role in the new version) an
 ``SessionStarted``
 that cannot be decoded at all: when the fault lies in its pinned shape it answers the
 ``CorruptPin`` naming the pin, so the session is listed as stranded by a pin rather than merely
-undecodable.
+undecodable. ``worker_pins`` are the pins a worker must satisfy to run one agent: those of the
+plugins whose code runs there (its tools and model provider).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from apomesh.core.errors import (
     CorruptPin,
     DefinitionError,
     MigrationRefused,
+    NotFound,
     PinError,
     PluginPinMismatch,
 )
 from apomesh.core.events import PluginPin, SessionShape
 from apomesh.core.state import SessionState
 from apomesh.core.views import AgentDiff, PinChange, SkillChange
-from apomesh.plugins.manager import PluginHost
+from apomesh.plugins.manager import PluginHost, RegistryKind
 from apomesh.plugins.pins import check_pins, pin_label
 
 
@@ -323,3 +325,19 @@ def _convert_problem(value: Any, kind: type) -> str | None:
     except msgspec.ValidationError as exc:
         return str(exc)
     return None
+
+
+def worker_pins(plugins: PluginHost, pins: list[PluginPin], config: AgentConfig) -> list[PluginPin]:
+    """The session's ``pins`` a worker must satisfy to run an agent with ``config``: those of the
+    plugins that own its tools (a skill's too) and its model provider, whose code runs on the
+    worker. A plugin that runs on the daemon alone (a coordination kind's) is not the worker's."""
+    owners: set[str] = set()
+    wanted: list[tuple[RegistryKind, str]] = [("model_provider", config.model.provider)]
+    wanted += [("tool", t) for t in config.tools]
+    wanted += [("tool", t) for skill in config.skills for t in skill.tools]
+    for kind, name in wanted:
+        try:
+            owners.add(plugins.owner_of(kind, name).name)
+        except NotFound:
+            continue
+    return [pin for pin in pins if pin.name in owners]

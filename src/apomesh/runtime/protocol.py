@@ -153,6 +153,9 @@ class Register(msgspec.Struct, tag=True):
     instance: str = ""
     """Random per worker process: the same id registering with another instance is a restarted
     worker, whose predecessor's dispatches are lost."""
+    plugins: dict[str, str] = {}
+    """The plugin distributions the worker loaded, name -> version: it only receives agents of
+    sessions whose plugin pins those versions satisfy."""
 
 
 class RegisterReply(msgspec.Struct):

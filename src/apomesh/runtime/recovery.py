@@ -3,7 +3,7 @@
 ``BootScan.run`` skips sessions with a completed record, folds the rest (in one pass over the
 stream when the log adapter can, ``fold_all``; one by one otherwise, and for the sessions the pass
 cannot vouch for), books terminal ones as completed, auto-resumes the safe ones through the
-registry (waiting for a lease another owner still holds) and strands the others on the
+registry (a drained session under its own agent refs; waiting for a lease another owner still holds) and strands the others on the
 recoverable list with their category (``recoverable``, ``pin_mismatch``, ``undecodable``, ...).
 ``classify`` is the verdict for one folded session: the plugins' recovery classifiers first, then
 the core rules.
@@ -47,6 +47,13 @@ def classify(plugins: PluginHost, state: SessionState) -> decisions.Classificati
         if verdict is not None:
             return verdict
     return decisions.classify(state, problem)
+
+
+def fresh_children(state: SessionState) -> bool:
+    """Whether an auto-resumed session's unfinished children start again under fresh refs: yes
+    after a crash, no after a drained shutdown (``SessionSuspended``), whose agents all stopped at
+    a node boundary and continue from their snapshots, journaled effects served from the log."""
+    return not state.cleanly_suspended
 
 
 class BootScan:
@@ -106,7 +113,9 @@ class BootScan:
             if verdict.verdict == "auto_resume":
                 counts["auto_resume"] += 1
                 try:
-                    await self.registry.adopt(state, recovered="auto", fresh_children=True)
+                    await self.registry.adopt(
+                        state, recovered="auto", fresh_children=fresh_children(state)
+                    )
                 except ApomeshError as exc:
                     self.log.warning(
                         "session %s not resumed yet: %s; trying again", session_id, exc
@@ -191,7 +200,9 @@ class BootScan:
             while not self.closing() and self.registry.writer(session_id) is None:
                 await asyncio.sleep(2.0)
                 try:
-                    await self.registry.adopt(state, recovered="auto", fresh_children=True)
+                    await self.registry.adopt(
+                        state, recovered="auto", fresh_children=fresh_children(state)
+                    )
                     self.log.info("session %s resumed after its lease came free", session_id)
                     return
                 except ApomeshError as exc:

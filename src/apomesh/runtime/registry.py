@@ -8,7 +8,9 @@ step fails; ``end`` is every writer's ``on_end`` callback (finished, stranded fo
 lost to another writer after an append conflict). ``state(session_id)`` answers from the live
 writer, else the stranded entry, else the fold cache over the log. The lease of every live session
 is renewed here (a lease found held by another owner stops this daemon's writer, as an append
-conflict does) and given back when this daemon stops driving it.
+conflict does) and given back when this daemon stops driving it. At shutdown ``drain`` lets every
+live session stop at a node boundary and mark itself suspended for the next daemon, within a grace
+period, before ``stop_all`` cuts off the rest.
 """
 
 from __future__ import annotations
@@ -214,6 +216,28 @@ class SessionRegistry:
         await runtime.stop()
         for ref in state.agents:
             self.snapshots.forget(f"{session_id}/{ref}")
+
+    async def drain(self, grace: float) -> int:
+        """A graceful shutdown's first half: every driven session stops dispatching, its running
+        dispatches stop at their next node boundary and it logs ``SessionSuspended`` (the next
+        daemon resumes it by itself). Waits up to ``grace`` seconds; answers how many sessions
+        did not stop in time (``stop_all`` cuts them off: a side effect in flight among them is
+        an unknown outcome, recovered like a crash)."""
+        runtimes = [r for r in self.live.values() if r.task is not None and not r.task.done()]
+        for runtime in runtimes:
+            await runtime.drain()
+        tasks = [r.task for r in runtimes if r.task is not None]
+        if not tasks:
+            return 0
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        if pending:
+            self.log.warning(
+                "%d of %d sessions did not reach a node boundary within %.1f s; cut off",
+                len(pending),
+                len(tasks),
+                grace,
+            )
+        return len(pending)
 
     async def stop_all(self) -> None:
         """Daemon shutdown: stop every writer; leases expire by themselves (see ``Daemon.aclose``)."""

@@ -23,6 +23,7 @@ import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.builtin.agents import DEFAULT_AGENT
+from apomesh.core import decisions
 from apomesh.core.definition import parse_definition
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import (
@@ -45,7 +46,9 @@ from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
     AgentRecordView,
     PinDiff,
+    RecoverableFilter,
     RecoverableView,
+    ResumeOutcome,
     SessionSummary,
     SessionView,
     SkillView,
@@ -299,15 +302,42 @@ class Service:
         actions: list[Event] = []
         if migration is not None:
             actions.append(OperatorAction(action="migrate_pin", by=by, detail=migration))
-        unknown = len(state.unknown_outcomes)
-        actions.append(
-            OperatorAction(
-                action="resume", by=by, detail={"unknown_outcomes": unknown, "reason": rec.reason}
-            )
-        )
+        acknowledged = decisions.acknowledgement(state)
+        detail = {
+            "unknown_outcomes": len(acknowledged),
+            "acknowledged": acknowledged,
+            "reason": rec.reason,
+        }
+        actions.append(OperatorAction(action="resume", by=by, detail=detail))
         await self.registry.adopt(
             state, recovered="operator", fresh_children=False, opening=actions
         )
+
+    async def resume_matching(self, which: RecoverableFilter, *, by: str) -> list[ResumeOutcome]:
+        """Resume every recoverable session ``which`` matches, one by one, each exactly as
+        ``resume`` does (its unknown outcomes acknowledged); a session that cannot be resumed is
+        answered ``refused`` with its error and the others go on."""
+        chosen = [
+            session_id
+            for session_id, rec in list(self.registry.stranded.items())
+            if which.matches(self._recoverable_view(rec))
+        ]
+        outcomes: list[ResumeOutcome] = []
+        for session_id in chosen:
+            try:
+                await self.resume(session_id, migrate_pins={}, by=by)
+            except ApomeshError as exc:
+                outcomes.append(
+                    ResumeOutcome(
+                        session_id=session_id,
+                        outcome="refused",
+                        error=exc.code,
+                        message=exc.message,
+                    )
+                )
+                continue
+            outcomes.append(ResumeOutcome(session_id=session_id, outcome="resumed"))
+        return outcomes
 
     async def _not_stranded(self, session_id: str, migrate_pins: dict[str, str] | None) -> NoReturn:
         """404 for an unknown session, else 409: only a session on the recoverable list resumes."""
@@ -383,6 +413,7 @@ class Service:
                 tools=list(w.tools),
                 providers=list(w.providers),
                 alive=now - w.last_seen <= pool.threshold,
+                plugins=dict(w.plugins),
             )
             for w in pool.workers.values()
         ]
@@ -395,6 +426,7 @@ class Service:
                 tools=list(w.tools),
                 providers=list(w.providers),
                 alive=False,
+                plugins=dict(w.plugins),
             )
             for w in reversed(pool.lost_workers.values())
             if w.worker_id not in pool.workers

@@ -23,7 +23,9 @@ new fencing epoch, wait for the outcome, and when the worker is lost append ``Ag
 re-dispatch under the same ref. Agents are composed from the session's effective shape: after an
 operator moved the session to another agent version, new children are born with the new role
 configs and an agent dispatched again is moved to its role's new config on its ``dispatched``
-event.
+event. At a graceful shutdown ``drain`` stops the session at a node boundary: nothing more is
+dispatched or started, each running dispatch ends after its next stored node, and the coordinator
+logs ``SessionSuspended`` when no side effect is in flight.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from apomesh.core.events import (
     SessionEnded,
     SessionRecovered,
     SessionShape,
+    SessionSuspended,
     ToolCallIntent,
     ToolCallRecorded,
     event_name,
@@ -90,6 +93,7 @@ from apomesh.plugins.api import (
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.pinning import worker_pins
 from apomesh.runtime.protocol import (
     ENCODER,
     Done,
@@ -118,6 +122,11 @@ class AgentFailed(Exception):
 
 class Held(Exception):
     """The session waits for an operator (an unknown side-effect outcome under a ``hold`` policy)."""
+
+
+class Drained(Exception):
+    """The daemon is draining (a graceful shutdown): this agent stopped at a node boundary, or
+    was not dispatched, and the session stops here to be resumed by the next daemon."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,11 @@ class SessionRuntime:
         self._asks = 0
         self._replaying = bool(state.checkpoints)
         self._saved = False
+        self.recovered: Literal["auto", "operator"] | None = None
+        self.draining = False
+        """Set by ``drain`` (a graceful shutdown): nothing more is dispatched, every running
+        dispatch stops at its next node boundary, and once ``SessionSuspended`` is logged
+        nothing more is appended here."""
         self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
         self._jobs: dict[tuple[str, str], asyncio.Task[Any]] = {}
         """The async jobs this writer runs, by (agent, job id)."""
@@ -226,6 +240,8 @@ class SessionRuntime:
             if self.state.terminal:
                 # A report or request that raced the session's end: refused, never appended.
                 raise Fenced(f"session {self.session_id} has ended; nothing more is appended")
+            if self.draining and self.state.suspended_index == self.state.last_index:
+                raise Fenced(f"session {self.session_id} is suspended for the next daemon")
             events, answer = rule(self.state)
             if not events:
                 return answer
@@ -372,12 +388,19 @@ class SessionRuntime:
                 return Reply(
                     "fenced", message=f"epoch {report.epoch} of {report.agent} is not current"
                 )
+            if self.draining and isinstance(report, JournalBegin | HitlAsk | JobStart):
+                return self._stop_at_boundary(slot)  # nothing new starts while draining
             if isinstance(report, NodeReport):
-                return await self._on_node(slot, report)
+                reply = await self._on_node(slot, report)
+                if self.draining and reply.status == "ok" and _continues(report):
+                    return self._stop_at_boundary(slot)
+                return reply
             if isinstance(report, TurnReport):
                 reply = await self._on_turn(slot, report)
                 if report.intent is None or reply.status != "ok":
                     return reply
+                if self.draining:
+                    return self._stop_at_boundary(slot)  # the turn is kept; its effect waits
                 return await self._on_journal_begin(slot, report.intent)
             if isinstance(report, JournalBegin):
                 return await self._on_journal_begin(slot, report)
@@ -393,6 +416,40 @@ class SessionRuntime:
             if not slot.future.done():
                 slot.future.set_result(report)
             return Reply("ok")
+
+    def _stop_at_boundary(self, slot: DispatchSlot) -> Reply:
+        """While draining: end this dispatch here (the worker drops it when it reads the answer);
+        the agent continues from its last stored node under the next daemon."""
+        if not slot.future.done():
+            slot.future.set_exception(Drained(f"{slot.agent} stopped at a node boundary"))
+        return Reply("fenced", message="the daemon is shutting down; resumed at its next start")
+
+    async def drain(self) -> None:
+        """A graceful shutdown: dispatch nothing more, stop every running dispatch at its next
+        node boundary; the coordinator then logs ``SessionSuspended`` (``_suspend``)."""
+        self.draining = True
+        await self.poke()
+
+    async def _suspend(self) -> None:
+        """Once every dispatch has stopped: mark the session suspended on its log for the next
+        daemon, unless a side effect is in flight (an intent without its result: that one is an
+        unknown outcome, and the session is recovered like a crashed one)."""
+        while self.slots:
+            await asyncio.sleep(0.05)
+
+        def rule(state: SessionState) -> tuple[list[Event], bool]:
+            if any(e.outcome is None for e in state.journal.values()):
+                return [], False
+            suspended = SessionSuspended(incarnation=self.deps.incarnation)
+            return [suspended], True
+
+        if await self.decide(rule):
+            log.info("session %s suspended at a node boundary for the next daemon", self.session_id)
+        else:
+            log.warning(
+                "session %s stopped with a side effect in flight; it is not marked suspended",
+                self.session_id,
+            )
 
     async def _on_node(self, slot: DispatchSlot, report: NodeReport) -> Reply:
         node = (report.step, report.source, report.reset)
@@ -564,10 +621,11 @@ class SessionRuntime:
                 report.agent, report.key, report.tool, report.args, idempotent=True
             )
             return [intent], (Reply("ok", decision="run"), False)
-        if outcome == "unknown" and report.on_unknown == "hold" and state.operator_actions:
+        acknowledged = decisions.acknowledged_unknown(state, report.agent, report.key)
+        if outcome == "unknown" and report.on_unknown == "hold" and acknowledged:
             message = "the operator resumed past this unknown outcome"
             return [], (Reply("ok", decision="failed", message=message), False)
-        if report.on_unknown == "hold" and not state.operator_actions:
+        if report.on_unknown == "hold" and not acknowledged:
             events: list[Event] = []
             if outcome is None:
                 events.append(
@@ -989,7 +1047,8 @@ class SessionRuntime:
         resume_reason: str | None = None
         lost_worker: str | None = None
         if agent.phase in ("dispatched", "running", "waiting", "paused") and agent.epoch > 0:
-            resume_reason = "daemon restart" if self.fresh_children else "operator resume"
+            restarted = self.fresh_children or self.recovered == "auto"
+            resume_reason = "daemon restart" if restarted else "operator resume"
             lost_worker = agent.worker
         resuming = False
         refused = 0
@@ -997,10 +1056,20 @@ class SessionRuntime:
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
                 raise Held(self.held_reason)
+            if self.draining:
+                raise Drained(f"{ref} not dispatched: the daemon is shutting down")
             moved_to = self._migrated_config(agent)
             config = moved_to or agent.current_config
             assert config is not None
-            worker_id = await self.deps.workers.pick(config, prefer=agent.worker)
+            worker_id = await self.deps.workers.pick(
+                config,
+                prefer=agent.worker,
+                pins=worker_pins(self.deps.plugins, self.state.plugin_pins, config),
+                who=f"session {self.session_id} agent {ref}",
+                stop=lambda: self.draining,
+            )
+            if worker_id is None:
+                raise Drained(f"{ref} not dispatched: the daemon is shutting down")
             if self.held_reason:
                 self.deps.workers.release(worker_id)
                 raise Held(self.held_reason)
@@ -1113,7 +1182,7 @@ class SessionRuntime:
         return wanted if wanted is not None and wanted != current else None
 
     def _ready_to_dispatch(self, ref: str) -> bool:
-        if self.held_reason:
+        if self.held_reason or self.draining:
             return True
         paused = any(p.agent == ref for p in self.state.hitl_pending.values())
         jobs = any(j.agent == ref for j in self.state.jobs_in_flight.values())
@@ -1142,6 +1211,7 @@ class SessionRuntime:
     # --- the coordinator task ----------------------------------------------------------------------
 
     def start(self, recovered: Literal["auto", "operator"] | None = None) -> None:
+        self.recovered = recovered
         self.task = asyncio.create_task(self._run(recovered), name=f"session-{self.session_id}")
 
     async def _run(self, recovered: Literal["auto", "operator"] | None) -> None:
@@ -1171,6 +1241,10 @@ class SessionRuntime:
             await self.append(SessionEnded(status="completed", output=output))
         except asyncio.CancelledError:
             raise
+        except Drained:
+            with contextlib.suppress(ApomeshError):
+                await self._suspend()
+            return
         except Held as held:
             log.warning("session %s held for an operator: %s", self.session_id, held)
             await self._stop_for_hold()
@@ -1250,6 +1324,12 @@ def _result(child: AgentView) -> ChildResult:
         child.output or "",
         child.reason or "",
     )
+
+
+def _continues(report: NodeReport) -> bool:
+    """Whether the agent goes on after this node (its last message is not its answer or plan, so
+    no ``Done`` follows it)."""
+    return bool(report.new_messages) and report.new_messages[-1].role != "assistant"
 
 
 def _answer(root: AgentView) -> RootAnswer:

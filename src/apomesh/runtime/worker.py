@@ -93,8 +93,12 @@ class Worker:
         worker_id: str | None = None,
         heartbeat_interval: float = 1.0,
         request_timeout: float = 5.0,
+        plugin_versions: dict[str, str] | None = None,
     ) -> None:
         self.nc = nc
+        self.plugin_versions = dict(plugin_versions or {})
+        """Sent on ``Register``: the daemon places on this worker only agents whose session pins
+        these versions."""
         self.tools = tools
         self.providers = providers
         self.supervisors = supervisors or []
@@ -158,6 +162,7 @@ class Worker:
                     incarnation_seen=self.incarnation,
                     pid=os.getpid(),
                     instance=self.instance,
+                    plugins=self.plugin_versions,
                 )
                 try:
                     msg = await self.nc.request(

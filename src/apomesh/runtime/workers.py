@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,8 @@ from nats.aio.client import Client as NATS
 
 from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import PayloadTooLarge
+from apomesh.core.events import PluginPin
+from apomesh.plugins.pins import worker_pin_problem
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
@@ -60,6 +62,7 @@ class WorkerInfo:
     agents: list[str] = field(default_factory=list)
     load: int = 0
     instance: str = ""
+    plugins: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -130,6 +133,7 @@ class WorkerPool:
             time.time(),
             load=known.load if known else 0,
             instance=reg.instance,
+            plugins=dict(reg.plugins),
         )
         self.lost_workers.pop(reg.worker_id, None)
         self.log.info("worker %s (%s) registered", reg.worker_id, reg.name)
@@ -168,17 +172,39 @@ class WorkerPool:
 
     # --- placement and dispatch --------------------------------------------------------------------
 
-    async def pick(self, config: AgentConfig, prefer: str | None = None) -> str:
-        """A live registered worker that has the agent's model provider and tools (waits for one)."""
+    async def pick(
+        self,
+        config: AgentConfig,
+        prefer: str | None = None,
+        *,
+        pins: Sequence[PluginPin] = (),
+        who: str = "",
+        stop: Callable[[], bool] | None = None,
+    ) -> str | None:
+        """A live registered worker that has the agent's model provider and tools and whose
+        plugin versions satisfy the session's ``pins``; waits for one (``who``, the session and
+        agent, is named in a warning while it waits), or answers None once ``stop()`` is true."""
+        warned = False
         while True:
+            if stop is not None and stop():
+                return None
             fresh = time.monotonic() - self.threshold
-            candidates = [
+            capable = [
                 w
                 for w in self.workers.values()
                 if w.last_seen >= fresh
                 and config.model.provider in w.providers
                 and all(t in w.tools for t in config.tools)
             ]
+            candidates = [w for w in capable if worker_pin_problem(w.plugins, pins) is None]
+            if not candidates and capable and not warned:
+                problems = {w.worker_id: worker_pin_problem(w.plugins, pins) for w in capable}
+                self.log.warning(
+                    "%s waits for a worker whose plugins match its pins: %s",
+                    who or config.name,
+                    "; ".join(f"{worker}: {problem}" for worker, problem in problems.items()),
+                )
+                warned = True
             # A worker that just refused or missed a dispatch is passed over while another can
             # take it (it is not declared lost for that: liveness alone decides).
             now = time.monotonic()

@@ -27,7 +27,9 @@ import msgspec
 from apomesh._version import __version__
 from apomesh.core.views import (
     AgentRecordView,
+    RecoverableFilter,
     RecoverableView,
+    ResumeOutcome,
     SessionSummary,
     SessionView,
     SkillView,
@@ -195,6 +197,10 @@ class _SessionCreated(msgspec.Struct):
 
 class _SessionList(msgspec.Struct):
     sessions: list[SessionSummary]
+
+
+class _BulkResumed(msgspec.Struct, frozen=True):
+    sessions: list[ResumeOutcome]
 
 
 class _RecoverableList(msgspec.Struct):
@@ -446,6 +452,24 @@ class Client:
         body = {"migrate_pins": dict(migrate_pins or {}), "confirm": confirm}
         await self._send("POST", f"/v1/sessions/{quote(session_id, safe='')}/resume", body=body)
 
+    async def resume_matching(
+        self,
+        *,
+        category: str | None = None,
+        reason: str | None = None,
+        goal: str | None = None,
+        session_ids: list[str] | None = None,
+    ) -> list[ResumeOutcome]:
+        """Resume every recoverable session the filter matches (``category`` exactly, ``reason``
+        and ``goal`` as substrings, ``session_ids``: only these); one outcome per session. Show
+        each one's ``recovery_preview`` to whoever decides first (pass the ids shown)."""
+        which = RecoverableFilter(
+            category=category, reason=reason, goal=goal, session_ids=session_ids
+        )
+        body = {"filter": msgspec.to_builtins(which), "confirm": True}
+        response = await self._send("POST", "/v1/recoverable/resume", body=body)
+        return msgspec.json.decode(response.content, type=_BulkResumed).sessions
+
     async def list_workers(self) -> list[WorkerView]:
         return (await self._get("/v1/workers", _WorkerList)).workers
 
@@ -599,6 +623,20 @@ class SyncClient:
         self, session_id: str, migrate_pins: dict[str, str] | None = None, confirm: bool = True
     ) -> None:
         self._run(self._client.resume(session_id, migrate_pins, confirm))
+
+    def resume_matching(
+        self,
+        *,
+        category: str | None = None,
+        reason: str | None = None,
+        goal: str | None = None,
+        session_ids: list[str] | None = None,
+    ) -> list[ResumeOutcome]:
+        return self._run(
+            self._client.resume_matching(
+                category=category, reason=reason, goal=goal, session_ids=session_ids
+            )
+        )
 
     def list_workers(self) -> list[WorkerView]:
         return self._run(self._client.list_workers())

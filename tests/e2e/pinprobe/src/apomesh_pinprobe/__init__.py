@@ -7,11 +7,14 @@ call is answered like the ``scripted`` provider would. Tests read the file to se
 bytes a resumed agent really ran with. Installed into the test environment by the e2e tests.
 
 Also the ``pinprobe.mark`` tool: a side effect (one line appended to a workspace file) with no
-probe, not idempotent, ``on_unknown="fail"``, for tests of the policy a tool without a probe gets.
+probe, not idempotent, ``on_unknown="fail"``, for tests of the policy a tool without a probe gets. And ``probe.charge``: a side-effecting, non-idempotent tool whose unknown outcome is
+held for an operator (``on_unknown = "hold"``). It appends ``id`` to ``charges.txt`` in the
+workspace; with ``hang: true`` it never returns (a test kills the worker inside the call).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -21,7 +24,14 @@ from typing import Any
 from apomesh.builtin.models import SCRIPT_POSITION, ScriptedModel
 from apomesh.core.definition import ModelSpec
 from apomesh.core.errors import DefinitionError
-from apomesh.plugins.api import Model, ModelProvider, ModelRequest, ModelResponse, Tool, ToolContext
+from apomesh.plugins.api import (
+    Model,
+    ModelProvider,
+    ModelRequest,
+    ModelResponse,
+    Tool,
+    ToolContext,
+)
 from apomesh.plugins.hookspecs import hookimpl
 
 
@@ -73,6 +83,14 @@ async def mark(ctx: ToolContext, args: dict[str, Any]) -> str:
     return f"marked {args['path']}"
 
 
+async def charge(ctx: ToolContext, args: dict[str, object]) -> str:
+    if args.get("hang"):
+        await asyncio.sleep(3600)
+    with open(ctx.workspace / "charges.txt", "a", encoding="utf-8") as out:
+        out.write(f"{args.get('id')}\n")
+    return f"charged {args.get('id')}"
+
+
 @hookimpl
 def register_tools(register: Callable[[Tool], None]) -> None:
     register(
@@ -83,5 +101,15 @@ def register_tools(register: Callable[[Tool], None]) -> None:
             side_effect=True,
             idempotent=False,
             on_unknown="fail",
+        )
+    )
+    register(
+        Tool(
+            name="probe.charge",
+            description="Charge once (test support).",
+            run=charge,
+            side_effect=True,
+            idempotent=False,
+            on_unknown="hold",
         )
     )
