@@ -619,7 +619,7 @@ def test_resume_needs_the_preview_confirmed_after_a_daemon_restart(mesh: Mesh) -
 async def test_the_preview_shows_a_side_effect_whose_outcome_is_unknown(mesh: Mesh) -> None:
     """A session whose log ends with a side effect's intent and no result (its daemon died in
     between), written straight to the log while the daemon is down: after the boot scan it waits
-    on the recoverable list, the preview names the call, and resuming never runs it again."""
+    on the recoverable list, the preview names the call, and resuming puts it to its probe."""
     from apomesh.adapters.jetstream_log import JetStreamLog
     from apomesh.adapters.nats_connect import connect
     from apomesh.core import envelope
@@ -672,10 +672,11 @@ async def test_the_preview_shows_a_side_effect_whose_outcome_is_unknown(mesh: Me
         assert accepted.status_code == 202, accepted.text
     done = await anyio.to_thread.run_sync(lambda: wait_status(mesh.url, session_id, timeout=60))
     assert done["status"] == "completed", done
-    # The call in doubt was not run again: its line is missing, the others are there once.
-    assert journal_lines(mesh.daemon.workspace, "unknown.txt") == ["line 2", "line 3"]
+    # The call in doubt was put to fs.append's probe, which found it had not happened: it ran
+    # once, logged as a second intent saying so, and every line is there exactly once.
+    assert journal_lines(mesh.daemon.workspace, "unknown.txt") == ["line 1", "line 2", "line 3"]
     events_text = httpx.get(f"{mesh.url}/v1/sessions/{session_id}/events").text
-    assert '"outcome":"unknown"' in events_text
+    assert '"resolution":"not_happened"' in events_text
 
 
 def test_while_nats_is_down_health_is_503_and_reads_are_503_not_500(mesh: Mesh) -> None:

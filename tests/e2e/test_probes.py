@@ -34,7 +34,7 @@ from tests.e2e.test_recovery import finished, restart, write_log
 from apomesh.builtin.tools import BUILTIN_TOOLS, ledger_lock_path
 from apomesh.core import envelope
 from apomesh.core.events import ToolCallIntent
-from apomesh.core.journal import call_key
+from apomesh.core.journal import call_key, idempotency_key
 from apomesh.sdk.client import Client, EventRecord
 from apomesh.testing import Mesh, WorkerProcess, install_plugin_package
 
@@ -97,6 +97,7 @@ class StandIn:
         self.agent = "root"
         self.epoch = epoch
         self.call_key = key
+        self.idempotency_key = idempotency_key(session_id, self.agent, key)
 
 
 async def run_to_end(
