@@ -487,18 +487,7 @@ class SessionRuntime:
         # The node's results and its snapshot bytes do not depend on each other: log the one
         # while LMDB takes the other. The pointer waits for the bytes.
         (snapshot_id, written), recorded = await asyncio.gather(snapshot, self.decide(results))
-        events: list[Event] = []
-        if not slot.running_logged:
-            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
-        events.append(
-            AgentSnapshotted(
-                report.agent,
-                snapshot_id=snapshot_id,
-                source=report.source,
-                step=report.step,
-                size=written,
-            )
-        )
+        events = self._pointer_events(slot, report, snapshot_id, written)
 
         async def copy_results() -> None:
             # LMDB's journal copy of a result follows the log's (so it goes with the pointer) and
@@ -513,6 +502,26 @@ class SessionRuntime:
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
         return Reply("ok")
+
+    @staticmethod
+    def _pointer_events(
+        slot: DispatchSlot, report: NodeReport | TurnReport, snapshot_id: int, written: int
+    ) -> list[Event]:
+        """The events that log a stored snapshot: its pointer, after the agent's ``running``
+        when this dispatch has not logged it yet."""
+        events: list[Event] = []
+        if not slot.running_logged:
+            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
+        events.append(
+            AgentSnapshotted(
+                report.agent,
+                snapshot_id=snapshot_id,
+                source=report.source,
+                step=report.step,
+                size=written,
+            )
+        )
+        return events
 
     def _on_memory(self, slot: DispatchSlot, report: MemoryFetch) -> Reply:
         """A page of the working memory this dispatch did not carry."""
@@ -542,18 +551,7 @@ class SessionRuntime:
         snapshot_id, written = await self.deps.snapshots.write(
             agent_key, agent.config, report, after_id=agent.snapshot_id or 0
         )
-        events: list[Event] = []
-        if not slot.running_logged:
-            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
-        events.append(
-            AgentSnapshotted(
-                report.agent,
-                snapshot_id=snapshot_id,
-                source=report.source,
-                step=report.step,
-                size=written,
-            )
-        )
+        events = self._pointer_events(slot, report, snapshot_id, written)
         await self.append(*events)
         slot.running_logged = True
         slot.nodes.add(node)
