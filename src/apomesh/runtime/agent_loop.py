@@ -443,6 +443,21 @@ async def _call_tool(
             probe_reason=reason,
         )
 
+    def finish(
+        outcome: Literal["ok", "error"], result: str, resolved_by: str = ""
+    ) -> JournalFinish:
+        return JournalFinish(
+            ctx.worker_id,
+            run.session_id,
+            run.agent,
+            run.epoch,
+            key=key,
+            tool=name,
+            outcome=outcome,
+            result=result,
+            resolved_by=resolved_by,
+        )
+
     reply = await _checked(ctx.send(begin()))
     if reply.decision == "probe" and tool.probe is not None:
         # An earlier dispatch logged this call's intent and no result: ask the tool, here where
@@ -452,21 +467,7 @@ async def _call_tool(
         except Exception as exc:
             probed = ProbeResult("cannot_tell", reason=f"the probe failed: {exc}")
         if probed.status == "happened":
-            await _checked(
-                ctx.send(
-                    JournalFinish(
-                        ctx.worker_id,
-                        run.session_id,
-                        run.agent,
-                        run.epoch,
-                        key=key,
-                        tool=name,
-                        outcome="ok",
-                        result=probed.result,
-                        resolved_by="probe",
-                    )
-                )
-            )
+            await _checked(ctx.send(finish("ok", probed.result, resolved_by="probe")))
             return probed.result
         reply = await _checked(ctx.send(begin(probed.status, probed.reason)))
     if reply.decision == "done":
@@ -490,18 +491,5 @@ async def _call_tool(
     if defer is not None:
         defer.append(CallResult(key=key, tool=name, outcome=outcome, result=result))
         return result if outcome == "ok" else f"error: {result}"
-    await _checked(
-        ctx.send(
-            JournalFinish(
-                ctx.worker_id,
-                run.session_id,
-                run.agent,
-                run.epoch,
-                key=key,
-                tool=name,
-                outcome=outcome,
-                result=result,
-            )
-        )
-    )
+    await _checked(ctx.send(finish(outcome, result)))
     return result if outcome == "ok" else f"error: {result}"
