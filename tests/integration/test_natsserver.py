@@ -16,6 +16,8 @@ from pathlib import Path
 import anyio
 import nats
 import nats.errors
+import nats.js.api
+import nats.js.errors
 import psutil
 import pytest
 from nats.aio.client import Client
@@ -117,6 +119,21 @@ async def _request_until_answered(client: Client, subject: str, payload: bytes) 
                 await anyio.sleep(0.05)
 
 
+async def _publish_until_stored(
+    client: Client, domain: str, subject: str, payload: bytes
+) -> nats.js.api.PubAck:
+    # The new stream's subjects reach the leaf a moment after the stream is made; the
+    # message id makes a retry after a lost acknowledgement store the message once.
+    with anyio.fail_after(10):
+        while True:
+            try:
+                return await client.jetstream(domain=domain).publish(
+                    subject, payload, timeout=1, headers={"Nats-Msg-Id": "edge-1"}
+                )
+            except (nats.js.errors.NoStreamResponseError, nats.errors.TimeoutError):
+                await anyio.sleep(0.05)
+
+
 async def test_core_request_reply_crosses_a_leaf_node(
     nats_hub_leaf: tuple[NatsServer, NatsServer],
 ) -> None:
@@ -144,7 +161,7 @@ async def test_core_request_reply_crosses_a_leaf_node(
         # JetStream stays on the hub; behind the leaf it is reached by naming the hub's domain.
         stream = unique("HUB")
         await on_hub.jetstream().add_stream(name=stream, subjects=[f"{stream}.>"])
-        ack = await behind_leaf.jetstream(domain="hub").publish(f"{stream}.x", b"from the edge")
+        ack = await _publish_until_stored(behind_leaf, "hub", f"{stream}.x", b"from the edge")
         stored = await on_hub.jetstream().get_msg(stream, ack.seq)
         assert stored.data == b"from the edge"
         await on_hub.jetstream().delete_stream(stream)
