@@ -26,9 +26,17 @@ ALICE = "s1/root"
 BOB = "s1/root.1"
 
 
-@pytest.fixture(params=["memory", "lmdb"])
+@pytest.fixture(params=["memory", "lmdb", "replicated"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    made: StateStore = MemoryStore() if request.param == "memory" else LmdbStore(tmp_path / "db")
+    made: StateStore
+    if request.param == "memory":
+        made = MemoryStore()
+    elif request.param == "lmdb":
+        made = LmdbStore(tmp_path / "db")
+    else:  # LMDB and the replicated bucket on a real nats-server, emptied for each test
+        from tests.store_support import empty_replicated_store
+
+        made = empty_replicated_store(request.getfixturevalue("nats_url"), tmp_path / "db")
     yield made
     made.close()
 

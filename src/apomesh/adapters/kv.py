@@ -1,6 +1,7 @@
 """Typed wrappers over JetStream KV: published agents, the skill catalog and session leases.
 
-Three buckets, opened together by ``KvBuckets.open``:
+Three buckets, opened together by ``KvBuckets.open`` (``open_bucket`` creates or reconciles any
+bucket, also the replicated state store's):
 
 - ``APOMESH_AGENTS`` (``AgentRegistry``): published agents, create-only. Publishing the same
   bytes again is a no-op; other bytes under an existing key is ``PublishConflict``, because a
@@ -72,12 +73,17 @@ class Revision:
     deleted: bool
 
 
-async def _open_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
-    """Create the bucket, or open it and bring replicas, history and TTL to the wanted ones."""
+async def open_bucket(
+    js: JetStreamContext, config: KeyValueConfig, *, allow_atomic: bool = False
+) -> KeyValue:
+    """Create the bucket, or open it and bring replicas, history and TTL to the wanted ones;
+    ``allow_atomic`` also turns on JetStream's atomic batch publish on its stream."""
     bucket = config.bucket
     with unavailable_as_log_error(f"open bucket {bucket}"):
         try:
-            return await js.create_key_value(config)
+            created = await js.create_key_value(config)
+            if not allow_atomic:
+                return created
         except nats.js.errors.APIError as exc:
             if exc.err_code != 10058:  # "stream name already in use with a different configuration"
                 raise CatalogError(
@@ -96,6 +102,7 @@ async def _open_bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue
             max_msgs_per_subject=config.history,
             max_age=max_age,
             duplicate_window=window,
+            allow_atomic=True if allow_atomic else current.allow_atomic,
         )
         try:
             await js.update_stream(wanted)
@@ -280,7 +287,7 @@ class KvBuckets:
         skill_history: int = DEFAULT_SKILL_HISTORY,
     ) -> KvBuckets:
         """Create or open the buckets with ``replicas`` copies each."""
-        agents = await _open_bucket(
+        agents = await open_bucket(
             js,
             KeyValueConfig(
                 bucket=AGENTS_BUCKET,
@@ -290,7 +297,7 @@ class KvBuckets:
                 storage=StorageType.FILE,
             ),
         )
-        skills = await _open_bucket(
+        skills = await open_bucket(
             js,
             KeyValueConfig(
                 bucket=SKILLS_BUCKET,
@@ -300,7 +307,7 @@ class KvBuckets:
                 storage=StorageType.FILE,
             ),
         )
-        leases = await _open_bucket(
+        leases = await open_bucket(
             js,
             KeyValueConfig(
                 bucket=LEASES_BUCKET,

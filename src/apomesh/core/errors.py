@@ -18,7 +18,8 @@ ApomeshError                       base; ``retryable`` says whether trying again
 │   ├── LogUnavailable             NATS cannot be reached (retryable)
 │   └── AppendConflict             another writer appended to the session
 ├── StoreError                     the LMDB store failed
-│   └── StoreFull                  the LMDB map is full
+│   ├── StoreFull                  the LMDB map is full
+│   └── StoreUnavailable           the replicated state store did not confirm a write (retryable)
 ├── CatalogError                   the skill catalog or agent registry refused (name)
 │   └── PublishConflict            a published (name, version) exists with other content
 ├── NotFound                       an unknown session, agent, skill or worker (what)
@@ -143,6 +144,14 @@ class StoreError(ApomeshError):
 
 class StoreFull(StoreError):
     code = "store_full"
+
+
+class StoreUnavailable(StoreError):
+    """The replicated state store (JetStream) could not be reached or did not confirm a write
+    in time: the write is not acknowledged."""
+
+    code = "store_unavailable"
+    retryable = True
 
 
 class CatalogError(ApomeshError):

@@ -1,0 +1,245 @@
+"""The replicated state store on real parts: LMDB and the ``APOMESH_STATE`` bucket on a real
+nats-server (one node, and the 3-node cluster). What a peer with an empty data dir reads back,
+compaction deletes, all-or-nothing batches, no acknowledgement without NATS, and nothing
+acknowledged lost when a cluster node is SIGKILLed."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from tests.store_support import empty_replicated_store, replicated_store
+
+from apomesh.adapters.lmdb_store import snapshot_key
+from apomesh.adapters.replicated_store import STATE_BUCKET
+from apomesh.core.errors import StoreError, StoreUnavailable
+
+AGENT = "s1/root"
+
+
+def test_a_peer_with_an_empty_data_dir_reads_every_record_back(
+    nats_url: str, tmp_path: Path
+) -> None:
+    first = empty_replicated_store(nats_url, tmp_path / "a")
+    first.write_batch(
+        [
+            ("defs", AGENT, b"definition"),
+            ("segments", f"{AGENT}\x0000000000", b"seg0"),
+            ("segments", f"{AGENT}\x0000000001", b"seg1"),
+            ("snapshots", snapshot_key(AGENT, 1), b"snap1"),
+            ("snapshots", snapshot_key(AGENT, 2), b"turn2"),
+            ("completed", "s0", b"done"),
+            ("meta", "daemon_id", b"daemon-a"),
+        ]
+    )
+    first.put_journal(AGENT, "call", b"intent")
+    first.close()
+    shutil.rmtree(tmp_path / "a")  # the host is gone with its disk
+
+    peer = replicated_store(nats_url, tmp_path / "b")
+    try:
+        assert peer.latest_snapshot(AGENT) == (2, b"turn2")
+        assert peer.get_snapshot(AGENT, 1) == b"snap1"
+        assert peer.scan("segments", f"{AGENT}\x00") == [
+            (f"{AGENT}\x0000000000", b"seg0"),
+            (f"{AGENT}\x0000000001", b"seg1"),
+        ]
+        assert peer.get("defs", AGENT) == b"definition"
+        assert peer.get_journal(AGENT, "call") == b"intent"
+        assert peer.list_completed() == [("s0", b"done")]
+        assert peer.get("meta", "daemon_id") is None  # the daemon's identity stays on its host
+        # What was read is cached in the peer's LMDB.
+        assert peer.local.get("defs", AGENT) == b"definition"
+        assert peer.local.get("segments", f"{AGENT}\x0000000001") == b"seg1"
+    finally:
+        peer.close()
+
+
+def test_a_value_larger_than_a_message_is_split_and_read_back_whole(
+    nats_url: str, tmp_path: Path
+) -> None:
+    store = empty_replicated_store(nats_url, tmp_path / "a")
+    store.replica.chunk = 4096  # many parts from a small value
+    big = bytes(range(256)) * 200  # 51 200 bytes: 13 parts
+    store.write_batch([("segments", f"{AGENT}\x0000000000", big)])
+    peer = replicated_store(nats_url, tmp_path / "b")
+    try:
+        assert peer.get("segments", f"{AGENT}\x0000000000") == big
+        assert peer.scan("segments", AGENT + "\x00") == [(f"{AGENT}\x0000000000", big)]
+        store.write_batch([], [("segments", f"{AGENT}\x0000000000")])
+        assert peer.scan("segments", AGENT + "\x00") == []
+        assert _live_subjects(nats_url) == []  # its parts went with it
+        # One real value over the server's max_payload (8 MiB) goes through too.
+        store.replica.chunk = peer.replica.chunk
+        huge = b"x" * (9 * 1024 * 1024)
+        store.put_snapshot(AGENT, 1, huge)
+        shutil.rmtree(tmp_path / "b")
+        peer.close()
+        peer = replicated_store(nats_url, tmp_path / "b")
+        assert peer.get_snapshot(AGENT, 1) == huge
+    finally:
+        store.close()
+        peer.close()
+
+
+def test_compaction_deletes_reach_the_replica(nats_url: str, tmp_path: Path) -> None:
+    store = empty_replicated_store(nats_url, tmp_path / "a")
+    segments = [("segments", f"{AGENT}\x00{seq:08x}", b"s%d" % seq) for seq in range(4)]
+    store.write_batch(segments)
+    for snapshot_id in range(1, 6):
+        store.put_snapshot(AGENT, snapshot_id, b"v%d" % snapshot_id)
+    # The compaction a SnapshotStore does: the merged segment under the last key, the rest gone.
+    store.write_batch(
+        [("segments", f"{AGENT}\x0000000003", b"merged")],
+        [(db, key) for db, key, _ in segments[:3]],
+    )
+    assert store.delete_snapshots_before(AGENT, 4) == 3
+    store.close()
+    peer = replicated_store(nats_url, tmp_path / "b")
+    try:
+        assert peer.scan("segments", AGENT + "\x00") == [(f"{AGENT}\x0000000003", b"merged")]
+        assert [key for key, _ in peer.scan("snapshots", AGENT + "\x00")] == [
+            snapshot_key(AGENT, 4),
+            snapshot_key(AGENT, 5),
+        ]
+        assert peer.get_snapshot(AGENT, 1) is None
+    finally:
+        peer.close()
+
+
+def test_a_batch_that_fails_midway_leaves_nothing_in_either_store(
+    nats_url: str, tmp_path: Path
+) -> None:
+    store = empty_replicated_store(nats_url, tmp_path / "a")
+    try:
+        with pytest.raises(StoreError):  # a bad record: refused before anything is sent
+            store.write_batch([("segments", f"{AGENT}\x0000000000", b"ok"), ("nope", "k", b"")])
+        # A message the server refuses in the middle of the batch (over its max_payload): the
+        # messages before it were sent, but the batch never commits.
+        store.replica.chunk = 64 * 1024 * 1024
+        with pytest.raises(StoreError):
+            store.write_batch(
+                [
+                    ("segments", f"{AGENT}\x0000000000", b"first"),
+                    ("segments", f"{AGENT}\x0000000001", b"x" * (9 * 1024 * 1024)),
+                    ("snapshots", snapshot_key(AGENT, 1), b"record"),
+                ]
+            )
+        assert store.local.scan("segments", "") == []
+        time.sleep(0.2)
+        assert _live_subjects(nats_url) == []
+    finally:
+        store.close()
+
+
+def test_no_write_is_acknowledged_while_nats_is_down(
+    fresh_nats_server: Any, tmp_path: Path
+) -> None:
+    store = replicated_store(fresh_nats_server.url, tmp_path / "a", timeout=1.0)
+    try:
+        store.put_snapshot(AGENT, 1, b"before")
+        fresh_nats_server.kill()
+        with pytest.raises(StoreUnavailable):
+            store.put_snapshot(AGENT, 2, b"while down")
+        assert store.local.get_snapshot(AGENT, 2) is None  # LMDB was not written either
+        fresh_nats_server.start()
+        deadline = time.monotonic() + 20
+        while True:  # the connection comes back by itself
+            try:
+                store.put_snapshot(AGENT, 3, b"after")
+                break
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert store.latest_snapshot(AGENT) == (3, b"after")
+    finally:
+        store.close()
+
+
+def test_nothing_acknowledged_is_lost_when_a_cluster_node_is_sigkilled(
+    nats_cluster: Any, tmp_path: Path
+) -> None:
+    urls = list(nats_cluster.urls)
+    store = replicated_store(urls, tmp_path / "a", replicas=3, timeout=2.0)
+    acknowledged: list[int] = []
+    killed = None
+    try:
+        assert _replicas(urls[0]) == 3
+        leader = _leader(urls[0])
+        deadline = time.monotonic() + 60
+        snapshot_id = 0
+        while len(acknowledged) < 60 and time.monotonic() < deadline:
+            snapshot_id += 1
+            if snapshot_id == 20:  # SIGKILL the bucket's leader mid-run
+                killed = next(s for s in nats_cluster if s.spec.name == leader)
+                killed.kill()
+            try:
+                store.write_batch(
+                    [
+                        ("segments", f"{AGENT}\x00{snapshot_id:08x}", b"seg%d" % snapshot_id),
+                        ("snapshots", snapshot_key(AGENT, snapshot_id), b"rec%d" % snapshot_id),
+                    ]
+                )
+            except StoreUnavailable:
+                continue  # not acknowledged: the caller would retry; nothing is promised
+            acknowledged.append(snapshot_id)
+        assert killed is not None and len(acknowledged) == 60
+    finally:
+        store.close()
+    survivors = [s.url for s in nats_cluster if s is not killed]
+    peer = replicated_store(survivors, tmp_path / "b", replicas=3)
+    try:
+        found = dict(peer.scan("snapshots", AGENT + "\x00"))
+        segments = dict(peer.scan("segments", AGENT + "\x00"))
+        for snapshot_id in acknowledged:
+            assert found[snapshot_key(AGENT, snapshot_id)] == b"rec%d" % snapshot_id
+            assert segments[f"{AGENT}\x00{snapshot_id:08x}"] == b"seg%d" % snapshot_id
+    finally:
+        peer.close()
+        if killed is not None:
+            killed.start()
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _stream_info(url: str | list[str]) -> Any:
+    async def info() -> Any:
+        nc = await nats.connect(url)
+        try:
+            return await nc.jetstream().stream_info(f"KV_{STATE_BUCKET}")
+        finally:
+            await nc.close()
+
+    return asyncio.run(info())
+
+
+def _replicas(url: str) -> int:
+    return int(_stream_info(url).config.num_replicas)
+
+
+def _leader(url: str) -> str:
+    return str(_stream_info(url).cluster.leader)
+
+
+def _live_subjects(url: str) -> list[str]:
+    """The bucket's subjects that hold a value (not a delete marker)."""
+
+    async def subjects() -> list[str]:
+        nc = await nats.connect(url)
+        try:
+            kv = await nc.jetstream().key_value(STATE_BUCKET)
+            try:
+                return list(await kv.keys())
+            except nats.js.errors.NoKeysError:
+                return []
+        finally:
+            await nc.close()
+
+    return asyncio.run(subjects())
