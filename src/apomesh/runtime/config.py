@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -204,10 +204,20 @@ class ProvidersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The LMDB store under the data dir (snapshots, tool-call journal, completed index)."""
+    """The LMDB store under the data dir (snapshots, tool-call journal, completed index) and, in a
+    cluster deployment, the replicated JetStream bucket behind it (``replicated``)."""
 
     map_size: Annotated[int, msgspec.Meta(ge=1 * MIB)] = 1 * GIB
     sync: bool = True
+    replicated: Literal["auto", "on", "off"] = "auto"
+    replica_timeout: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+    def replicated_with(self, nats_urls: Sequence[str]) -> bool:
+        """Whether the store writes through to the replicated bucket: ``auto`` is on when the
+        daemon is given external NATS URLs (a cluster deployment), off on the embedded server."""
+        if self.replicated == "auto":
+            return bool(nats_urls)
+        return self.replicated == "on"
 
 
 class SkillsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

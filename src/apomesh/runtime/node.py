@@ -1,6 +1,7 @@
 """``apomesh serve`` assembled: the embedded nats-server (unless ``--nats`` URLs are given), the NATS
-connection, the event log, heartbeat stream and KV buckets, the LMDB store, the plugin host, the
-daemon, its local in-process workers and the HTTP API.
+connection, the event log, heartbeat stream and KV buckets, the state store (LMDB, written through
+to the replicated ``APOMESH_STATE`` bucket per ``[store] replicated``: ``open_state_store``), the
+plugin host, the daemon, its local in-process workers and the HTTP API.
 
 ``Node`` is an async context manager; ``start`` brings the parts up in dependency order and
 ``aclose`` takes them down in reverse, so a SIGTERM leaves nothing acknowledged behind: every event
@@ -41,10 +42,12 @@ from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, redact_url, tls_context
 from apomesh.adapters.natsserver import NatsUser, embedded_server
 from apomesh.adapters.private_files import private_dir, read_private_file, write_private_file
+from apomesh.adapters.replicated_store import STATE_BUCKET, ReplicatedStore
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
 from apomesh.core.errors import DefinitionError
+from apomesh.core.ports import StateStore
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.catalog import Catalog
@@ -236,6 +239,29 @@ async def start_local_worker(
     return nc, worker
 
 
+async def open_state_store(
+    config: Config, data: Path, urls: list[str], connect_options: dict[str, Any]
+) -> StateStore:
+    """The daemon's state store: LMDB under the data dir, written through to the replicated
+    ``APOMESH_STATE`` bucket when ``[store] replicated`` says so (see ``StoreConfig``)."""
+    local = LmdbStore(data / "lmdb", map_size=config.store.map_size, sync=config.store.sync)
+    if not config.store.replicated_with(config.nats.urls):
+        return local
+    try:
+        store = await ReplicatedStore.open(
+            local,
+            urls,
+            replicas=config.nats.replicas,
+            timeout=config.store.replica_timeout,
+            connect_options=connect_options,
+        )
+    except BaseException:
+        local.close()
+        raise
+    log.info("state store: LMDB and the replicated bucket %s", STATE_BUCKET)
+    return store
+
+
 class Node:
     """One ``apomesh serve`` process."""
 
@@ -320,9 +346,7 @@ class Node:
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
         kv = await KvBuckets.open(js, replicas)
-        self.store = AsyncStore(
-            LmdbStore(data / "lmdb", map_size=config.store.map_size, sync=config.store.sync)
-        )
+        self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
         plugins = make_plugin_host(config)
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
