@@ -247,6 +247,9 @@ async def test_a_worker_cannot_append_to_a_session_log_or_use_jetstream(
         await probe.publish_refused("$JS.API.STREAM.INFO.APOMESH_LOG")
         await probe.publish_refused("$JS.API.STREAM.DELETE.APOMESH_LOG")
         await probe.publish_refused("$KV.APOMESH_SKILLS.house-style", b"forged skill")
+        # Nor the replicated state store (the daemon's snapshots and recorded turns).
+        await probe.publish_refused("$KV.APOMESH_STATE.snapshots._forged", b"forged snapshot")
+        await probe.publish_refused("$JS.API.DIRECT.GET.KV_APOMESH_STATE")
     finally:
         await probe.aclose()
     with system.http() as client:

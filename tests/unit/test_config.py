@@ -288,3 +288,23 @@ def test_provider_credentials_replace_the_default_and_never_name_an_apomesh_vari
 def test_a_control_certificate_needs_its_key(tmp_path: Path) -> None:
     with pytest.raises(DefinitionError, match="control_tls_cert and control_tls_key go together"):
         load_config(write(tmp_path, '[nats]\ncontrol_tls_cert = "c.crt"\n'), env={})
+
+
+@pytest.mark.parametrize(
+    ("replicated", "urls", "on"),
+    [
+        ("auto", ["nats://10.0.0.1:4222"], True),
+        ("auto", [], False),
+        ("on", [], True),
+        ("off", ["nats://10.0.0.1:4222"], False),
+    ],
+)
+def test_the_replicated_state_store_is_on_for_a_cluster_deployment_by_default(
+    replicated: str, urls: list[str], on: bool
+) -> None:
+    from apomesh.runtime.config import StoreConfig
+
+    assert Config().store.replicated == "auto"
+    assert StoreConfig(replicated=replicated).replicated_with(urls) is on  # type: ignore[arg-type]
+    env = {"APOMESH_STORE_REPLICATED": replicated}
+    assert load_config(None, env=env).store.replicated == replicated
