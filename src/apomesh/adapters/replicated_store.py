@@ -90,6 +90,7 @@ _ROOM: Final = 16 * 1024  # of max_payload, for the subject, the batch and KV he
 _WHOLE: Final = b"\x00"
 _SPLIT: Final = b"\x01"
 _READ_PAGE: Final = 256
+_ATTEMPT_TIMEOUT: Final = 2.0  # one commit's wait for its acknowledgement before it is sent again
 
 _T = TypeVar("_T")
 
@@ -253,10 +254,34 @@ class StateReplica:
                 await self._commit(group)
 
     async def _commit(self, messages: list[_Message]) -> None:
-        if not self._nc.is_connected:
-            raise StoreUnavailable(
-                "the replicated state store is out of reach: NATS is not connected"
-            )
+        """Publish ``messages`` as one atomic batch and wait for its commit's acknowledgement.
+        While NATS is reconnecting or the stream elects a leader (no responder, an unanswered
+        commit, a "temporarily unavailable" answer) the batch is sent again, under a new batch
+        id, until ``timeout`` seconds have passed: the records are the same, so a batch that
+        did commit before its acknowledgement was lost is only written twice, never changed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        last_failure = "NATS is not connected"
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise StoreUnavailable(
+                    f"the replicated state store did not confirm a write of {len(messages)}"
+                    f" records within {self.timeout:g} s: {last_failure}"
+                )
+            if not self._nc.is_connected:
+                await asyncio.sleep(min(0.1, remaining))
+                continue
+            try:
+                await self._send(messages, timeout=min(remaining, _ATTEMPT_TIMEOUT))
+                return
+            except _Retry as exc:
+                last_failure = str(exc)
+            except UNAVAILABLE_ERRORS as exc:
+                last_failure = repr(exc)
+            await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0)))
+
+    async def _send(self, messages: list[_Message], *, timeout: float) -> None:
         batch_id = uuid.uuid4().hex
         last = len(messages)
         try:
@@ -274,7 +299,7 @@ class StateReplica:
             reply = await self._nc.request(
                 final.subject,
                 final.data,
-                timeout=self.timeout,
+                timeout=timeout,
                 headers={
                     **(final.headers or {}),
                     "Nats-Batch-Id": batch_id,
@@ -282,18 +307,11 @@ class StateReplica:
                     "Nats-Batch-Commit": "1",
                 },
             )
-        except UNAVAILABLE_ERRORS as exc:
-            raise StoreUnavailable(
-                f"the replicated state store did not confirm a write of {last} records within"
-                f" {self.timeout:g} s: {exc!r}"
-            ) from None
         except nats.errors.MaxPayloadError:
             raise StoreError("a replicated store message is over the NATS max_payload") from None
         answer = nats.js.api.PubAck.from_response(_json(reply.data))
         if answer.batch_size != last:
-            raise StoreUnavailable(
-                f"the replicated state store took {answer.batch_size} of a batch of {last} records"
-            )
+            raise _Retry(f"the commit counted {answer.batch_size} of {last} records")
 
     # -- reads ------------------------------------------------------------------------------------
 
@@ -356,16 +374,22 @@ class StateReplica:
         return [key for key, _ in await self._listing(db, prefix)]
 
 
+class _Retry(Exception):
+    """A commit the server could not take right now (worth sending again)."""
+
+
 def _json(data: bytes) -> dict[str, Any]:
+    """A write's answer; a refusal is ``StoreError``, "unavailable right now" is ``_Retry``."""
     try:
         answer: dict[str, Any] = json.loads(data)
     except ValueError:
         raise StoreError(f"the replicated state store answered {data[:80]!r}") from None
     error = answer.get("error")
     if error:
-        raise StoreError(
-            f"the replicated state store refused a write: {error.get('description', error)}"
-        )
+        description = error.get("description", error)
+        if error.get("code") == 503:
+            raise _Retry(f"JetStream answered: {description}")
+        raise StoreError(f"the replicated state store refused a write: {description}")
     return answer
 
 
