@@ -194,9 +194,18 @@ async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_
 # --- losing the daemon's LMDB ---------------------------------------------------------------------
 
 
+def _lmdb_alone(mesh: Mesh) -> None:
+    """Restart the mesh's daemon with LMDB alone (``[store] replicated = "off"``): a daemon given
+    NATS URLs, as the mesh's is, writes through to the replicated bucket by default."""
+    mesh.daemon.env["APOMESH_STORE_REPLICATED"] = "off"
+    mesh.daemon.restart()
+    mesh.wait_workers(len(mesh.workers))
+
+
 @pytest.mark.anyio
 async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(mesh: Mesh) -> None:
     goal = "lost-lmdb"
+    await anyio.to_thread.run_sync(_lmdb_alone, mesh)
     async with Client(mesh.url) as client:
         session_id = await client.start_session(goal, definition=appender(6, delay=0.3))
         recorded = 0
@@ -265,6 +274,7 @@ def _tamper(data_dir: Path, session_id: str) -> None:
 async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement(
     mesh: Mesh,
 ) -> None:
+    await anyio.to_thread.run_sync(_lmdb_alone, mesh)  # the tampering is done to LMDB
     async with Client(mesh.url) as client:
         session_id = await client.start_session("verified", definition=appender(3, delay=0.0))
         await finished(client, session_id)
