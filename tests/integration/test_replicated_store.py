@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import nats
 import pytest
 from tests.store_support import empty_replicated_store, replicated_store
 
-from apomesh.adapters.lmdb_store import snapshot_key
+from apomesh.adapters.lmdb_store import AsyncStore, snapshot_key
 from apomesh.adapters.replicated_store import STATE_BUCKET
 from apomesh.core.errors import StoreError, StoreUnavailable
 
@@ -243,3 +244,41 @@ def _live_subjects(url: str) -> list[str]:
             await nc.close()
 
     return asyncio.run(subjects())
+
+
+@pytest.mark.anyio
+async def test_while_nats_is_down_a_group_of_writes_fails_at_once_not_one_by_one(
+    fresh_nats_server: Any, tmp_path: Path
+) -> None:
+    store = await asyncio.to_thread(
+        replicated_store, fresh_nats_server.url, tmp_path / "a", timeout=0.5
+    )
+    attempts: list[int] = []  # the batch numbers each commit attempt carried
+    write_batch, write_batches = store.write_batch, store.write_batches
+
+    def one(puts: Any, deletes: Any = ()) -> None:
+        attempts.append(int(puts[0][1][1:]))
+        write_batch(puts, deletes)
+
+    def many(batches: Any) -> None:
+        attempts.extend(int(puts[0][1][1:]) for puts, _ in batches)
+        write_batches(batches)
+
+    store.write_batch, store.write_batches = one, many  # type: ignore[method-assign]
+    facade = AsyncStore(store)
+    failures: list[BaseException] = []
+    fresh_nats_server.kill()
+
+    async def write(i: int) -> None:
+        try:
+            await facade.write_batch([("segments", f"k{i:02d}", b"v")])
+        except StoreUnavailable as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as group:
+        for i in range(20):
+            group.start_soon(write, i)
+    assert len(failures) == 20  # nothing acknowledged
+    assert sorted(attempts) == list(range(20))  # each batch was tried once, not again alone
+    assert store.local.scan("segments", "") == []
+    await facade.aclose()

@@ -32,7 +32,7 @@ import lmdb
 import msgspec
 
 from apomesh.adapters.private_files import PRIVATE_FILE_MODE, private_dir
-from apomesh.core.errors import StoreError, StoreFull
+from apomesh.core.errors import StoreError, StoreFull, StoreUnavailable
 from apomesh.core.ports import StateStore
 
 DATABASES: Final = ("snapshots", "segments", "defs", "journal", "completed", "meta")
@@ -436,8 +436,10 @@ class AsyncStore:
     LMDB's write lock. Each caller's batch is still all-or-nothing and durable when its call
     returns; if a group's transaction fails, its batches are retried one by one so one bad batch
     fails only its caller. A cancelled caller whose batch the writer has not taken yet takes it
-    back; one already being committed still finishes (never half-applied). Outside asyncio (the
-    writer wakes callers through their asyncio loop) each write is its own transaction.
+    back; one already being committed still finishes (never half-applied). A group that fails
+    with ``StoreUnavailable`` (the replicated tier out of reach) fails all its callers at once.
+    Outside asyncio (the writer wakes callers through their asyncio loop) each write is its own
+    transaction.
     """
 
     def __init__(self, store: StateStore) -> None:
@@ -477,6 +479,11 @@ class AsyncStore:
         if len(group) > 1 and write_batches is not None:
             try:
                 write_batches([(entry.puts, entry.deletes) for entry in group])
+            except StoreUnavailable as exc:
+                # The replicated tier is out of reach: each batch alone would wait as long.
+                for entry in group:
+                    entry.error = exc
+                return
             except Exception:
                 pass  # apply them one by one below, so the error reaches only its own caller
             else:

@@ -90,6 +90,7 @@ _ROOM: Final = 16 * 1024  # of max_payload, for the subject, the batch and KV he
 _WHOLE: Final = b"\x00"
 _SPLIT: Final = b"\x01"
 _READ_PAGE: Final = 256
+_DELETE_SLICE: Final = 500
 _ATTEMPT_TIMEOUT: Final = 2.0  # one commit's wait for its acknowledgement before it is sent again
 
 _T = TypeVar("_T")
@@ -546,8 +547,9 @@ class ReplicatedStore:
         ]
         doomed_keys = {key for _, key in doomed}
         stale = [(db, key) for db, key in local if key < end and key not in doomed_keys]
-        if doomed:
-            self.write_batch([], doomed)
+        # In slices under the atomic batch limit: deleting old snapshots needs no atomicity.
+        for start in range(0, len(doomed), _DELETE_SLICE):
+            self.write_batch([], doomed[start : start + _DELETE_SLICE])
         if stale:
             self.local.write_batch([], stale)
         return len(doomed)
