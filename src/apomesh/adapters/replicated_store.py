@@ -11,8 +11,9 @@ and the completed-session index.
   ``write_batch``, or of a group-committed ``write_batches``, is published without waiting and
   the commit message's acknowledgement covers them all: one round trip, all or nothing), then to
   LMDB in one synced transaction. It returns only when both are durable; a bucket that cannot be
-  reached or does not confirm within ``timeout`` seconds is ``StoreUnavailable`` and LMDB is not
-  touched. Deletes (compaction) are KV delete markers in the same batch.
+  reached or does not confirm within ``timeout`` seconds (the batch is sent again meanwhile, so a
+  reconnect or a leader election is ridden out) is ``StoreUnavailable`` and LMDB is not touched.
+  Deletes (compaction) are KV delete markers in the same batch.
 - A point read (``get``, ``get_snapshot``, ``get_journal``, ``get_completed``) is served by
   LMDB and falls through to the bucket on a miss, filling LMDB.
 - Listings (``scan``, ``latest_snapshot``, ``list_completed``, ``delete_snapshots_before``) ask the
@@ -46,7 +47,6 @@ from types import TracebackType
 from typing import Any, Final, TypeVar
 
 import nats.js.errors
-from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig, StorageType
 
 from apomesh.adapters import kv
@@ -128,9 +128,9 @@ def _part_subject(kvkey: str, number: int) -> str:
     return f"{_SUBJECT_PREFIX}{_PARTS}.{kvkey}.{number}"
 
 
-def _deleted(msg: Msg) -> bool:
-    headers = msg.headers or {}
-    return headers.get("KV-Operation") in ("DEL", "PURGE")
+def _deleted(headers: dict[str, str] | None) -> bool:
+    """Whether a message with these headers is a KV delete or purge marker."""
+    return (headers or {}).get("KV-Operation") in ("DEL", "PURGE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,9 +223,7 @@ class StateReplica:
             msg = await self._js.get_msg(_STREAM, subject=subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
-        if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
-            return None
-        return msg.data or b""
+        return None if _deleted(msg.headers) else msg.data or b""
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -349,7 +347,7 @@ class StateReplica:
                     kvkey = headers.get("Nats-Subject", "")[len(_SUBJECT_PREFIX) :]
                     # One message per subject is kept; one rewritten during the read shows up
                     # twice, and the later (higher sequence) wins.
-                    if _deleted(msg):
+                    if _deleted(msg.headers):
                         found.pop(kvkey, None)
                     else:
                         found[kvkey] = msg.data
