@@ -433,12 +433,16 @@ class SessionRuntime:
     async def _suspend(self) -> None:
         """Once every dispatch has stopped: mark the session suspended on its log for the next
         daemon, unless a side effect is in flight (an intent without its result: that one is an
-        unknown outcome, and the session is recovered like a crashed one)."""
-        while self.slots:
+        unknown outcome, and the session is recovered like a crashed one). A side-effecting job
+        this writer is running is waited for too (within the registry's grace period): cut off,
+        its outcome would be unknown; a read-only one simply runs again under the next daemon."""
+        while self.slots or self._side_effecting_jobs():
             await asyncio.sleep(0.05)
 
         def rule(state: SessionState) -> tuple[list[Event], bool]:
             if any(e.outcome is None for e in state.journal.values()):
+                return [], False
+            if any(job.side_effect for job in state.jobs_in_flight.values()):
                 return [], False
             suspended = SessionSuspended(incarnation=self.deps.incarnation)
             return [suspended], True
@@ -450,6 +454,15 @@ class SessionRuntime:
                 "session %s stopped with a side effect in flight; it is not marked suspended",
                 self.session_id,
             )
+
+    def _side_effecting_jobs(self) -> list[asyncio.Task[Any]]:
+        """The running jobs of this writer whose tool declares a side effect."""
+        in_flight = self.state.jobs_in_flight
+        return [
+            task
+            for key, task in self._jobs.items()
+            if not task.done() and key in in_flight and in_flight[key].side_effect
+        ]
 
     async def _on_node(self, slot: DispatchSlot, report: NodeReport) -> Reply:
         node = (report.step, report.source, report.reset)
