@@ -91,6 +91,17 @@ def fresh(name: str) -> dict[str, Any]:
     return {"provider": "openai", "model": name, "credential": "fresh", "timeout": 10}
 
 
+def solo_appender(appends: int) -> dict[str, Any]:
+    """A solo agent the fresh model has make ``appends`` fs.append calls, then answer."""
+    return {
+        "name": "fresh-solo",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.append"],
+        "model": fresh(f"fresh:appends={appends}"),
+    }
+
+
 def start(url: str, goal: str, definition: dict[str, Any]) -> str:
     response = httpx.post(f"{url}/v1/sessions", json={"goal": goal, "definition": definition})
     assert response.status_code == 201, response.text
@@ -202,13 +213,7 @@ def test_a_kill_at_every_point_of_a_step_runs_each_effect_once_and_ends_with_the
 ) -> None:
     with FreshModelServer() as server:
         system = ReplayMesh(mesh, server)
-        definition = {
-            "name": "fresh-solo",
-            "version": "1.0.0",
-            "coordination": "solo",
-            "tools": ["fs.append"],
-            "model": fresh("fresh:appends=3"),
-        }
+        definition = solo_appender(appends=3)
         session_id = start(system.url, "every point", definition)
         # Step 1: lost before its intent (nothing recorded yet: the model is asked again), then
         # lost between its intent and its effect (recorded: replayed, its outcome unknown).
@@ -272,13 +277,7 @@ def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_a
 ) -> None:
     with FreshModelServer() as server:
         system = ReplayMesh(mesh, server)
-        definition = {
-            "name": "fresh-solo",
-            "version": "1.0.0",
-            "coordination": "solo",
-            "tools": ["fs.append"],
-            "model": fresh("fresh:appends=2"),
-        }
+        definition = solo_appender(appends=2)
         session_id = start(system.url, "daemon lost", definition)
         # The effect of step 1 ran; before its result is reported the daemon is SIGKILLed (and
         # the frozen worker with it), then started again: the session has a side effect, so it
