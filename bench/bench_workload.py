@@ -20,6 +20,14 @@ sync setting (the default ``sync_interval`` and ``always``); the figure is the m
 per-repetition ratios. S = 1 step latency p50/p99 (node boundary to node boundary for apomesh,
 one step of the loop for the floor) is measured the same way.
 
+Kill -9 recovery (``--kill``, on by default): an ``apomesh serve`` process (its embedded
+nats-server, two in-process workers) runs the S x N workload; at half the effects it is SIGKILLed
+and started again, and the operator's bulk resume (``resume_matching``) takes every session that
+waits for one; the figure is restart to all done. The floor runs as a child process on its own
+nats-server, SIGKILLed at half its effects, and restarted: each session replays the events after
+its snapshot and goes on. For both: effects duplicated (a step's line twice), effects never run
+(a step with no line) and sessions lost.
+
 Durability as measured: LMDB synced on every commit for both; JetStream as configured (default:
 an acknowledged event is in the server's files and fsynced within two minutes; ``always``:
 fsynced before the acknowledgement). Run ``python bench/bench_workload.py`` (``--quick``: S=5,
@@ -32,7 +40,9 @@ import argparse
 import asyncio
 import itertools
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -42,16 +52,19 @@ from typing import Any
 
 import lmdb
 import nats
+import nats.js.errors
 from nats.js.api import StorageType, StreamConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_runtime import make_config, percentile, run_sessions, scratch
 
+from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core.events import AgentSnapshotted
-from apomesh.plugins.manager import BUILTIN_DISTRIBUTION
+from apomesh.plugins.manager import BUILTIN_DISTRIBUTION, ENV_ALLOW
 from apomesh.runtime.node import Node
-from apomesh.testing import install_plugin_package
+from apomesh.sdk.client import Client
+from apomesh.testing import DaemonProcess, install_plugin_package
 
 BENCHTOOLS = Path(__file__).resolve().parent / "benchtools"
 TURN_TEXT = "Looked the record up; appending the step's line next. " * 3
@@ -222,6 +235,153 @@ def _with_benchtools(config: Any) -> Any:
     return msgspec.structs.replace(config, plugins=plugins)
 
 
+# --- kill -9 recovery -----------------------------------------------------------------------------
+
+
+@dataclass
+class Recovery:
+    seconds: float
+    duplicates: int
+    never_run: int
+    lost: int
+
+
+def audit_lines(folder: Path, sessions: list[str], steps: int, completed: set[str]) -> Recovery:
+    duplicates = never_run = 0
+    for name in sessions:
+        path = folder / f"{name}.log"
+        found = (
+            [line.split()[-1] for line in path.read_text().splitlines()] if path.exists() else []
+        )
+        duplicates += len(found) - len(set(found))
+        never_run += len({str(n) for n in range(steps)} - set(found))
+    return Recovery(0.0, duplicates, never_run, len(set(sessions) - completed))
+
+
+def lines_in(folder: Path) -> int:
+    return (
+        sum(len(p.read_bytes().splitlines()) for p in folder.glob("*.log"))
+        if folder.exists()
+        else 0
+    )
+
+
+async def apomesh_kill(base: Path, sessions: int, steps: int) -> Recovery:
+    daemon = DaemonProcess(
+        [],
+        base / "daemon",
+        workers=2,
+        env={ENV_ALLOW: f"{BUILTIN_DISTRIBUTION},apomesh-benchtools"},
+    )
+    folder = daemon.workspace / "bench"
+    await asyncio.to_thread(daemon.start)
+    try:
+        async with Client(daemon.url, reconnect_window=60) as client:
+            definition = workload_definition(steps)
+            ids = [
+                await client.start_session(f"k{n}", definition=definition) for n in range(sessions)
+            ]
+            while lines_in(folder) < sessions * steps // 2:
+                await asyncio.sleep(0.005)
+        await asyncio.to_thread(daemon.kill)
+        restarted = time.perf_counter()
+        await asyncio.to_thread(daemon.start)
+        async with Client(daemon.url, reconnect_window=60) as client:
+            await client.resume_matching()
+            while True:
+                views = [await client.get_session(sid) for sid in ids]
+                if all(v.terminal for v in views):
+                    break
+                if not any(v.status == "running" for v in views):
+                    await client.resume_matching()  # listed after the first call's scan
+                await asyncio.sleep(0.02)
+            seconds = time.perf_counter() - restarted
+            completed = {v.session_id for v in views if v.status == "completed"}
+        result = audit_lines(folder, ids, steps, completed)
+        return Recovery(seconds, result.duplicates, result.never_run, result.lost)
+    finally:
+        await asyncio.to_thread(daemon.kill)
+
+
+async def floor_child(url: str, base: Path, sessions: int, steps: int) -> None:
+    """The floor as its own process (``--floor-child``): each session picks up from its LMDB
+    snapshot and the events after it, so a restart after kill -9 goes on where it stopped."""
+    nc = await nats.connect(url, name="bench-floor")
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="FLOOR", subjects=["floor.>"], storage=StorageType.FILE))
+    env = lmdb.open(str(base / "floor-lmdb"), map_size=1 << 30, sync=True)
+    folder = base / "bench"
+    folder.mkdir(exist_ok=True)
+
+    def put(key: bytes, value: bytes) -> None:
+        with env.begin(write=True) as txn:
+            txn.put(key, value)
+
+    async def session(n: int) -> None:
+        subject = f"floor.s{n}"
+        with env.begin() as txn:
+            stored = txn.get(subject.encode())
+        seq, next_step = (0, 0)
+        if stored is not None:
+            seq, next_step = (int(x) for x in stored[:40].split(b",")[:2])
+        try:  # the events after the snapshot: here the last one tells the step it reached
+            msg = await js.get_last_msg("FLOOR", subject)
+            if msg.seq > seq:
+                seq, next_step = msg.seq, int(msg.data.split(b",")[0]) + 1
+        except nats.js.errors.NotFoundError:
+            pass
+        fd = os.open(folder / f"s{n}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            for step in range(next_step, steps):
+                event = f"{step},{TURN_TEXT}".encode().ljust(300)
+                ack = await js.publish(
+                    subject, event, headers={"Nats-Expected-Last-Subject-Sequence": str(seq)}
+                )
+                seq = ack.seq
+                os.write(fd, f"s{n} step {step}".ljust(63).encode() + b"\n")
+                await asyncio.to_thread(
+                    put, subject.encode(), f"{seq},{step + 1},".encode().ljust(300)
+                )
+        finally:
+            os.close(fd)
+
+    await asyncio.gather(*(session(n) for n in range(sessions)))
+    await nc.close()
+    env.close()
+
+
+async def floor_kill(base: Path, sessions: int, steps: int) -> Recovery:
+    server = NatsServer(single_node(base / "floor-nats", name="floor"))
+    await asyncio.to_thread(server.start)
+    folder = base / "bench"
+    command = [
+        sys.executable,
+        __file__,
+        "--floor-child",
+        server.url,
+        str(base),
+        "--sessions",
+        str(sessions),
+        "--steps",
+        str(steps),
+    ]
+    try:
+        child = subprocess.Popen(command)
+        while lines_in(folder) < sessions * steps // 2 and child.poll() is None:
+            await asyncio.sleep(0.005)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        restarted = time.perf_counter()
+        child = subprocess.Popen(command)
+        code = await asyncio.to_thread(child.wait)
+        seconds = time.perf_counter() - restarted
+        names = [f"s{n}" for n in range(sessions)]
+        result = audit_lines(folder, names, steps, set(names) if code == 0 else set())
+        return Recovery(seconds, result.duplicates, result.never_run, result.lost)
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f} ms"
 
@@ -248,6 +408,27 @@ async def main_async(args: argparse.Namespace) -> None:
             f"| {ms(r['s1_floor'][0])} / {ms(r['s1_floor'][1])} "
             f"| {r['s1'][0] / r['s1_floor'][0]:.2f}x |"
         )
+    if args.kill:
+        ours, naive = [], []
+        for _ in range(args.reps):
+            with scratch("apomesh-kill-") as base:
+                ours.append(await apomesh_kill(base, args.sessions, args.steps))
+            with scratch("apomesh-floor-kill-") as base:
+                naive.append(await floor_kill(base, args.sessions, args.steps))
+        print()
+        print(
+            "| kill -9 at half the effects | restart to all done | duplicated effects "
+            "| effects never run | sessions lost |"
+        )
+        print("|---|---|---|---|---|")
+        for name, runs in (("apomesh", ours), ("floor", naive)):
+            print(
+                f"| {name} | {statistics.median(r.seconds for r in runs):.2f} s "
+                f"| {sum(r.duplicates for r in runs)} | {sum(r.never_run for r in runs)} "
+                f"| {sum(r.lost for r in runs)} |"
+            )
+        ratio = statistics.median(a.seconds / b.seconds for a, b in zip(ours, naive, strict=True))
+        print(f"restart to all done, apomesh / floor: **{ratio:.2f}x** (median of {args.reps})")
 
 
 def main() -> None:
@@ -256,7 +437,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="S=5, N=10, one repetition")
+    parser.add_argument("--no-kill", dest="kill", action="store_false", help="skip kill -9")
+    parser.add_argument("--floor-child", nargs=2, metavar=("URL", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.floor_child:
+        url, base = args.floor_child
+        asyncio.run(floor_child(url, Path(base), args.sessions, args.steps))
+        return
     if args.quick:
         args.sessions, args.steps, args.reps = 5, 10, 1
     install_plugin_package(BENCHTOOLS)
