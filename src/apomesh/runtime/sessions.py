@@ -1063,7 +1063,13 @@ class SessionRuntime:
             lost_worker = agent.worker
         resuming = False
         refused = 0
+        ended: DispatchSlot | None = None
         while True:
+            if ended is not None:
+                # A report of the ended dispatch still being decided (its snapshot stored, its
+                # pointer not yet appended) finishes first: the next dispatch continues from it.
+                async with ended.lock:
+                    ended = None
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
                 raise Held(self.held_reason)
@@ -1087,7 +1093,7 @@ class SessionRuntime:
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
-                memory = await self.deps.snapshots.load(agent_key)
+                memory = await self.deps.snapshots.load_logged(agent_key, agent.snapshot_id)
                 if resume_reason is not None:
                     await self.append(
                         AgentResuming(
@@ -1158,6 +1164,7 @@ class SessionRuntime:
                     raise
                 finally:
                     self.deps.workers.untrack(dispatch)
+                    ended = slot
                     if self.slots.get(ref) is slot:
                         del self.slots[ref]
                     if slot.future.done() and not slot.future.cancelled():
