@@ -783,11 +783,20 @@ class FreshChaos:
     ) -> Any:
         from tests.e2e.chaos_audit import audit_session
 
-        try:
-            records: list[EventRecord] = await self.read_log(session_id)
-            verification = await self.client.verify_session(session_id)
-        except Exception as exc:
-            records, verification = [], {"problems": [{"kind": "undecodable", "message": str(exc)}]}
+        records: list[EventRecord] = []
+        verification: Any = None
+        failure = "no answer within 30 s"
+        with anyio.move_on_after(30):  # a daemon restarting under the run answers a moment later
+            while True:
+                try:
+                    records = await self.read_log(session_id)
+                    verification = await self.client.verify_session(session_id)
+                    break
+                except Exception as exc:  # an undecodable log fails every time, not once
+                    failure = f"{type(exc).__name__}: {exc}"
+                    await anyio.sleep(1)
+        if verification is None:
+            records, verification = [], {"problems": [{"kind": "undecodable", "message": failure}]}
         result = audit_session(
             records,
             verification,
@@ -800,6 +809,8 @@ class FreshChaos:
             result.lost = False
             result.problems = [p for p in result.problems if not p.startswith("lost:")]
         self.tally.add(result, shape)
+        for problem in result.problems:  # as they are found, so a long run can be looked into
+            print(f"  problem {shape} {session_id}: {problem}", flush=True)
         self.say(
             f"{shape:<14} {session_id[:12]} {result.status:<9} dup {result.duplicates} "
             f"never-run {result.never_run} lost {int(result.lost)} "
