@@ -1,19 +1,23 @@
 """The data dir's lock on an in-process ``Node`` (embedded nats-server, real LMDB): a second
 ``Node`` on a data dir in use, or on an embedded store dir another data dir's daemon uses, stops
 with ``DataDirInUse`` naming this pid before it starts anything, and the first goes on serving;
-a closed ``Node`` lets go of both."""
+a closed ``Node`` lets go of both. The lock itself (``lock_dir``) names a live holder in another
+process, blocks nobody once that holder is killed, and is not held on by child processes."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from apomesh.adapters.private_files import DataDirInUse
+from apomesh.adapters.private_files import DataDirInUse, lock_dir
+from apomesh.core.errors import StoreError
 from apomesh.runtime.config import load_config
-from apomesh.runtime.node import Node
+from apomesh.runtime.node import PORT_FILE, Node, embedded_client_port
 
 
 def node_config(data: Path, **nats: Any) -> Any:
@@ -72,3 +76,63 @@ async def test_an_embedded_store_dir_outside_the_data_dir_is_locked_too(tmp_path
     # The failed start let go of its own data dir.
     async with Node(node_config(tmp_path / "b"), http=False) as node:
         assert node.server is not None and node.server.running
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from apomesh.adapters.private_files import lock_dir
+
+lock = lock_dir(Path(sys.argv[1]), "daemon.lock", what="data dir", holder="apomesh serve")
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_lock_names_a_live_holder_and_a_killed_holder_blocks_nobody(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(DataDirInUse) as err:
+            lock_dir(tmp_path, "daemon.lock", what="data dir", holder="apomesh serve")
+        assert err.value.pid == holder.pid
+        assert f"data dir {tmp_path} is in use by apomesh serve pid {holder.pid}" in str(err.value)
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    # The killed holder's file is still there, with its pid; it blocks nobody.
+    assert (tmp_path / "daemon.lock").read_text().strip() == str(holder.pid)
+    lock = lock_dir(tmp_path, "daemon.lock", what="data dir", holder="apomesh serve")
+    try:
+        assert (tmp_path / "daemon.lock").read_text().strip() == str(os.getpid())
+    finally:
+        lock.release()
+
+
+def test_a_child_process_does_not_hold_the_lock_on(tmp_path: Path) -> None:
+    lock = lock_dir(tmp_path, "daemon.lock", what="data dir", holder="apomesh serve")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], close_fds=False
+    )
+    try:
+        lock.release()
+        again = lock_dir(tmp_path, "daemon.lock", what="data dir", holder="apomesh serve")
+        again.release()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_port_file_without_a_port_is_refused_naming_it(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    (data / PORT_FILE).write_text("not a port\n")
+    with pytest.raises(StoreError, match=r"nats\.port should hold the embedded nats-server.s port"):
+        embedded_client_port(node_config(data), data)
+    assert embedded_client_port(node_config(data, embedded_port=4999), data) == 4999
+    (data / PORT_FILE).write_text("4321\n")
+    assert embedded_client_port(node_config(data), data) == 4321

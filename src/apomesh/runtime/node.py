@@ -224,7 +224,7 @@ def kept_worker_passwords(data_dir: Path) -> dict[str, str]:
     return kept
 
 
-def embedded_port(config: Config, data_dir: Path) -> int | None:
+def embedded_client_port(config: Config, data_dir: Path) -> int | None:
     """The embedded server's client port: ``[nats] embedded_port`` when set, else the one kept in
     ``<data_dir>/nats.port`` since the first start, else ``None`` (a free one is chosen). A port
     file that holds no port is a ``StoreError`` naming it."""
@@ -358,7 +358,7 @@ class Node:
             store_dir = config.nats_store_path()
             if not store_dir.is_relative_to(data):
                 self._lock(private_dir(store_dir), "embedded nats-server store dir")
-            port = embedded_port(config, data)
+            port = embedded_client_port(config, data)
             self.credentials = EmbeddedCredentials.generate(
                 local_ids, config.nats.embedded_worker_credentials, kept_worker_passwords(data)
             )
@@ -366,12 +366,16 @@ class Node:
             try:
                 await asyncio.to_thread(self.server.start)
             except PortTaken as exc:
-                kept = "" if config.nats.embedded_port else f", kept in {data / PORT_FILE}"
+                source = (
+                    "set in [nats] embedded_port"
+                    if config.nats.embedded_port
+                    else f"its port since its first start, kept in {data / PORT_FILE}"
+                )
                 raise PortTaken(
-                    f"the embedded nats-server's port {exc.port} (its port since its first"
-                    f" start{kept}, so worker processes reconnect to it) is taken by another"
-                    " process; stop that process, or set [nats] embedded_port to move the"
-                    " server (worker processes then need the new URL)",
+                    f"the embedded nats-server's port {exc.port} ({source}, so worker processes"
+                    " reconnect to it) is taken by another process; stop that process, or set"
+                    " another [nats] embedded_port to move the server (worker processes then"
+                    " need the new URL)",
                     port=exc.port,
                 ) from None
             self.urls = [self.server.url]
