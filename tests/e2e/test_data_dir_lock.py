@@ -140,8 +140,9 @@ def test_a_sigkilled_daemons_data_dir_is_served_again_at_once(daemon: DaemonProc
     assert f"in use by apomesh serve pid {daemon.pid}" in flat(third.stderr), third.stderr
 
 
+@pytest.mark.parametrize("ending", ["SIGTERM", "SIGKILL"])
 def test_the_embedded_port_is_kept_and_a_worker_process_reconnects_after_a_restart(
-    tmp_path: Path,
+    tmp_path: Path, ending: str
 ) -> None:
     daemon = DaemonProcess([], tmp_path / "daemon", workers=0)
     daemon.start()
@@ -153,7 +154,11 @@ def test_the_embedded_port_is_kept_and_a_worker_process_reconnects_after_a_resta
         wait_registered(daemon, "worker-1")
         assert run_to_completion(daemon, "first")["agents"][0]["worker"] == "worker-1"
 
-        daemon.restart()
+        if ending == "SIGKILL":
+            daemon.kill()  # its embedded server gets SIGTERM as its parent dies
+        else:
+            daemon.stop()
+        daemon.start()
 
         assert embedded_url(daemon) == url
         assert f"NATS {url}" in flat(daemon.output_tail())
