@@ -11,8 +11,8 @@ appending with ``O_NOFOLLOW`` at ``0600``.
 
 ``lock_dir`` makes a directory one process's: it takes an exclusive ``flock`` on a lock file in
 it (``0600``, no symlink followed) and writes the holder's pid there; a second taker, in this
-process or another, gets ``DataDirInUse`` naming that pid at once instead of waiting. The kernel lets
-go of the lock when its holder exits however it exits, so a lock file a killed process left
+process or another, gets ``DataDirInUse`` naming that pid at once instead of waiting. The kernel
+lets go of the lock when its holder exits however it exits, so a lock file a killed process left
 behind blocks nobody: the pid in it only says who held it last. The file stays in place when the
 lock is released (removing it would let two processes lock two different files of one name).
 """
@@ -141,10 +141,6 @@ class DirLock:
         self.path = path
         self._fd: int | None = fd
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
@@ -157,8 +153,8 @@ def lock_dir(directory: Path, name: str, *, what: str, holder: str) -> DirLock:
     """Hold ``directory`` for this process through ``directory/name``: an exclusive, non-blocking
     ``flock``, then this pid written in the file. ``DataDirInUse`` when another holder has it, its
     message naming ``what`` the directory is (e.g. ``data dir``), the directory, ``holder`` (what
-    holds such a lock, e.g. ``apomesh serve``) and the pid that file names. The lock file is opened close-on-exec, so child processes do not
-    hold it on."""
+    holds such a lock, e.g. ``apomesh serve``) and the pid that file names. The lock file is
+    opened close-on-exec, so child processes do not hold it on."""
     directory = Path(directory)
     path = directory / name
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
