@@ -63,6 +63,19 @@ def embedded_nats_pid(daemon: DaemonProcess) -> int:
     return int((daemon.data_dir / "nats" / "nats-server.pid").read_text().strip())
 
 
+def written_at_start(daemon: DaemonProcess) -> dict[str, tuple[int, bytes]]:
+    """The files a start of ``serve`` writes in the data dir (not LMDB's or the server's store,
+    which the running daemon writes to): each one's modification time and bytes."""
+    data = daemon.data_dir
+    names = ["daemon.lock", "daemon.id", "nats.port", "nats/nats-server.conf"]
+    names += [str(path.relative_to(data)) for path in (data / "credentials").iterdir()]
+    return {
+        name: ((data / name).stat().st_mtime_ns, (data / name).read_bytes())
+        for name in names
+        if (data / name).exists()
+    }
+
+
 def embedded_url(daemon: DaemonProcess) -> str:
     """The embedded server's URL as the credential file for worker processes gives it."""
     text = (daemon.data_dir / "credentials" / "worker-1.toml").read_text()
@@ -111,6 +124,7 @@ def test_a_second_serve_on_the_data_dir_refuses_naming_the_holder_and_the_first_
 ) -> None:
     run_to_completion(daemon, "before")
     server_pid = embedded_nats_pid(daemon)
+    files = written_at_start(daemon)
 
     second = serve_again(daemon.data_dir)
 
@@ -119,7 +133,9 @@ def test_a_second_serve_on_the_data_dir_refuses_naming_the_holder_and_the_first_
     assert "data_dir_in_use" in message, message
     assert f"data dir {daemon.data_dir} is in use by apomesh serve pid {daemon.pid}" in message
     assert "serving on" not in second.stdout, second.stdout
-    # The first daemon's embedded server was left alone, and it still serves reads and sessions.
+    # Nothing a start writes was written again; the first daemon's embedded server was left
+    # alone, and it still serves reads and sessions.
+    assert written_at_start(daemon) == files
     assert embedded_nats_pid(daemon) == server_pid
     healthy(daemon)
     run_to_completion(daemon, "after the refused second serve")
