@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from apomesh._version import __version__
@@ -695,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ApomeshError as exc:
-        err.print(f"[red]error[/] ({exc.code}): {exc.message}")
+        # Escaped: a message that names a config section ("[nats] ...") is not markup.
+        err.print(f"[red]error[/] ({exc.code}): {escape(exc.message)}")
         return 1
     except (OSError, tomllib.TOMLDecodeError) as exc:
         err.print(f"[red]error[/]: {exc}")

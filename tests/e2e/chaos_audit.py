@@ -118,9 +118,10 @@ def audit_session(
         reason = ended[-1].event.get("reason") if ended else "not terminal within the deadline"
         audit.problems.append(f"lost: {status}: {reason}")
     problems = (verification or {}).get("problems") or []
-    if any(p.get("kind") == "undecodable" for p in problems):
+    undecodable = [p for p in problems if p.get("kind") == "undecodable"]
+    if undecodable:
         audit.undecodable = True
-        audit.problems.append("undecodable log")
+        audit.problems.append(f"undecodable log: {undecodable[0].get('message', '')}")
     # The intents and their results, per effect (path, text).
     intents: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
     tool_of: dict[tuple[str, str], str] = {}

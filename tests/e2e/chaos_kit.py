@@ -63,73 +63,55 @@ SESSION_DEADLINE = 90.0
 # --- agent definitions ---------------------------------------------------------------------------
 
 
-def appender(steps: int = 3, delay: float = STEP_DELAY) -> dict[str, Any]:
-    """A solo agent appending ``line 0..steps-1`` to ``chaos/<goal>.txt``, one call per turn."""
+def _solo(name: str, tool: str, turns: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "name": "chaos-appender",
+        "name": name,
         "version": "1.0.0",
         "coordination": "solo",
-        "tools": ["fs.append"],
-        "model": {"provider": "scripted", "turns": _append_turns(steps, delay)},
+        "tools": [tool],
+        "model": {"provider": "scripted", "turns": turns},
     }
+
+
+def _fanout(
+    name: str, children: int, tool: str, child_turns: list[dict[str, Any]], final: str, **plan: Any
+) -> dict[str, Any]:
+    """A fanout of ``children`` sub-agents (tasks ``{task}-<n>``) each running ``child_turns``."""
+    tasks = [f"{{task}}-{n}" for n in range(children)]
+    return {
+        "name": name,
+        "version": "1.0.0",
+        "coordination": "fanout",
+        "coordination_params": {"max_parallel": children},
+        "model": {"provider": "scripted", "turns": [{**plan, "plan": tasks}, {"final": final}]},
+        "roles": {
+            "worker": {"tools": [tool], "model": {"provider": "scripted", "turns": child_turns}}
+        },
+    }
+
+
+def appender(steps: int = 3, delay: float = STEP_DELAY) -> dict[str, Any]:
+    """A solo agent appending ``line 0..steps-1`` to ``chaos/<goal>.txt``, one call per turn."""
+    return _solo("chaos-appender", "fs.append", _append_turns(steps, delay))
 
 
 def fanout_appender(children: int = 3, steps: int = 3, delay: float = STEP_DELAY) -> dict[str, Any]:
     """A fanout whose sub-agents each append ``steps`` lines to ``chaos/<goal>-<n>.txt``."""
-    return {
-        "name": "chaos-fanout-appender",
-        "version": "1.0.0",
-        "coordination": "fanout",
-        "coordination_params": {"max_parallel": children},
-        "model": {
-            "provider": "scripted",
-            "turns": [
-                {"plan": [f"{{task}}-{n}" for n in range(children)]},
-                {"final": "all parts written"},
-            ],
-        },
-        "roles": {
-            "worker": {
-                "tools": ["fs.append"],
-                "model": {"provider": "scripted", "turns": _append_turns(steps, delay)},
-            }
-        },
-    }
+    turns = _append_turns(steps, delay)
+    return _fanout("chaos-fanout-appender", children, "fs.append", turns, "all parts written")
 
 
 def thinker(steps: int = 4, delay: float = STEP_DELAY) -> dict[str, Any]:
     """A solo agent without side effects: ``steps`` turns that only look around (``fs.list``),
     then an answer."""
-    return {
-        "name": "chaos-thinker",
-        "version": "1.0.0",
-        "coordination": "solo",
-        "tools": ["fs.list"],
-        "model": {"provider": "scripted", "turns": _think_turns(steps, delay)},
-    }
+    return _solo("chaos-thinker", "fs.list", _think_turns(steps, delay))
 
 
 def fanout_thinker(children: int = 2, steps: int = 3, delay: float = STEP_DELAY) -> dict[str, Any]:
     """A fanout without side effects: sub-agents think and answer."""
-    return {
-        "name": "chaos-fanout-thinker",
-        "version": "1.0.0",
-        "coordination": "fanout",
-        "coordination_params": {"max_parallel": children},
-        "model": {
-            "provider": "scripted",
-            "turns": [
-                {"delay": delay, "plan": [f"{{task}}-{n}" for n in range(children)]},
-                {"final": "all parts thought through"},
-            ],
-        },
-        "roles": {
-            "worker": {
-                "tools": ["fs.list"],
-                "model": {"provider": "scripted", "turns": _think_turns(steps, delay)},
-            }
-        },
-    }
+    turns = _think_turns(steps, delay)
+    final = "all parts thought through"
+    return _fanout("chaos-fanout-thinker", children, "fs.list", turns, final, delay=delay)
 
 
 def _append_turns(steps: int, delay: float) -> list[dict[str, Any]]:
@@ -801,11 +783,20 @@ class FreshChaos:
     ) -> Any:
         from tests.e2e.chaos_audit import audit_session
 
-        try:
-            records: list[EventRecord] = await self.read_log(session_id)
-            verification = await self.client.verify_session(session_id)
-        except Exception as exc:
-            records, verification = [], {"problems": [{"kind": "undecodable", "message": str(exc)}]}
+        records: list[EventRecord] = []
+        verification: Any = None
+        failure = "no answer within 30 s"
+        with anyio.move_on_after(30):  # a daemon restarting under the run answers a moment later
+            while True:
+                try:
+                    records = await self.read_log(session_id)
+                    verification = await self.client.verify_session(session_id)
+                    break
+                except Exception as exc:  # an undecodable log fails every time, not once
+                    failure = f"{type(exc).__name__}: {exc}"
+                    await anyio.sleep(1)
+        if verification is None:
+            records, verification = [], {"problems": [{"kind": "undecodable", "message": failure}]}
         result = audit_session(
             records,
             verification,
@@ -818,6 +809,8 @@ class FreshChaos:
             result.lost = False
             result.problems = [p for p in result.problems if not p.startswith("lost:")]
         self.tally.add(result, shape)
+        for problem in result.problems:  # as they are found, so a long run can be looked into
+            print(f"  problem {shape} {session_id}: {problem}", flush=True)
         self.say(
             f"{shape:<14} {session_id[:12]} {result.status:<9} dup {result.duplicates} "
             f"never-run {result.never_run} lost {int(result.lost)} "

@@ -91,6 +91,17 @@ def fresh(name: str) -> dict[str, Any]:
     return {"provider": "openai", "model": name, "credential": "fresh", "timeout": 10}
 
 
+def solo_appender(appends: int) -> dict[str, Any]:
+    """A solo agent the fresh model has make ``appends`` fs.append calls, then answer."""
+    return {
+        "name": "fresh-solo",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.append"],
+        "model": fresh(f"fresh:appends={appends}"),
+    }
+
+
 def start(url: str, goal: str, definition: dict[str, Any]) -> str:
     response = httpx.post(f"{url}/v1/sessions", json={"goal": goal, "definition": definition})
     assert response.status_code == 201, response.text
@@ -202,13 +213,7 @@ def test_a_kill_at_every_point_of_a_step_runs_each_effect_once_and_ends_with_the
 ) -> None:
     with FreshModelServer() as server:
         system = ReplayMesh(mesh, server)
-        definition = {
-            "name": "fresh-solo",
-            "version": "1.0.0",
-            "coordination": "solo",
-            "tools": ["fs.append"],
-            "model": fresh("fresh:appends=3"),
-        }
+        definition = solo_appender(appends=3)
         session_id = start(system.url, "every point", definition)
         # Step 1: lost before its intent (nothing recorded yet: the model is asked again), then
         # lost between its intent and its effect (recorded: replayed, its outcome unknown).
@@ -267,18 +272,58 @@ def test_a_fanout_root_lost_before_its_plan_is_done_replays_the_plan_and_its_chi
         assert ended["output"] in finals(server)
 
 
+def test_a_turn_stored_but_never_logged_is_never_replayed(mesh: Mesh) -> None:
+    """The daemon stops between storing the root's plan turn and logging its pointer: the
+    worker never heard back, so nothing depended on that turn. The next daemon continues from
+    the snapshot the log points to, so the plan is asked for again and later asks (the synthesis)
+    are put to the model, never answered with the stored-but-unlogged plan."""
+    gates = mesh.base / "gates"
+    # The daemon carries the kill points too (``turn-stored`` is a daemon's point).
+    mesh.daemon.env.update(
+        {
+            "KILL_POINTS_DIR": str(gates),
+            "PYTHONPATH": os.pathsep.join(
+                [str(KILL_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
+    )
+    with FreshModelServer() as server:
+        system = ReplayMesh(mesh, server)
+        definition = {
+            "name": "fresh-fanout",
+            "version": "1.0.0",
+            "coordination": "fanout",
+            "coordination_params": {"max_parallel": 2},
+            "model": fresh("fresh:plan=2"),
+            "roles": {"worker": {"tools": ["fs.append"], "model": fresh("fresh:appends=1")}},
+        }
+        system.arm("turn-stored")
+        session_id = start(system.url, "plan, unlogged", definition)
+        deadline = time.monotonic() + TIMEOUT
+        while not list(system.gates.glob("hit-turn-stored-*")):
+            assert time.monotonic() < deadline, "the daemon never stored a turn"
+            time.sleep(0.02)
+        (hit,) = system.gates.glob("hit-turn-stored-*")
+        assert int(hit.name.rpartition("-")[2]) == mesh.daemon.pid
+        mesh.daemon.kill()
+        mesh.daemon.start()  # nothing had a side effect yet: the session resumes by itself
+        ended = settle(system.url, session_id)
+        audited(system, session_id)
+        assert ended["status"] == "completed", ended
+        asked = plans(server)
+        assert len(asked) == 2, asked  # the unlogged plan was asked for again, once
+        agents = {a["ref"]: a for a in ended["agents"]}
+        children = sorted(ref for ref in agents if ref != "root")
+        assert [agents[ref]["task"] for ref in children] == json.loads(asked[-1])
+        assert ended["output"] in finals(server)  # the synthesis is the model's, not a plan
+
+
 def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_asking_again(
     mesh: Mesh,
 ) -> None:
     with FreshModelServer() as server:
         system = ReplayMesh(mesh, server)
-        definition = {
-            "name": "fresh-solo",
-            "version": "1.0.0",
-            "coordination": "solo",
-            "tools": ["fs.append"],
-            "model": fresh("fresh:appends=2"),
-        }
+        definition = solo_appender(appends=2)
         session_id = start(system.url, "daemon lost", definition)
         # The effect of step 1 ran; before its result is reported the daemon is SIGKILLed (and
         # the frozen worker with it), then started again: the session has a side effect, so it

@@ -130,6 +130,32 @@ def poll(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> A
     raise AssertionError(f"never {what}")
 
 
+def test_a_graceful_restart_waits_for_a_side_effecting_job_and_resumes_by_itself(
+    mesh: Mesh,
+) -> None:
+    definition = deployer("probe.deploy")
+    definition["model"]["turns"][0]["tool_calls"][0]["args"]["settle"] = 3
+    session_id = start(mesh.url, "deploy v2 across an upgrade", definition)
+    poll(lambda: deploys(mesh), "ran the deploy")
+    # SIGTERM while the job settles: the drain waits for it (the grace period is 10 s) instead
+    # of cutting it off into an unknown outcome, then marks the session suspended.
+    mesh.daemon.stop()
+    mesh.daemon.start()
+    ended = wait_ended(mesh.url, session_id)
+    assert ended["status"] == "completed", ended
+    assert ended["output"] == "deploy finished"
+    assert len(deploys(mesh)) == 1, deploys(mesh)
+    with SyncClient(mesh.url) as client:
+        assert session_id not in {r.session_id for r in client.list_recoverable()}
+    records = log_of(mesh.url, session_id)
+    names = kinds(records)
+    assert names.index("AsyncJobFinished") < names.index("SessionSuspended"), names
+    finished = records[names.index("AsyncJobFinished")].event
+    assert finished["ok"] is True and not finished.get("unknown"), finished
+    assert [r.event["path"] for r in records if r.kind == "SessionRecovered"] == ["auto"]
+    refolds(records, session_id)
+
+
 @pytest.mark.parametrize("tool", ["probe.deploy", "probe.deploy_held"])
 def test_a_side_effecting_job_in_flight_at_a_crash_is_never_run_again(
     mesh: Mesh, tool: str

@@ -380,10 +380,11 @@ async def arrives_in_order(
     return heard
 
 
-async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: SecureSystem) -> None:
-    """An edge host that runs its own leaf node with the hub's ``leaf`` login (and no
-    permissions of its own) still cannot write onto a log, dispatch to or answer as a cluster
-    worker, or hear the control plane: the hub's permissions on the login filter the link."""
+def edge_leaf_node(
+    system: SecureSystem, name: str, user: str, password: str, client_cert: Any
+) -> Any:
+    """A leaf node an edge host runs on its own (one local login, no permissions of its own),
+    linked to the cluster with the hub's ``leaf`` login and the TLS client certificate given."""
     from dataclasses import replace as with_fields
 
     from apomesh.adapters.natsserver import (
@@ -396,14 +397,10 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
     )
     from apomesh.runtime.nats_permissions import ACCOUNT
 
-    pki = system.pki
-    rogue_cert = pki.client("leaf")  # the edge host holds the leaf's certificate and password
-    password = secrets.token_urlsafe(12)
+    local = NatsUser(user=user, password=password)
     spec = with_fields(
-        single_node(system.base / "rogue", name="rogue-leaf", jetstream=False),
-        accounts=(
-            Account(ACCOUNT, users=(NatsUser(user="rogue", password=password),), jetstream=False),
-        ),
+        single_node(system.base / name, name=name, jetstream=False),
+        accounts=(Account(ACCOUNT, users=(local,), jetstream=False),),
         remotes=(
             LeafRemote(
                 urls=tuple(
@@ -413,11 +410,19 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
                 account=ACCOUNT,
                 user="leaf",
                 password=system.logins["leaf"].password,
-                tls=TlsConfig(cert=rogue_cert.cert, key=rogue_cert.key, ca=pki.ca),
+                tls=TlsConfig(cert=client_cert.cert, key=client_cert.key, ca=system.pki.ca),
             ),
         ),
     )
-    rogue_leaf = NatsServer(spec)
+    return NatsServer(spec)
+
+
+async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: SecureSystem) -> None:
+    """An edge host that runs its own leaf node with the hub's ``leaf`` login (and no
+    permissions of its own) still cannot write onto a log, dispatch to or answer as a cluster
+    worker, or hear the control plane: the hub's permissions on the login filter the link."""
+    password = secrets.token_urlsafe(12)
+    rogue_leaf = edge_leaf_node(system, "rogue-leaf", "rogue", password, system.pki.client("leaf"))
     rogue_leaf.start()
     try:
         rogue_leaf.wait_leafnode_connected()
@@ -459,40 +464,11 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
 def test_a_leaf_link_needs_the_certificate_of_the_leaf_login(system: SecureSystem) -> None:
     """The hub maps a leaf link's certificate to its user: a leaf node presenting worker-a's
     certificate with the ``leaf`` login's right password is refused, and links to no hub."""
-    from dataclasses import replace as with_fields
-
     from tests.e2e.api_support import wait_until
 
-    from apomesh.adapters.natsserver import (
-        Account,
-        LeafRemote,
-        NatsServer,
-        NatsUser,
-        TlsConfig,
-        single_node,
-    )
-    from apomesh.runtime.nats_permissions import ACCOUNT
-
-    pki = system.pki
-    worker_cert = pki.client("worker-a")
-    local = NatsUser(user="local", password=secrets.token_urlsafe(12))
-    spec = with_fields(
-        single_node(system.base / "wrong-cert-leaf", name="wrong-cert-leaf", jetstream=False),
-        accounts=(Account(ACCOUNT, users=(local,), jetstream=False),),
-        remotes=(
-            LeafRemote(
-                urls=tuple(
-                    f"nats-leaf://127.0.0.1:{server.spec.leafnode_port}"
-                    for server in system.cluster
-                ),
-                account=ACCOUNT,
-                user="leaf",
-                password=system.logins["leaf"].password,
-                tls=TlsConfig(cert=worker_cert.cert, key=worker_cert.key, ca=pki.ca),
-            ),
-        ),
-    )
-    wrong = NatsServer(spec)
+    worker_cert = system.pki.client("worker-a")
+    password = secrets.token_urlsafe(12)
+    wrong = edge_leaf_node(system, "wrong-cert-leaf", "local", password, worker_cert)
     wrong.start()
     try:
         wait_until(

@@ -49,10 +49,10 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from tests.fakes.local_http import LocalHTTPServer
 from tests.fakes.openai_server import conversation_problem
 
 PLAN_MARKER = "Answer with only a JSON array of strings"
@@ -231,7 +231,7 @@ def decide(body: dict[str, Any], behaviour: Behaviour) -> tuple[str, int, dict[s
 
 
 @dataclass
-class FreshModelServer:
+class FreshModelServer(LocalHTTPServer):
     """``with FreshModelServer() as server:``; point agents at it with ``server.model(...)``, and
     give the daemon and workers ``server.config()`` (and ``fresh_model_env()``)."""
 
@@ -242,15 +242,7 @@ class FreshModelServer:
     calls: list[dict[str, Any]] = field(default_factory=list)
     _counts: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: ThreadingHTTPServer | None = None
-    _thread: threading.Thread | None = None
     _stopping: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def base_url(self) -> str:
-        assert self._server is not None, "the server is not running"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}/v1"
 
     def model(self, name: str = "fresh", *, timeout: float = 10.0) -> dict[str, Any]:
         """The ``[model]`` table for an agent answered by this server as ``name`` (the daemon
@@ -367,34 +359,11 @@ class FreshModelServer:
                 pass
 
         self._stopping.clear()
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
+        self.serve(Handler, self.port)
 
     def stop(self) -> None:
         self._stopping.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> FreshModelServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        super().stop()
 
 
 def _error(message: str, kind: str) -> dict[str, Any]:

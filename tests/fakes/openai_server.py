@@ -13,9 +13,10 @@ import json
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from tests.fakes.local_http import LocalHTTPServer
 
 
 @dataclass(frozen=True)
@@ -32,21 +33,13 @@ class CannedReply:
 
 
 @dataclass
-class FakeOpenAIServer:
+class FakeOpenAIServer(LocalHTTPServer):
     """Start with ``with FakeOpenAIServer() as server:``; point clients at ``server.base_url``."""
 
     requests: list[RecordedRequest] = field(default_factory=list)
     _replies: deque[CannedReply] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: ThreadingHTTPServer | None = None
-    _thread: threading.Thread | None = None
     _call_ids: int = 0
-
-    @property
-    def base_url(self) -> str:
-        assert self._server is not None, "the server is not running"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}/v1"
 
     # --- canned replies ----------------------------------------------------------------------
 
@@ -137,34 +130,7 @@ class FakeOpenAIServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        # A short poll interval keeps ``stop`` (shutdown waits for one poll) quick.
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join()
-        self._server = None
-        self._thread = None
-
-    def __enter__(self) -> FakeOpenAIServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        self.serve(Handler, 0)
 
     def _record(self, request: RecordedRequest) -> None:
         with self._lock:

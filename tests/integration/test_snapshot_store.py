@@ -124,3 +124,41 @@ async def test_every_earlier_snapshot_loads_its_own_messages_after_compaction(
         assert len(memory.messages) == 2 * step
         assert memory.call_counts == {f"{s:064x}": 1 for s in range(1, step + 1)}
     await store.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("logged", [3, 4, 5], ids=["before-compaction", "at-4", "after-4"])
+async def test_a_dispatch_continues_from_the_logged_snapshot_and_the_unlogged_ones_vanish(
+    tmp_path: Path, logged: int
+) -> None:
+    # Nodes 1..6 stored (node 4 compacts, compact_every=4) but the log points only at ``logged``:
+    # the daemon stopped before logging the rest. A new daemon continues from ``logged``.
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    first = SnapshotStore(store, compact_every=4)
+    for step in range(1, 7):
+        await first.write(AGENT, None, node(step, {"k": step}))
+    restarted = SnapshotStore(store, compact_every=4)
+    memory = await restarted.load_logged(AGENT, logged)
+    assert memory is not None and memory.step == logged
+    assert [m.content for m in memory.messages][-1] == f"wrote file {logged}"
+    assert len(memory.messages) == 2 * logged and memory.call_counts == {"k": logged}
+    assert [i for i, _ in await restarted.records(AGENT)] == list(range(1, logged + 1))
+    # The agent goes on from there: its next nodes hold none of the unlogged ones' messages.
+    for step in range(logged + 1, logged + 8):
+        await restarted.write(AGENT, None, node(step, {"k": 100 + step}), after_id=step - 1)
+    again = await SnapshotStore(store, compact_every=4).load(AGENT)
+    assert again is not None
+    steps = [m.content for m in again.messages if m.role == "tool"]
+    assert steps == [f"wrote file {n}" for n in range(1, logged + 8)]
+    assert again.call_counts == {"k": 100 + logged + 7}
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_an_agent_with_no_logged_snapshot_starts_afresh(tmp_path: Path) -> None:
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    snapshots = SnapshotStore(store)
+    await snapshots.write(AGENT, None, node(1, {}))  # stored, its pointer never logged
+    assert await snapshots.load_logged(AGENT, None) is None
+    assert await snapshots.records(AGENT) == []
+    await store.aclose()

@@ -8,7 +8,8 @@ says what one server is (ports, store dir, JetStream, cluster routes, leaf-node 
 process: it is started from a config file in its store dir, reported ready once its ``/healthz``
 monitoring endpoint answers, stopped gracefully, and never left behind: on Linux the server gets a
 parent-death signal, and a server a dead parent left running on the same store dir (found through
-the pid file there) is stopped before a new one starts. ``start_cluster`` starts peers together,
+the pid file there) is stopped before a new one starts; a client port another process then still
+listens on is refused with ``PortTaken`` naming it. ``start_cluster`` starts peers together,
 ``wait_jetstream_ready`` waits until JetStream answers (and can place replicated streams), and
 ``embedded_server`` builds the single node ``apomesh serve`` runs when it is given no NATS URL.
 
@@ -74,6 +75,7 @@ __all__ = [
     "NatsServerNotFound",
     "NatsUser",
     "Permissions",
+    "PortTaken",
     "ServerSpec",
     "TlsConfig",
     "cluster",
@@ -130,6 +132,17 @@ class NatsServerNotFound(NatsServerError):
     retryable = False
 
 
+class PortTaken(NatsServerError):
+    """The client port a nats-server is to listen on is taken by another process."""
+
+    code = "nats_port_taken"
+    retryable = False
+
+    def __init__(self, message: str, *, port: int) -> None:
+        super().__init__(message)
+        self.port = port
+
+
 # --------------------------------------------------------------------------------------------
 # Finding the binary
 
@@ -175,6 +188,19 @@ def _is_executable(path: Path) -> bool:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     return free_ports(1)[0]
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on ``host:port``: it binds as nats-server would (with
+    ``SO_REUSEADDR``, so connections of a server that just stopped, still in ``TIME_WAIT``, do
+    not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_ports(count: int) -> list[int]:
@@ -791,6 +817,12 @@ class NatsServer:
         # The config holds the users' passwords: the store dir is 0700, its files 0600.
         private_dir(spec.store_dir)
         _stop_leftover(spec, STOP_GRACE)
+        if not _port_is_free(spec.host, spec.port):
+            raise PortTaken(
+                f"nats-server {self.name} cannot listen on {spec.host}:{spec.port}: address"
+                " already in use (another process listens there)",
+                port=spec.port,
+            )
         write_private_file(spec.config_file, render_config(spec).encode())
         output = open_private_append(spec.log_file)
         self._output_start = output.tell()
@@ -1076,17 +1108,21 @@ class EmbeddedServerConfig(Protocol):
 
 
 def embedded_server(
-    config: EmbeddedServerConfig, *, name: str = "apomesh", users: Sequence[NatsUser] = ()
+    config: EmbeddedServerConfig,
+    *,
+    name: str = "apomesh",
+    users: Sequence[NatsUser] = (),
+    port: int | None = None,
 ) -> NatsServer:
     """The single node ``apomesh serve`` starts when it is given no NATS URL: JetStream on,
     127.0.0.1 only, its store in ``config.nats_store_path()`` (0700; the config file in it 0600),
-    on ``embedded_port`` (a free port when 0), admitting only ``users`` when any are given (the
-    daemon passes its per-start credentials). Not started yet; call ``start()``."""
+    on ``port``, else ``embedded_port``, else a free port, admitting only ``users`` when any are
+    given (the daemon passes its credentials). Not started yet; call ``start()``."""
     settings = config.nats
     spec = single_node(
         config.nats_store_path().parent,
         name=name,
-        port=settings.embedded_port or None,
+        port=port or settings.embedded_port or None,
         sync_interval="always" if settings.sync_interval == "always" else None,
     )
     spec = replace(

@@ -8,11 +8,19 @@ replaces a file atomically (a temp file made with ``O_EXCL | O_NOFOLLOW`` at ``0
 rename, which replaces a symlink instead of writing through it); ``read_private_file`` reads one
 with ``O_NOFOLLOW`` (a symlink there is an ``OSError``); ``open_private_append`` opens a file for
 appending with ``O_NOFOLLOW`` at ``0600``.
+
+``lock_dir`` makes a directory one process's: it takes an exclusive ``flock`` on a lock file in
+it (``0600``, no symlink followed) and writes the holder's pid there; a second taker, in this
+process or another, gets ``DataDirInUse`` naming that pid at once instead of waiting. The kernel
+lets go of the lock when its holder exits however it exits, so a lock file a killed process left
+behind blocks nobody: the pid in it only says who held it last. The file stays in place when the
+lock is released (removing it would let two processes lock two different files of one name).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import uuid
@@ -22,7 +30,10 @@ from typing import BinaryIO
 from apomesh.core.errors import StoreError
 
 __all__ = [
+    "DataDirInUse",
+    "DirLock",
     "UnsafeDataDir",
+    "lock_dir",
     "open_private_append",
     "private_dir",
     "read_private_file",
@@ -39,6 +50,19 @@ class UnsafeDataDir(StoreError):
 
     code = "unsafe_data_dir"
     retryable = False
+
+
+class DataDirInUse(StoreError):
+    """A directory another live process holds the lock of (``lock_dir``): ``pid`` is that
+    process (``None`` when it has not written its pid yet)."""
+
+    code = "data_dir_in_use"
+    retryable = False
+
+    def __init__(self, message: str, *, path: Path, pid: int | None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.pid = pid
 
 
 def private_dir(path: Path) -> Path:
@@ -107,3 +131,60 @@ def open_private_append(path: Path) -> BinaryIO:
     fd = os.open(path, flags, PRIVATE_FILE_MODE)
     os.fchmod(fd, PRIVATE_FILE_MODE)
     return os.fdopen(fd, "ab")
+
+
+class DirLock:
+    """The held lock of one directory (``lock_dir``); ``release`` lets go of it (once is
+    enough; the process ending does too)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def lock_dir(directory: Path, name: str, *, what: str, holder: str) -> DirLock:
+    """Hold ``directory`` for this process through ``directory/name``: an exclusive, non-blocking
+    ``flock``, then this pid written in the file. ``DataDirInUse`` when another holder has it, its
+    message naming ``what`` the directory is (e.g. ``data dir``), the directory, ``holder`` (what
+    holds such a lock, e.g. ``apomesh serve``) and the pid that file names. The lock file is
+    opened close-on-exec, so child processes do not hold it on."""
+    directory = Path(directory)
+    path = directory / name
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _pid_in(fd)
+            raise DataDirInUse(
+                f"{what} {directory} is in use by {holder} pid {pid if pid is not None else '?'}"
+                f" (it holds the lock on {path}); stop that process first, or use another"
+                " directory",
+                path=directory,
+                pid=pid,
+            ) from None
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return DirLock(path, fd)
+
+
+def _pid_in(fd: int) -> int | None:
+    """The pid a lock file holds, ``None`` when it holds none yet."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+        return int(text) if text else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None

@@ -18,9 +18,9 @@ the started one from then on; the ``BootstrapView`` always stays the record of t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -262,24 +262,88 @@ def check(state: SessionState, envelopes: Iterable[Envelope]) -> None:
 
 
 def trial_copy(state: SessionState) -> SessionState:
-    """A copy of ``state`` that ``apply`` can mutate without touching the original: every
-    container and every mutable entry (agent, journal entry) is copied; events, configs and shapes
-    are immutable and shared."""
+    """A copy of ``state`` that ``apply`` can mutate without touching the original. Its maps are
+    overlays (``_TrialMap``) that copy an entry (an agent, a journal entry, a child list) the first
+    time the trial reads it, so checking a step costs what the step touches, not the session's
+    size; the short lists and sets are copied whole. Events, configs and shapes are immutable and
+    shared."""
+    replace = cast(Callable[[Any], Any], dataclasses.replace)
     return dataclasses.replace(
         state,
-        agents={ref: dataclasses.replace(a) for ref, a in state.agents.items()},
-        children={ref: list(kids) for ref, kids in state.children.items()},
+        agents=_overlay(state.agents, replace),
+        children=_overlay(state.children, list),
         checkpoints=list(state.checkpoints),
-        answers=dict(state.answers),
-        jobs_in_flight=dict(state.jobs_in_flight),
-        jobs_done=dict(state.jobs_done),
-        hitl_pending=dict(state.hitl_pending),
-        hitl_answers=dict(state.hitl_answers),
-        journal={key: dataclasses.replace(e) for key, e in state.journal.items()},
+        answers=_overlay(state.answers),
+        jobs_in_flight=_overlay(state.jobs_in_flight),
+        jobs_done=_overlay(state.jobs_done),
+        hitl_pending=_overlay(state.hitl_pending),
+        hitl_answers=_overlay(state.hitl_answers),
+        journal=_overlay(state.journal, replace),
         operator_actions=list(state.operator_actions),
         acknowledged_unknown=set(state.acknowledged_unknown),
         pin_overrides=dict(state.pin_overrides),
     )
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _same(value: V) -> V:
+    return value
+
+
+def _overlay(base: dict[K, V], copy: Callable[[V], V] = _same) -> dict[K, V]:
+    # Typed as the dict it stands in for: ``apply`` uses only the mapping methods.
+    return cast(dict[K, V], _TrialMap(base, copy))
+
+
+class _TrialMap(MutableMapping[K, V]):
+    """A map over ``base`` for a trial fold: an entry read is copied here first (``copy``; the
+    identity for immutable values), writes and deletes stay here; ``base`` is never changed."""
+
+    __slots__ = ("_base", "_copy", "_gone", "_mine")
+
+    def __init__(self, base: dict[K, V], copy: Callable[[V], V]) -> None:
+        self._base = base
+        self._copy = copy
+        self._mine: dict[K, V] = {}
+        self._gone: set[K] = set()
+
+    def __getitem__(self, key: K) -> V:
+        try:
+            return self._mine[key]
+        except KeyError:
+            pass
+        if key in self._gone:
+            raise KeyError(key)
+        value = self._copy(self._base[key])
+        self._mine[key] = value
+        return value
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self._mine[key] = value
+        self._gone.discard(key)
+
+    def __delitem__(self, key: K) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self._mine.pop(key, None)
+        self._gone.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._mine:
+            return True
+        return key not in self._gone and key in self._base
+
+    def __iter__(self) -> Iterator[K]:
+        yield from self._mine
+        for key in self._base:
+            if key not in self._mine and key not in self._gone:
+                yield key
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def bootstrap_view(state: SessionState) -> BootstrapView | None:

@@ -8,11 +8,21 @@ plugin host, the daemon, its local in-process workers and the HTTP API.
 is on the log before it is acknowledged and snapshots are written at each node boundary.
 
 The data dir is private (``private_dir``: created 0700; one owned by another user or writable by
-others is refused with ``UnsafeDataDir``). The embedded nats-server admits only the users of
-``EmbeddedCredentials``, made afresh at every start: the daemon (its role's permissions), each
-in-process worker under its own worker id, and ``[nats] embedded_worker_credentials`` identities
-for worker processes, each written as a config file ``<data_dir>/credentials/worker-<n>.toml``
-(0600) that ``apomesh worker --config FILE`` joins with, and the control-plane user. An
+others is refused with ``UnsafeDataDir``) and one daemon's: before anything else (the embedded
+server, LMDB, any file) ``start`` locks it (``lock_dir`` on ``<data_dir>/daemon.lock``, which
+names the holder's pid), and a second ``Node`` on it, in this process or another, stops with
+``DataDirInUse`` having touched nothing; an embedded store dir outside the data dir is locked
+the same way. The kernel drops the lock of a killed daemon, so its data dir serves again at once.
+
+The embedded nats-server admits only the users of ``EmbeddedCredentials``: the daemon (its
+role's permissions), each in-process worker under its own worker id and the control-plane user,
+all made afresh at every start, and ``[nats] embedded_worker_credentials`` identities for worker
+processes, each written as a config file ``<data_dir>/credentials/worker-<n>.toml`` (0600) that
+``apomesh worker --config FILE`` joins with; those keep their password from start to start (a
+deleted file gets a new one). The server keeps its client port too: the port of its first start
+(``[nats] embedded_port``, else a free one) is kept in ``<data_dir>/nats.port`` and used at every
+later start, so worker processes reconnect by themselves after a restart; a port another process
+took meanwhile is refused with ``PortTaken`` naming it, never swapped for another. An
 unauthenticated client is refused.
 
 The daemon answers workers and dispatches to them on a second connection, logged in as the
@@ -30,7 +40,8 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +51,19 @@ from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect, redact_url, tls_context
-from apomesh.adapters.natsserver import NatsUser, embedded_server
-from apomesh.adapters.private_files import private_dir, read_private_file, write_private_file
+from apomesh.adapters.natsserver import NatsUser, PortTaken, embedded_server
+from apomesh.adapters.private_files import (
+    DirLock,
+    lock_dir,
+    private_dir,
+    read_private_file,
+    write_private_file,
+)
 from apomesh.adapters.replicated_store import STATE_BUCKET, ReplicatedStore
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
-from apomesh.core.errors import DefinitionError
+from apomesh.core.errors import DefinitionError, StoreError
 from apomesh.core.ports import StateStore
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
@@ -126,6 +143,10 @@ def control_nats_options(config: Config) -> dict[str, Any] | None:
 EMBEDDED_DAEMON_USER = "apomesh-daemon"
 EMBEDDED_CONTROL_USER = "apomesh-control"
 CREDENTIALS_DIR = "credentials"
+LOCK_FILE = "daemon.lock"
+"""In the data dir (and in an embedded store dir outside it): the lock ``apomesh serve`` holds."""
+PORT_FILE = "nats.port"
+"""In the data dir: the embedded nats-server's client port, kept from its first start."""
 
 
 def _secret() -> str:
@@ -144,15 +165,22 @@ class EmbeddedCredentials:
     remote_workers: dict[str, NatsUser]
 
     @classmethod
-    def generate(cls, local_ids: list[str], remote_count: int) -> EmbeddedCredentials:
-        def user(name: str) -> NatsUser:
-            return NatsUser(user=name, password=_secret())
+    def generate(
+        cls, local_ids: list[str], remote_count: int, kept: Mapping[str, str] | None = None
+    ) -> EmbeddedCredentials:
+        """Fresh passwords, but a worker process's from ``kept`` (worker id -> password, what
+        ``kept_worker_passwords`` read) when it has one there."""
+        kept = kept or {}
 
+        def user(name: str, password: str = "") -> NatsUser:
+            return NatsUser(user=name, password=password or _secret())
+
+        remote_ids = [f"worker-{n}" for n in range(1, remote_count + 1)]
         return cls(
             daemon=user(EMBEDDED_DAEMON_USER),
             control=user(EMBEDDED_CONTROL_USER),
             local_workers={worker_id: user(worker_id) for worker_id in local_ids},
-            remote_workers={f"worker-{n}": user(f"worker-{n}") for n in range(1, remote_count + 1)},
+            remote_workers={w: user(w, kept.get(w, "")) for w in remote_ids},
         )
 
     def users(self) -> tuple[NatsUser, ...]:
@@ -172,8 +200,8 @@ class EmbeddedCredentials:
         for worker_id, user in self.remote_workers.items():
             path = directory / f"{worker_id}.toml"
             text = (
-                f"# NATS credentials of worker {worker_id} for this start of the embedded server"
-                " (they change at every start).\n"
+                f"# NATS credentials of worker {worker_id} for the embedded server (kept across"
+                " restarts; delete this file to have a new password made at the next start).\n"
                 "# Run: apomesh worker --config THIS_FILE\n"
                 f"[nats]\nurls = [{json.dumps(url)}]\nuser = {json.dumps(user.user)}\n"
                 f"password = {json.dumps(user.password)}\n"
@@ -181,6 +209,45 @@ class EmbeddedCredentials:
             write_private_file(path, text.encode())
             written.append(path)
         return written
+
+
+def kept_worker_passwords(data_dir: Path) -> dict[str, str]:
+    """The passwords of the worker-process identities an earlier start wrote to
+    ``<data_dir>/credentials`` (worker id -> password); a file that is missing, unreadable or
+    names another user is skipped, and its identity gets a new password."""
+    kept: dict[str, str] = {}
+    for path in sorted((data_dir / CREDENTIALS_DIR).glob("worker-*.toml")):
+        try:
+            section = tomllib.loads(read_private_file(path).decode("utf-8")).get("nats", {})
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            continue
+        user, password = section.get("user"), section.get("password")
+        if user == path.stem and isinstance(password, str) and password:
+            kept[user] = password
+    return kept
+
+
+def embedded_client_port(config: Config, data_dir: Path) -> int | None:
+    """The embedded server's client port: ``[nats] embedded_port`` when set, else the one kept in
+    ``<data_dir>/nats.port`` since the first start, else ``None`` (a free one is chosen). A port
+    file that holds no port is a ``StoreError`` naming it."""
+    if config.nats.embedded_port:
+        return config.nats.embedded_port
+    path = data_dir / PORT_FILE
+    try:
+        text = read_private_file(path).decode("ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreError(
+            f"cannot read the embedded nats-server's port from {path}: {exc}"
+        ) from None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise StoreError(
+            f"{path} should hold the embedded nats-server's port, not {text[:40]!r}; delete it to"
+            " have a free port chosen (worker processes then need the new URL)"
+        )
+    return int(text)
 
 
 def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
@@ -280,6 +347,7 @@ class Node:
         self.worker_credential_files: list[Path] = []
         self._http_endpoint: Any = None
         self.http_url = ""
+        self._locks: list[DirLock] = []
 
     async def __aenter__(self) -> Node:
         await self.start()
@@ -289,20 +357,55 @@ class Node:
         await self.aclose()
 
     async def start(self) -> None:
+        """Bring every part up; when one fails, what is already up is taken down again (the
+        data dir's lock last) before the error goes on."""
+        try:
+            await self._start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.aclose()
+            raise
+
+    def _lock(self, directory: Path, what: str) -> None:
+        self._locks.append(lock_dir(directory, LOCK_FILE, what=what, holder="apomesh serve"))
+
+    async def _start(self) -> None:
         config = self.config
         data = private_dir(config.daemon.data_path())
+        # First of all: a second daemon on this data dir must stop before it touches anything
+        # (the embedded server's leftover cleanup would stop the first daemon's server).
+        self._lock(data, "data dir")
         local_ids = [f"local-{os.getpid()}-{i}" for i in range(config.daemon.workers)]
         daemon_options = nats_options(config)
         control_options = control_nats_options(config)
         if config.nats.urls:
             self.urls = list(config.nats.urls)
         else:
+            store_dir = config.nats_store_path()
+            if not store_dir.is_relative_to(data):
+                self._lock(private_dir(store_dir), "embedded nats-server store dir")
+            port = embedded_client_port(config, data)
             self.credentials = EmbeddedCredentials.generate(
-                local_ids, config.nats.embedded_worker_credentials
+                local_ids, config.nats.embedded_worker_credentials, kept_worker_passwords(data)
             )
-            self.server = embedded_server(config, users=self.credentials.users())
-            await asyncio.to_thread(self.server.start)
+            self.server = embedded_server(config, users=self.credentials.users(), port=port)
+            try:
+                await asyncio.to_thread(self.server.start)
+            except PortTaken as exc:
+                source = (
+                    "set in [nats] embedded_port"
+                    if config.nats.embedded_port
+                    else f"its port since its first start, kept in {data / PORT_FILE}"
+                )
+                raise PortTaken(
+                    f"the embedded nats-server's port {exc.port} ({source}, so worker processes"
+                    " reconnect to it) is taken by another process; stop that process, or set"
+                    " another [nats] embedded_port to move the server (worker processes then"
+                    " need the new URL)",
+                    port=exc.port,
+                ) from None
             self.urls = [self.server.url]
+            write_private_file(data / PORT_FILE, f"{self.server.spec.port}\n".encode())
             self.worker_credential_files = self.credentials.write_worker_files(
                 data, self.server.url
             )
@@ -405,3 +508,6 @@ class Node:
             await self.store.aclose()
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
+        for lock in reversed(self._locks):
+            lock.release()
+        self._locks.clear()

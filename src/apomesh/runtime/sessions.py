@@ -433,12 +433,16 @@ class SessionRuntime:
     async def _suspend(self) -> None:
         """Once every dispatch has stopped: mark the session suspended on its log for the next
         daemon, unless a side effect is in flight (an intent without its result: that one is an
-        unknown outcome, and the session is recovered like a crashed one)."""
-        while self.slots:
+        unknown outcome, and the session is recovered like a crashed one). A side-effecting job
+        this writer is running is waited for too (within the registry's grace period): cut off,
+        its outcome would be unknown; a read-only one simply runs again under the next daemon."""
+        while self.slots or self._side_effecting_jobs():
             await asyncio.sleep(0.05)
 
         def rule(state: SessionState) -> tuple[list[Event], bool]:
             if any(e.outcome is None for e in state.journal.values()):
+                return [], False
+            if any(job.side_effect for job in state.jobs_in_flight.values()):
                 return [], False
             suspended = SessionSuspended(incarnation=self.deps.incarnation)
             return [suspended], True
@@ -450,6 +454,15 @@ class SessionRuntime:
                 "session %s stopped with a side effect in flight; it is not marked suspended",
                 self.session_id,
             )
+
+    def _side_effecting_jobs(self) -> list[asyncio.Task[Any]]:
+        """The running jobs of this writer whose tool declares a side effect."""
+        in_flight = self.state.jobs_in_flight
+        return [
+            task
+            for key, task in self._jobs.items()
+            if not task.done() and key in in_flight and in_flight[key].side_effect
+        ]
 
     async def _on_node(self, slot: DispatchSlot, report: NodeReport) -> Reply:
         node = (report.step, report.source, report.reset)
@@ -1050,7 +1063,13 @@ class SessionRuntime:
             lost_worker = agent.worker
         resuming = False
         refused = 0
+        ended: DispatchSlot | None = None
         while True:
+            if ended is not None:
+                # A report of the ended dispatch still being decided (its snapshot stored, its
+                # pointer not yet appended) finishes first: the next dispatch continues from it.
+                async with ended.lock:
+                    ended = None
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
                 raise Held(self.held_reason)
@@ -1074,7 +1093,7 @@ class SessionRuntime:
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
-                memory = await self.deps.snapshots.load(agent_key)
+                memory = await self.deps.snapshots.load_logged(agent_key, agent.snapshot_id)
                 if resume_reason is not None:
                     await self.append(
                         AgentResuming(
@@ -1145,6 +1164,7 @@ class SessionRuntime:
                     raise
                 finally:
                     self.deps.workers.untrack(dispatch)
+                    ended = slot
                     if self.slots.get(ref) is slot:
                         del self.slots[ref]
                     if slot.future.done() and not slot.future.cancelled():

@@ -149,22 +149,8 @@ class SnapshotStore:
             )
             tail.small.append((seq, list(report.new_messages), changed))
             if len(tail.small) >= self.compact_every:
-                ends: list[int] = []
-                messages: list[Message] = []
-                merged_counts: dict[str, int] = {}
-                for _, ms, cs in tail.small:
-                    messages.extend(ms)
-                    ends.append(len(messages))
-                    merged_counts.update(cs)
-                merged = CountedSegment(
-                    messages,
-                    merged_counts,
-                    seqs=[s for s, _, _ in tail.small],
-                    ends=ends,
-                    part_counts=[cs for _, _, cs in tail.small],
-                )
                 last = tail.small[-1][0]
-                puts[-1] = ("segments", segment_key(agent_key, last), _encoder.encode(merged))
+                puts[-1] = ("segments", segment_key(agent_key, last), _merged(tail.small))
                 deletes.extend(
                     ("segments", segment_key(agent_key, s)) for s, _, _ in tail.small[:-1]
                 )
@@ -218,6 +204,37 @@ class SnapshotStore:
             turn=record.turn,
         )
 
+    async def load_logged(self, agent_key: str, snapshot_id: int | None) -> AgentMemory | None:
+        """The working memory a new dispatch continues from: the snapshot the log points to
+        (``snapshot_id``; None: the agent has none yet), never a newer one. Snapshots and segment
+        parts stored after it but never logged (the daemon stopped between storing a node and
+        appending its pointer; the worker never heard back, so nothing depended on them) are
+        dropped first, so neither this dispatch nor any later snapshot of the agent holds them."""
+        if snapshot_id is None:
+            raw = None
+        else:
+            raw = await self.store.get_snapshot(agent_key, snapshot_id)
+        last_seq = _record_decoder.decode(raw).last_seq if raw is not None else -1
+        puts: list[tuple[str, str, bytes]] = []
+        deletes: list[tuple[str, str]] = [
+            ("snapshots", key)
+            for key, _ in await self.store.scan("snapshots", agent_key + "\x00")
+            if int(key.rpartition("\x00")[2], 16) > (snapshot_id or 0)
+        ]
+        for key, value in await self.store.scan("segments", agent_key + "\x00"):
+            parts = _parts(int(key.rpartition("\x00")[2], 16), value)
+            kept = [part for part in parts if part[0] <= last_seq]
+            if len(kept) == len(parts):
+                continue
+            if not kept:
+                deletes.append(("segments", key))
+            else:  # a compacted segment reaching past the snapshot: keep only its own parts
+                puts.append(("segments", key, _merged(kept)))
+        if puts or deletes:
+            await self.store.write_batch(puts, deletes)
+            self._tails.pop(agent_key, None)  # rebuilt from what the store now holds
+        return await self.load(agent_key, snapshot_id) if snapshot_id is not None else None
+
     async def records(self, agent_key: str) -> list[tuple[int, SnapshotRecord]]:
         """Every snapshot record of an agent, oldest first (for verification)."""
         out = []
@@ -227,6 +244,25 @@ class SnapshotStore:
 
     def forget(self, agent_key: str) -> None:
         self._tails.pop(agent_key, None)
+
+
+def _merged(parts: list[tuple[int, list[Message], dict[str, int]]]) -> bytes:
+    """One compacted segment holding ``parts`` (sequence number, messages, changed counts)."""
+    ends: list[int] = []
+    messages: list[Message] = []
+    merged_counts: dict[str, int] = {}
+    for _, ms, cs in parts:
+        messages.extend(ms)
+        ends.append(len(messages))
+        merged_counts.update(cs)
+    merged = CountedSegment(
+        messages,
+        merged_counts,
+        seqs=[seq for seq, _, _ in parts],
+        ends=ends,
+        part_counts=[cs for _, _, cs in parts],
+    )
+    return _encoder.encode(merged)
 
 
 def _parts(seq: int, value: bytes) -> list[tuple[int, list[Message], dict[str, int]]]:

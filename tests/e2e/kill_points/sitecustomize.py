@@ -7,7 +7,9 @@ directory on its ``PYTHONPATH`` and ``KILL_POINTS_DIR`` naming a directory stops
 - ``intent``: before sending the report that carries a side-effecting call's intent;
 - ``effect``: after the daemon answered that intent with ``run``, before the effect;
 - ``report``: after the effect, before the report carrying its result;
-- ``done``: before sending a ``Done`` with the agent's plan or final answer.
+- ``done``: before sending a ``Done`` with the agent's plan or final answer;
+- ``turn-stored`` (in an ``apomesh serve`` process): after the daemon stored a model turn's
+  snapshot, before it appended the turn's pointer to the log.
 
 The first worker to reach an armed point takes it (``arm-<point>`` renamed to
 ``hit-<point>-<pid>``, so it fires once) and freezes there; the test then SIGKILLs that pid, or
@@ -53,6 +55,19 @@ def _install(directory: str) -> None:
         return reply
 
     worker_module.Worker.send = send  # type: ignore[method-assign]
+
+    from apomesh.runtime import snapshots as snapshots_module
+    from apomesh.runtime.protocol import TurnReport
+
+    real_write = snapshots_module.SnapshotStore.write
+
+    async def write(self: Any, agent_key: str, config: Any, report: Any, **kw: Any) -> Any:
+        written = await real_write(self, agent_key, config, report, **kw)
+        if isinstance(report, TurnReport):
+            fire("turn-stored")
+        return written
+
+    snapshots_module.SnapshotStore.write = write  # type: ignore[method-assign]
 
 
 if DIRECTORY:

@@ -1,0 +1,58 @@
+"""The two tools of the standard durable-agent workload (``bench/bench_workload.py``).
+
+``bench.lookup`` is read-only: it answers a fixed-size record for a key. ``bench.append`` is a
+side effect: it appends one fixed-width line to ``bench/<session>.log`` in the workspace with
+``O_APPEND`` and no fsync (the naive floor does the very same write).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from apomesh.plugins.api import Tool, ToolContext
+from apomesh.plugins.hookspecs import hookimpl
+
+LINE_WIDTH = 64
+
+
+def line_for(session: str, step: int) -> bytes:
+    """The fixed-width line step ``step`` of ``session`` appends."""
+    return f"{session} step {step}".ljust(LINE_WIDTH - 1)[: LINE_WIDTH - 1].encode() + b"\n"
+
+
+async def lookup(ctx: ToolContext, args: dict[str, Any]) -> str:
+    return f"record {args.get('key', '')}: " + "x" * 48
+
+
+async def append(ctx: ToolContext, args: dict[str, Any]) -> str:
+    folder = ctx.workspace / "bench"
+    folder.mkdir(exist_ok=True)
+    fd = os.open(folder / f"{ctx.session_id}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line_for(ctx.session_id, int(args.get("step", 0))))
+    finally:
+        os.close(fd)
+    return "appended"
+
+
+@hookimpl
+def register_tools(register: Callable[[Tool], None]) -> None:
+    register(
+        Tool(
+            name="bench.lookup",
+            description="Look a record up (read-only).",
+            run=lookup,
+            parameters={"type": "object", "properties": {"key": {"type": "string"}}},
+        )
+    )
+    register(
+        Tool(
+            name="bench.append",
+            description="Append one line to the session's log file (a side effect).",
+            run=append,
+            parameters={"type": "object", "properties": {"step": {"type": "integer"}}},
+            side_effect=True,
+        )
+    )
