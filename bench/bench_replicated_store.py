@@ -112,7 +112,7 @@ async def store_figures(
         ids = iter(range(1, count + 1))
         rows.append(
             (
-                "peer: point read missing LMDB",
+                "peer: point read (bucket, copied to LMDB)",
                 await asyncio.to_thread(
                     timed, lambda: peer.get_snapshot("bench/r", next(ids)), min(count, 200)
                 ),

@@ -282,3 +282,37 @@ async def test_while_nats_is_down_a_group_of_writes_fails_at_once_not_one_by_one
     assert sorted(attempts) == list(range(20))  # each batch was tried once, not again alone
     assert store.local.scan("segments", "") == []
     await facade.aclose()
+
+
+def test_a_daemon_given_a_session_back_reads_what_the_peer_left_not_its_older_copy(
+    nats_url: str, tmp_path: Path
+) -> None:
+    first = empty_replicated_store(nats_url, tmp_path / "a")
+    first.write_batch(
+        [
+            ("snapshots", snapshot_key(AGENT, 1), b"logged"),
+            ("snapshots", snapshot_key(AGENT, 2), b"stored, never logged"),
+            ("segments", f"{AGENT}\x0000000001", b"merged 0..1"),
+        ]
+    )
+    first.put_journal(AGENT, "call", b"intent")
+    first.close()  # its daemon stops; its data dir stays
+    peer = replicated_store(nats_url, tmp_path / "b")
+    # The peer drops the unlogged snapshot and trims the segment to the logged one (what
+    # ``SnapshotStore.load_logged`` does), writes its next snapshot under the freed id, and
+    # records the call's result.
+    peer.write_batch(
+        [("segments", f"{AGENT}\x0000000001", b"merged 0")], [("snapshots", snapshot_key(AGENT, 2))]
+    )
+    peer.write_batch([("snapshots", snapshot_key(AGENT, 2), b"the peer's node")])
+    peer.put_journal(AGENT, "call", b"result")
+    peer.close()
+    back = replicated_store(nats_url, tmp_path / "a")  # the first daemon, its old LMDB
+    try:
+        assert back.local.get_snapshot(AGENT, 2) == b"stored, never logged"
+        assert back.get_snapshot(AGENT, 2) == b"the peer's node"
+        assert back.latest_snapshot(AGENT) == (2, b"the peer's node")
+        assert back.scan("segments", AGENT + "\x00") == [(f"{AGENT}\x0000000001", b"merged 0")]
+        assert back.get_journal(AGENT, "call") == b"result"
+    finally:
+        back.close()

@@ -14,12 +14,14 @@ and the completed-session index.
   reached or does not confirm within ``timeout`` seconds (the batch is sent again meanwhile, so a
   reconnect or a leader election is ridden out) is ``StoreUnavailable`` and LMDB is not touched.
   Deletes (compaction) are KV delete markers in the same batch.
-- A point read (``get``, ``get_snapshot``, ``get_journal``, ``get_completed``) is served by
-  LMDB and falls through to the bucket on a miss, filling LMDB.
-- Listings (``scan``, ``latest_snapshot``, ``list_completed``, ``delete_snapshots_before``) ask the
-  bucket, which is the authority: a peer taking a session over has nothing of it in its LMDB, and
-  a daemon given a session back may hold an older copy than the peer left. Values the listing
-  brings that LMDB lacks are cached.
+- The bucket is the authority, LMDB the host's copy: a peer taking a session over has nothing of
+  it in its LMDB, and a daemon given a session back may hold an older copy than the peer left (a
+  snapshot id is written again once an unlogged snapshot is dropped, a compacted segment is
+  trimmed, a journal copy goes from intent to result). So listings (``scan``,
+  ``latest_snapshot``, ``list_completed``, ``delete_snapshots_before``) and point reads ask the
+  bucket, and what they bring that LMDB lacks is copied into it; only records that never change
+  once written (the completed index) are read from LMDB first, falling through to the bucket on
+  a miss.
 
 A value larger than one NATS message (``max_payload`` less room for the subject and headers) is
 split: the main key's value starts with a one-byte frame tag (``0`` whole, ``1`` split, then the
@@ -80,6 +82,8 @@ log = logging.getLogger("apomesh.store")
 STATE_BUCKET: Final = "APOMESH_STATE"
 LOCAL_DATABASES: Final = frozenset({"meta"})
 """Databases that stay on the host: the daemon's own identity is no peer's business."""
+WRITE_ONCE_DATABASES: Final = frozenset({"completed"})
+"""Replicated databases whose records never change once written: LMDB answers them first."""
 ATOMIC_BATCH_LIMIT: Final = 1000
 """The most messages nats-server takes in one atomic batch (commit included)."""
 DEFAULT_TIMEOUT: Final = 5.0
@@ -563,11 +567,17 @@ class ReplicatedStore:
             log.warning("could not cache %d replicated records in LMDB: %s", len(records), exc)
 
     def get(self, db: str, key: str) -> bytes | None:
-        value = self.local.get(db, key)
-        if value is not None or db in LOCAL_DATABASES:
-            return value
+        """LMDB first for records that never change once written (``completed``); the bucket
+        first for the others, whose keys a later writer may write again (a snapshot id is reused
+        once an unlogged snapshot is dropped, a compacted segment is trimmed, a journal copy goes
+        from intent to result), so a copy in LMDB may be older than the bucket's."""
+        if db in LOCAL_DATABASES:
+            return self.local.get(db, key)
+        cached = self.local.get(db, key)
+        if cached is not None and db in WRITE_ONCE_DATABASES:
+            return cached
         value = self._run(self.replica.get(db, key))
-        if value is not None:
+        if value is not None and cached is None:
             self._cache([(db, key, value)])
         return value
 
@@ -587,12 +597,8 @@ class ReplicatedStore:
         self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
 
     def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
-        keys = self._run(self.replica.keys("snapshots", snapshot_prefix(agent_key)))
-        for key in reversed(keys):
-            value = self.get("snapshots", key)
-            if value is not None:  # deleted since it was listed: the one before is the latest
-                return parse_snapshot_key(key)[1], value
-        return None
+        found = self.scan("snapshots", snapshot_prefix(agent_key))
+        return (parse_snapshot_key(found[-1][0])[1], found[-1][1]) if found else None
 
     def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
         self.write_batch([("journal", journal_key(agent_key, call_key), record)])
