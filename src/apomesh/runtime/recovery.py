@@ -250,6 +250,8 @@ class Takeover:
         self.log = logger or log
         self.owned_by: dict[str, str] = {}
         """Session -> the other daemon last seen driving it (or holding its lease)."""
+        self.settled: set[tuple[str, str]] = set()
+        """(session, daemon) pairs resolved here: the session no longer waits for that daemon."""
         self.adopted = 0
 
     def watch(self, session_id: str, owner: str) -> None:
@@ -271,10 +273,13 @@ class Takeover:
         me = self.registry.owner
         listed: dict[str, set[str]] = {}
         for record in records.values():
-            if record.id != me:
-                listed[record.id] = set(record.sessions)
-                for session_id in record.sessions:
-                    self.owned_by[session_id] = record.id
+            if record.id == me:
+                continue
+            listed[record.id] = set(record.sessions)
+            for session_id in record.sessions:
+                if record.gone and (session_id, record.id) in self.settled:
+                    continue  # handed over, and already adopted or ended
+                self.owned_by[session_id] = record.id
         adopted = 0
         for session_id, owner in list(self.owned_by.items()):
             if self.stopped():
@@ -286,6 +291,8 @@ class Takeover:
                 continue
             if await self._take(session_id, owner):
                 adopted += 1
+            if self.owned_by.get(session_id) != owner:
+                self.settled.add((session_id, owner))
         return adopted
 
     async def _take(self, session_id: str, owner: str) -> bool:

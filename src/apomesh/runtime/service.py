@@ -20,6 +20,7 @@ applied here.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -235,6 +236,13 @@ class Service:
             )
         for sid, runtime in self.registry.live.items():
             rows[sid] = session_summary(runtime.state)
+        if self.presence is not None:
+            # The sessions the other daemons drive, read from the log.
+            for peer in self.presence.known.values():
+                for sid in peer.sessions if peer.id != self.registry.owner else ():
+                    if sid not in rows:
+                        with contextlib.suppress(ApomeshError):
+                            rows[sid] = session_summary(await self.registry.folds.state(sid))
         out = [
             r
             for r in rows.values()
