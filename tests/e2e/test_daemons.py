@@ -348,6 +348,30 @@ async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcom
         assert (await on_a.get_session(new)).owner == b_id
 
 
+async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons) -> None:
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
+    await wait_daemons(a.url, 2)
+    b_id = await daemon_id(b.url)
+    session_ids = await start_sessions(a.url, [f"term-{n}" for n in range(2)], steps=8)
+    async with Client(a.url) as on_a:
+        await wait_side_effects(on_a, session_ids, 1)
+    await anyio.to_thread.run_sync(a.stop)
+    assert a.proc is not None and a.proc.returncode == 0, a.output_tail()
+    async with Client(b.url) as on_b:
+        for session_id in session_ids:
+            log = await all_events(b.url, session_id)
+            assert_exactly_once(log, system.workspace)
+            assert "SessionSuspended" in [r.kind for r in log]
+            assert not any(
+                r.kind == "ToolCallRecorded" and r.event["outcome"] == "unknown" for r in log
+            )
+            assert len([r for r in log if r.kind == "SessionRecovered"]) == 1
+        assert {d.id for d in await on_b.list_daemons() if d.state == "active"} == {b_id}
+
+
 async def test_the_console_lists_the_daemons_with_their_sessions(
     system: Daemons, page: Any
 ) -> None:

@@ -319,13 +319,8 @@ class FakeService:
             for i in sorted({i for i in ids if ids.count(i) > 1})
         ]
         return VerificationView(
-            session_id=session_id,
-            ok=not problems,
-            status=state.status,
-            events=len(envelopes),
-            last_index=state.last_index,
-            agents=len(state.agents),
-            problems=problems,
+            session_id=session_id, ok=not problems, status=state.status, events=len(envelopes),
+            last_index=state.last_index, agents=len(state.agents), problems=problems,
         )
 
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:

@@ -88,6 +88,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drain_sub: Any = None
         self._drained: asyncio.Task[list[str]] | None = None
+        self._started = False
         self.renew_every = renew_interval(kv.leases.ttl)
 
         self.registry = SessionRegistry(
@@ -179,6 +180,7 @@ class Daemon:
         self.daemon_id = await self._stable_id()
         self.registry.owner = self.daemon_id
         self.presence.daemon_id = self.daemon_id
+        self._started = True
         await self.log.ensure()
         await self.heartbeats.ensure()
         await self.control.start()
@@ -279,10 +281,11 @@ class Daemon:
         # Drain first, while the control plane still hears the workers: every session stops at a
         # node boundary and is marked suspended, so the next daemon resumes it by itself
         # (``[daemon] shutdown_timeout`` is the grace period; what is still running then is cut).
-        if self._drained is None:
+        if self._drained is None and self._started:
             self._drained = self._spawn(self.drain_for_peers())
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._drained)
+        if self._drained is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._drained)
         self._closing = True
         if self._drain_sub is not None:
             with contextlib.suppress(Exception):

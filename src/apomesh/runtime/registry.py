@@ -273,21 +273,20 @@ class SessionRegistry:
         return len(pending)
 
     async def hand_over(self) -> list[str]:
-        """After ``drain``, for a live peer to adopt them at once: every session that logged
-        ``SessionSuspended`` stops being driven here and its lease is given back. Answers their
-        ids. A session cut off by the grace period keeps its lease: a peer adopts it once that
-        expires, as after a crash."""
+        """After ``drain``, for the live peers: this daemon stops driving every session. Those
+        that logged ``SessionSuspended`` get their leases back at once, for a peer to adopt them
+        with no unknown outcome; one cut off by the grace period keeps its lease, no longer
+        renewed, and a peer adopts it once that expires, as after a crash. Answers their ids."""
         handed: list[str] = []
         for session_id, runtime in list(self.live.items()):
-            if not runtime.state.cleanly_suspended:
-                continue
             await runtime.stop()
             del self.live[session_id]
             self.folds.forget(session_id)
             for ref in runtime.state.agents:
                 self.snapshots.forget(f"{session_id}/{ref}")
-            with contextlib.suppress(Exception):
-                await self.leases.release(session_id, self.owner)
+            if runtime.state.cleanly_suspended:
+                with contextlib.suppress(Exception):
+                    await self.leases.release(session_id, self.owner)
             handed.append(session_id)
         self.changed()
         return handed
