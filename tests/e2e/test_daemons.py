@@ -288,6 +288,11 @@ async def test_a_frozen_daemons_session_moves_and_its_stale_writes_are_rejected(
                     break
                 await anyio.sleep(0.1)
         assert (await on_a.get_session(session_id)).status == "completed"
+    # Whichever it met first on waking: its renewal found the lease held by the peer, or its
+    # append was rejected by the log's expected sequence; it stopped driving the session.
+    said = a.output_tail(400_000)
+    assert "held by another owner" in said or "another writer appended" in said
+    assert "this daemon stops driving it" in said
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -321,6 +326,10 @@ async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcom
         lambda: cli("daemons", "drain", a_id, "--url", b.url, "--wait", "60")
     )
     assert drained.returncode == 0, drained.stdout + drained.stderr
+    async with Client(b.url) as on_b:
+        # Handed over, not left to expire: A gave the leases back once drained.
+        for session_id in session_ids:
+            assert (await on_b.get_session(session_id)).owner != a_id
 
     for session_id in session_ids:
         log = await all_events(b.url, session_id)
@@ -354,13 +363,16 @@ async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons)
     system.worker("w1")
     system.worker("w2")
     await wait_daemons(a.url, 2)
-    b_id = await daemon_id(b.url)
+    a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
     session_ids = await start_sessions(a.url, [f"term-{n}" for n in range(2)], steps=8)
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, session_ids, 1)
     await anyio.to_thread.run_sync(a.stop)
     assert a.proc is not None and a.proc.returncode == 0, a.output_tail()
     async with Client(b.url) as on_b:
+        # Handed over, not left to expire: A gave the leases back before it exited.
+        for session_id in session_ids:
+            assert (await on_b.get_session(session_id)).owner != a_id
         for session_id in session_ids:
             log = await all_events(b.url, session_id)
             assert_exactly_once(log, system.workspace)
