@@ -48,6 +48,8 @@ from apomesh.runtime.workers import WorkerPool
 
 log = logging.getLogger("apomesh.daemon")
 
+PRESENCE_CALL_SECONDS = 2.0
+"""The longest a drain waits for one presence read or write."""
 DRAIN_SUBJECT_PREFIX = "apomesh.daemon.drain."
 """``<prefix><daemon id>``: a request asking that daemon to drain (``Daemon.drain_for_peers``)."""
 
@@ -235,12 +237,13 @@ class Daemon:
         record ``drained`` listing them, so that a peer adopts them at once with no unknown
         outcome. Without peers the leases are kept (this daemon resumes them when it starts
         again). Answers the sessions handed over."""
+        # A NATS going away must not hold the shutdown: each presence call is bounded.
         self.presence.state = "draining"
         with contextlib.suppress(Exception):
-            await self.presence.publish()
+            await asyncio.wait_for(self.presence.publish(), PRESENCE_CALL_SECONDS)
         await self.registry.drain(self.config.daemon.shutdown_timeout)
         try:
-            peers = await self.presence.live_peers()
+            peers = await asyncio.wait_for(self.presence.live_peers(), PRESENCE_CALL_SECONDS)
         except Exception as exc:
             log.warning("drain: the live peers cannot be listed (%s); leases kept", exc)
             peers = []
@@ -251,13 +254,8 @@ class Daemon:
             log.info("drain: %d sessions handed over to %d live peers", len(handed), len(peers))
         self.presence.state = "drained"
         with contextlib.suppress(Exception):
-            await self.presence.publish()
+            await asyncio.wait_for(self.presence.publish(), PRESENCE_CALL_SECONDS)
         return handed
-
-    @property
-    def draining(self) -> bool:
-        """True once a drain began: no new session is placed here."""
-        return self.presence.state != "active"
 
     async def _stable_id(self) -> str:
         """The data dir's daemon identity (the owner name of its session leases). Kept in a file
