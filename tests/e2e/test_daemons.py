@@ -148,6 +148,31 @@ def assert_exactly_once(records: list[EventRecord], workspace: Path) -> None:
     assert check.status == "completed"
 
 
+async def test_a_second_daemon_started_mid_run_leaves_the_first_ones_sessions_running(
+    system: Daemons,
+) -> None:
+    a = system.daemon("a")
+    system.worker("w1")
+    system.worker("w2")
+    await wait_daemons(a.url, 1)
+    a_id = await daemon_id(a.url)
+    session_ids = await start_sessions(a.url, [f"second-{n}" for n in range(2)], steps=40)
+    async with Client(a.url) as on_a:
+        await wait_side_effects(on_a, session_ids, 1)
+    b = system.daemon("b")
+    async with Client(b.url) as on_b:
+        # B's boot scan leaves A's sessions alone: it reads them and names their owner.
+        for session_id in session_ids:
+            view = await on_b.get_session(session_id)
+            assert view.status == "running" and view.owner == a_id
+        assert (await on_b.health())["boot"]["owned_by_peers"] == len(session_ids)
+    for session_id in session_ids:
+        log = await all_events(a.url, session_id)
+        assert_exactly_once(log, system.workspace)
+        # Driven by A from start to end: never recovered, no agent re-dispatched.
+        assert not any(r.kind in ("SessionRecovered", "AgentResuming") for r in log)
+
+
 async def test_a_killed_daemons_sessions_finish_on_one_peer_each_exactly_once(
     system: Daemons,
 ) -> None:
