@@ -167,7 +167,8 @@ async def test_a_second_daemon_started_mid_run_leaves_the_first_ones_sessions_ru
             assert view.status == "running" and view.owner == a_id
         assert (await on_b.health())["boot"]["owned_by_peers"] == len(session_ids)
     for session_id in session_ids:
-        log = await all_events(a.url, session_id)
+        # Followed live through B, which does not drive it.
+        log = await all_events(b.url, session_id)
         assert_exactly_once(log, system.workspace)
         # Driven by A from start to end: never recovered, no agent re-dispatched.
         assert not any(r.kind in ("SessionRecovered", "AgentResuming") for r in log)
