@@ -101,18 +101,26 @@ def system(nats_cluster: NatsCluster, tmp_path: Path) -> Iterator[Daemons]:
 
 
 async def daemon_id(url: str) -> str:
-    async with Client(url) as client:
-        return next(d.id for d in await client.list_daemons() if d.this)
-
-
-async def wait_daemons(url: str, count: int) -> None:
-    """Until the daemon at ``url`` lists ``count`` active daemons and sees live workers."""
+    """The id of the daemon at ``url``, once its own presence record is published."""
     async with Client(url) as client:
         with anyio.fail_after(DEADLINE):
             while True:
-                daemons = [d for d in await client.list_daemons() if d.state == "active"]
+                mine = [d.id for d in await client.list_daemons() if d.this]
+                if mine:
+                    return mine[0]
+                await anyio.sleep(0.1)
+
+
+async def wait_daemons(*daemons: DaemonProcess) -> None:
+    """Until the first daemon lists every one of ``daemons`` active and sees two live workers
+    (records of earlier tests' daemons may linger in the shared cluster until they age out)."""
+    ids = {await daemon_id(d.url) for d in daemons}
+    async with Client(daemons[0].url) as client:
+        with anyio.fail_after(DEADLINE):
+            while True:
+                active = {d.id for d in await client.list_daemons() if d.state == "active"}
                 workers = [w for w in await client.list_workers() if w.alive]
-                if len(daemons) >= count and len(workers) >= 2:
+                if ids <= active and len(workers) >= 2:
                     return
                 await anyio.sleep(0.1)
 
@@ -154,7 +162,7 @@ async def test_a_second_daemon_started_mid_run_leaves_the_first_ones_sessions_ru
     a = system.daemon("a")
     system.worker("w1")
     system.worker("w2")
-    await wait_daemons(a.url, 1)
+    await wait_daemons(a)
     a_id = await daemon_id(a.url)
     session_ids = await start_sessions(a.url, [f"second-{n}" for n in range(2)], steps=40)
     async with Client(a.url) as on_a:
@@ -182,9 +190,9 @@ async def test_a_killed_daemons_sessions_finish_on_one_peer_each_exactly_once(
     c = system.daemon("c")
     system.worker("w1")
     system.worker("w2")
-    await wait_daemons(a.url, 3)
+    await wait_daemons(a, b, c)
     a_id, b_id, c_id = [await daemon_id(d.url) for d in (a, b, c)]
-    session_ids = await start_sessions(a.url, [f"kill-{n}" for n in range(3)], steps=8)
+    session_ids = await start_sessions(a.url, [f"kill-{n}" for n in range(3)], steps=20)
 
     # A tail opened on A, given the peers to fail over to.
     tailed: list[EventRecord] = []
@@ -263,7 +271,7 @@ async def test_fresh_model_sessions_of_a_killed_daemon_finish_on_its_peer_audite
         b = system.daemon("b")
         system.worker("w1")
         system.worker("w2")
-        await wait_daemons(a.url, 2)
+        await wait_daemons(a, b)
         async with Client(a.url) as on_a:
             session_ids = [
                 await on_a.start_session(
@@ -289,9 +297,9 @@ async def test_a_frozen_daemons_session_moves_and_its_stale_writes_are_rejected(
     b = system.daemon("b")
     system.worker("w1")
     system.worker("w2")
-    await wait_daemons(a.url, 2)
+    await wait_daemons(a, b)
     b_id = await daemon_id(b.url)
-    [session_id] = await start_sessions(a.url, ["frozen"], steps=10)
+    [session_id] = await start_sessions(a.url, ["frozen"], steps=20)
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, [session_id], 2)
     assert a.proc is not None
@@ -338,9 +346,9 @@ async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcom
     b = system.daemon("b")
     system.worker("w1")
     system.worker("w2")
-    await wait_daemons(a.url, 2)
+    await wait_daemons(a, b)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
-    session_ids = await start_sessions(a.url, [f"drain-{n}" for n in range(2)], steps=8)
+    session_ids = await start_sessions(a.url, [f"drain-{n}" for n in range(2)], steps=30)
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, session_ids, 1)
 
@@ -388,9 +396,9 @@ async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons)
     b = system.daemon("b")
     system.worker("w1")
     system.worker("w2")
-    await wait_daemons(a.url, 2)
+    await wait_daemons(a, b)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
-    session_ids = await start_sessions(a.url, [f"term-{n}" for n in range(2)], steps=8)
+    session_ids = await start_sessions(a.url, [f"term-{n}" for n in range(2)], steps=30)
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, session_ids, 1)
     await anyio.to_thread.run_sync(a.stop)
@@ -417,7 +425,7 @@ async def test_the_console_lists_the_daemons_with_their_sessions(
     b = system.daemon("b")
     system.worker("w1")
     system.worker("w2")
-    await wait_daemons(a.url, 2)
+    await wait_daemons(a, b)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
     await start_sessions(b.url, ["console-0", "console-1"], steps=20)
     await page.goto(f"{a.url}/#/daemons")

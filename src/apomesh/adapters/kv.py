@@ -269,8 +269,9 @@ class LeaseTable:
 class PresenceTable:
     """The live daemons' records, by daemon id, aged out by the bucket's TTL."""
 
-    def __init__(self, kv: KeyValue, ttl: float) -> None:
+    def __init__(self, kv: KeyValue, ttl: float, js: JetStreamContext) -> None:
         self._kv = kv
+        self._js = js
         self.ttl = ttl
 
     async def put(self, daemon_id: str, record: bytes) -> None:
@@ -283,12 +284,17 @@ class PresenceTable:
 
     async def all(self) -> dict[str, bytes]:
         """Every live daemon's record, by id (a record deleted or aged out is absent)."""
+        # The stream's own subject list, not a key watcher: records ageing out while a watcher
+        # counts what is pending can make it stop before the newest keys.
+        prefix = f"$KV.{DAEMONS_BUCKET}."
         out: dict[str, bytes] = {}
         with unavailable_as_log_error("list daemons"):
-            for name in await _keys(self._kv):
-                found = await _value(self._kv, encode_key(name))
+            info = await self._js.stream_info(f"KV_{DAEMONS_BUCKET}", subjects_filter=prefix + ">")
+            for subject in info.state.subjects or {}:
+                key = subject[len(prefix) :]
+                found = await _value(self._kv, key)
                 if found is not None and found[0]:
-                    out[name] = found[0]
+                    out[decode_key(key)] = found[0]
         return out
 
 
@@ -357,5 +363,5 @@ class KvBuckets:
             AgentRegistry(agents),
             SkillCatalog(skills),
             LeaseTable(leases, lease_ttl),
-            PresenceTable(daemons, lease_ttl),
+            PresenceTable(daemons, lease_ttl, js),
         )
