@@ -249,6 +249,47 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_daemons(args: argparse.Namespace) -> int:
+    import time
+
+    client = _client(args)
+    if args.action == "list":
+        daemons = client.list_daemons()
+        if args.json:
+            print(json.dumps(_builtins(daemons)))
+            return 0
+        table = Table("daemon", "host", "state", "sessions", "stranded", "load", "lease age", "url")
+        for d in daemons:
+            table.add_row(
+                d.id + (" (this)" if d.this else ""),
+                d.host,
+                d.state,
+                str(d.sessions),
+                str(d.stranded),
+                str(d.load),
+                f"{d.lease_age:.1f}s",
+                d.url,
+            )
+        console.print(table)
+        return 0
+    if not args.id:
+        err.print("a daemon id is needed")
+        return 2
+    client.drain_daemon(args.id)
+    console.print(f"daemon {args.id} drains: its sessions move to the live peers")
+    if args.wait:
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            row = next((d for d in client.list_daemons() if d.id == args.id), None)
+            if row is None or row.state == "drained":
+                console.print(f"daemon {args.id} drained")
+                return 0
+            time.sleep(0.2)
+        err.print(f"daemon {args.id} did not finish draining within {args.wait:.0f} s")
+        return 1
+    return 0
+
+
 FILTER_KEYS = ("category", "reason", "goal")
 
 
@@ -608,6 +649,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after", type=int, default=-1)
     _remote(p)
     p.set_defaults(func=cmd_sessions)
+
+    p = sub.add_parser("daemons", help="list the live daemons, or drain one for maintenance")
+    p.add_argument("action", choices=["list", "drain"])
+    p.add_argument("id", nargs="?", help="the daemon to drain (an id from `daemons list`)")
+    p.add_argument("--json", action="store_true", help="list as JSON")
+    p.add_argument(
+        "--wait", type=float, default=0.0, help="seconds to wait until the daemon has drained"
+    )
+    _remote(p)
+    p.set_defaults(func=cmd_daemons)
 
     p = sub.add_parser(
         "recover",

@@ -56,6 +56,7 @@ from apomesh.core.journal import call_key
 from apomesh.core.state import SessionState, fold
 from apomesh.core.views import (
     AgentRecordView,
+    DaemonView,
     PinDiff,
     RecoverableFilter,
     RecoverableView,
@@ -95,6 +96,23 @@ class FakeService:
         self.log = MemoryLog()
         self.recoverable: dict[str, Stranded] = {}
         self.workers: dict[str, WorkerView] = {}
+        now = time.time()
+        self.daemons: dict[str, DaemonView] = {
+            "d-this": DaemonView(
+                id="d-this",
+                host="localhost",
+                url="http://127.0.0.1:8750",
+                incarnation="i1",
+                state="active",
+                sessions=0,
+                stranded=0,
+                load=0,
+                started_at=now,
+                last_seen=now,
+                lease_age=0.0,
+                this=True,
+            )
+        }
         self.skills: dict[str, SkillView] = {}
         self.agents: dict[tuple[str, str], AgentRecordView] = {}
         self.metrics = DaemonMetrics()
@@ -405,6 +423,16 @@ class FakeService:
     async def list_workers(self) -> list[WorkerView]:
         self._check_broken()
         return sorted(self.workers.values(), key=lambda w: w.id)
+
+    async def list_daemons(self) -> list[DaemonView]:
+        self._check_broken()
+        return list(self.daemons.values())
+
+    async def drain_daemon(self, daemon_id: str) -> None:
+        self._check_broken()
+        if daemon_id not in self.daemons:
+            raise NotFound(f"daemon {daemon_id}")
+        self.daemons[daemon_id] = msgspec.structs.replace(self.daemons[daemon_id], state="drained")
 
     async def put_skill(self, name: str, body: str) -> SkillView:
         self._check_broken()

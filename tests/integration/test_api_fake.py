@@ -378,6 +378,18 @@ def test_workers_are_listed(client: AppClient, fake: FakeService) -> None:
     ]
 
 
+def test_daemons_are_listed_and_one_is_drained(client: AppClient, fake: FakeService) -> None:
+    [row] = client.get("/v1/daemons").json()["daemons"]
+    assert (row["id"], row["state"], row["this"]) == ("d-this", "active", True)
+    assert {"host", "url", "sessions", "stranded", "load", "lease_age"} <= set(row)
+    response = client.post("/v1/daemons/d-this/drain", json={})
+    assert response.status_code == 202
+    assert response.json() == {"daemon_id": "d-this", "action": "drain"}
+    assert client.get("/v1/daemons").json()["daemons"][0]["state"] == "drained"
+    missing = client.post("/v1/daemons/nobody/drain", json={})
+    assert missing.status_code == 404 and missing.json()["error"] == "not_found"
+
+
 # --- catalog -------------------------------------------------------------------------------------
 
 

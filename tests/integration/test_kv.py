@@ -1,5 +1,5 @@
 """The KV buckets against a real nats-server: create-only agents, the skill catalog with its
-history, and ownership leases by compare-and-set with a TTL."""
+history, ownership leases by compare-and-set with a TTL, and the daemons' presence records."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from apomesh.adapters.kv import (
     AGENTS_BUCKET,
+    DAEMONS_BUCKET,
     LEASES_BUCKET,
     SKILLS_BUCKET,
     KvBuckets,
@@ -62,10 +63,11 @@ async def test_open_creates_the_three_buckets_and_reopens_them(
     nc: NATS, buckets: KvBuckets
 ) -> None:
     js = nc.jetstream()
-    for bucket in (AGENTS_BUCKET, SKILLS_BUCKET, LEASES_BUCKET):
+    for bucket in (AGENTS_BUCKET, SKILLS_BUCKET, LEASES_BUCKET, DAEMONS_BUCKET):
         assert (await js.stream_info(f"KV_{bucket}")).config.num_replicas == 1
     assert (await js.stream_info(f"KV_{SKILLS_BUCKET}")).config.max_msgs_per_subject == 16
     assert (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age == 30
+    assert (await js.stream_info(f"KV_{DAEMONS_BUCKET}")).config.max_age == 30
     await KvBuckets.open(js)  # idempotent
 
 
@@ -150,6 +152,25 @@ async def test_an_unrenewed_lease_expires_and_another_owner_takes_it(
                 await anyio.sleep(0.1)
         assert await buckets.leases.owner("s-1") == "daemon-b"
         assert not await buckets.leases.renew("s-1", "daemon-a")
+    finally:
+        await close_quietly(client)
+
+
+async def test_a_daemons_presence_record_is_listed_until_withdrawn_or_aged_out(
+    fresh_nats_server: Any,
+) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        buckets = await KvBuckets.open(client.jetstream(), lease_ttl=2.0)
+        presence = buckets.daemons
+        await presence.put("daemon-a", b"record a")
+        await presence.put("daemon/b", b"record b")
+        assert await presence.all() == {"daemon-a": b"record a", "daemon/b": b"record b"}
+        await presence.delete("daemon/b")
+        assert await presence.all() == {"daemon-a": b"record a"}
+        with anyio.fail_after(60):  # not renewed: the bucket's TTL ages it out
+            while await presence.all():
+                await anyio.sleep(0.1)
     finally:
         await close_quietly(client)
 

@@ -135,6 +135,9 @@ class SlowLeases:
     async def release(self, session_id: str, owner: str) -> bool:
         return True
 
+    async def owner(self, session_id: str) -> str | None:
+        return None
+
 
 async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Path) -> None:
     log, _ = await paused_writer(tmp_path, [])

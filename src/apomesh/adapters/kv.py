@@ -1,6 +1,6 @@
 """Typed wrappers over JetStream KV: published agents, the skill catalog and session leases.
 
-Three buckets, opened together by ``KvBuckets.open`` (``open_bucket`` creates or reconciles any
+Four buckets, opened together by ``KvBuckets.open`` (``open_bucket`` creates or reconciles any
 bucket, also the replicated state store's):
 
 - ``APOMESH_AGENTS`` (``AgentRegistry``): published agents, create-only. Publishing the same
@@ -12,6 +12,9 @@ bucket, also the replicated state store's):
   value is the owner; it is taken by create-if-absent and renewed or released by compare-and-set
   on its revision, and the bucket's TTL ages it out when its owner stops renewing, so two daemons
   never drive the same session. Owners renew well inside the TTL (a third of it, say).
+- ``APOMESH_DAEMONS`` (``PresenceTable``): which daemons are alive. Each daemon puts its record
+  (an opaque value: ``runtime.presence`` encodes it) under its id and renews it with its leases;
+  the bucket's TTL (the lease TTL) ages out the record of a daemon that died.
 
 KV keys allow only ``[-/_=.a-zA-Z0-9]`` and no leading, trailing or doubled dots, so names are
 encoded reversibly (``encode_key``): letters, digits, ``-`` and ``_`` stay, every other byte of
@@ -35,6 +38,7 @@ from apomesh.core.errors import CatalogError, PublishConflict
 AGENTS_BUCKET = "APOMESH_AGENTS"
 SKILLS_BUCKET = "APOMESH_SKILLS"
 LEASES_BUCKET = "APOMESH_LEASES"
+DAEMONS_BUCKET = "APOMESH_DAEMONS"
 DEFAULT_SKILL_HISTORY = 16
 DEFAULT_LEASE_TTL = 30.0
 
@@ -269,13 +273,46 @@ class LeaseTable:
         return True
 
 
+class PresenceTable:
+    """The live daemons' records, by daemon id, aged out by the bucket's TTL."""
+
+    def __init__(self, kv: KeyValue, ttl: float, js: JetStreamContext) -> None:
+        self._kv = kv
+        self._js = js
+        self.ttl = ttl
+
+    async def put(self, daemon_id: str, record: bytes) -> None:
+        with unavailable_as_log_error(f"publish daemon {daemon_id}"):
+            await self._kv.put(encode_key(daemon_id), record)
+
+    async def delete(self, daemon_id: str) -> None:
+        with unavailable_as_log_error(f"withdraw daemon {daemon_id}"):
+            await self._kv.delete(encode_key(daemon_id))
+
+    async def all(self) -> dict[str, bytes]:
+        """Every live daemon's record, by id (a record deleted or aged out is absent)."""
+        # The stream's own subject list, not a key watcher: records ageing out while a watcher
+        # counts what is pending can make it stop before the newest keys.
+        prefix = f"$KV.{DAEMONS_BUCKET}."
+        out: dict[str, bytes] = {}
+        with unavailable_as_log_error("list daemons"):
+            info = await self._js.stream_info(f"KV_{DAEMONS_BUCKET}", subjects_filter=prefix + ">")
+            for subject in info.state.subjects or {}:
+                key = subject[len(prefix) :]
+                found = await _value(self._kv, key)
+                if found is not None and found[0]:
+                    out[decode_key(key)] = found[0]
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class KvBuckets:
-    """The three buckets the runtime uses."""
+    """The four buckets the runtime uses."""
 
     agents: AgentRegistry
     skills: SkillCatalog
     leases: LeaseTable
+    daemons: PresenceTable
 
     @classmethod
     async def open(
@@ -318,4 +355,20 @@ class KvBuckets:
                 storage=StorageType.FILE,
             ),
         )
-        return cls(AgentRegistry(agents), SkillCatalog(skills), LeaseTable(leases, lease_ttl))
+        daemons = await open_bucket(
+            js,
+            KeyValueConfig(
+                bucket=DAEMONS_BUCKET,
+                description="apomesh live daemons (presence)",
+                history=1,
+                ttl=lease_ttl,
+                replicas=replicas,
+                storage=StorageType.FILE,
+            ),
+        )
+        return cls(
+            AgentRegistry(agents),
+            SkillCatalog(skills),
+            LeaseTable(leases, lease_ttl),
+            PresenceTable(daemons, lease_ttl, js),
+        )

@@ -42,6 +42,8 @@ from apomesh.api.openapi import (
     CancelBody,
     ConfirmRequired,
     CreateSessionBody,
+    DaemonList,
+    DrainAccepted,
     ErrorBody,
     HitlAnswerBody,
     RecoverableList,
@@ -354,6 +356,16 @@ class _Api:
 
     async def list_workers(self, request: Request, who: Identity) -> Response:
         return JSONResponse(WorkerList(workers=await self.service.list_workers()))
+
+    # --- daemons ------------------------------------------------------------------------------
+
+    async def list_daemons(self, request: Request, who: Identity) -> Response:
+        return JSONResponse(DaemonList(daemons=await self.service.list_daemons()))
+
+    async def drain_daemon(self, request: Request, who: Identity) -> Response:
+        daemon_id = request.path_params["daemon_id"]
+        await self.service.drain_daemon(daemon_id)
+        return JSONResponse(DrainAccepted(daemon_id=daemon_id), status_code=202)
 
     # --- catalog ------------------------------------------------------------------------------
 

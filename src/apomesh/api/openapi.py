@@ -19,6 +19,7 @@ from apomesh._version import __version__
 from apomesh.api.tokens import Role
 from apomesh.core.views import (
     AgentRecordView,
+    DaemonView,
     RecoverableFilter,
     RecoverableView,
     ResumeOutcome,
@@ -136,6 +137,17 @@ class RecoverableList(msgspec.Struct, frozen=True):
 
 class WorkerList(msgspec.Struct, frozen=True):
     workers: list[WorkerView]
+
+
+class DaemonList(msgspec.Struct, frozen=True):
+    daemons: list[DaemonView]
+
+
+class DrainAccepted(msgspec.Struct, frozen=True):
+    """A daemon was asked to drain: its sessions move to the live peers at node boundaries."""
+
+    daemon_id: str
+    action: str = "drain"
 
 
 class SkillList(msgspec.Struct, frozen=True):
@@ -345,6 +357,26 @@ ROUTES: tuple[RouteSpec, ...] = (
         "read",
         {200: WorkerList},
         tags=("workers",),
+    ),
+    RouteSpec(
+        "GET",
+        "/v1/daemons",
+        "list_daemons",
+        "The live daemons on this NATS: sessions owned, load, lease age",
+        "read",
+        {200: DaemonList},
+        tags=("daemons",),
+    ),
+    RouteSpec(
+        "POST",
+        "/v1/daemons/{daemon_id}/drain",
+        "drain_daemon",
+        "Drain a daemon for maintenance: its sessions stop at node boundaries and move to the "
+        "live peers; it places no new session",
+        "operator",
+        {202: DrainAccepted},
+        errors=(404, 503),
+        tags=("daemons",),
     ),
     RouteSpec(
         "GET",

@@ -6,6 +6,8 @@ on purpose and the API maps them to HTTP statuses (see ``docs/api.md``):
 
     NotFound -> 404, DefinitionError / CatalogError -> 400, PayloadTooLarge -> 413,
     PublishConflict / PinError / Fenced / AppendConflict / a log that cannot be read -> 409,
+    OwnedElsewhere (a write for a session another daemon owns) -> 409 ``owned_by_another_daemon``,
+    DaemonDraining -> 503,
     a retryable error (LogUnavailable) -> 503, any other ApomeshError -> 409 (the request is
     well formed but the session's state does not allow it, e.g. resuming a session that is not on
     the recoverable list, or cancelling one that already ended).
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 from apomesh.core.envelope import Envelope
 from apomesh.core.views import (
     AgentRecordView,
+    DaemonView,
     RecoverableFilter,
     RecoverableView,
     ResumeOutcome,
@@ -128,6 +131,16 @@ class DaemonService(Protocol):
 
     async def list_workers(self) -> list[WorkerView]:
         """Workers seen recently, alive or declared lost."""
+        ...
+
+    async def list_daemons(self) -> list[DaemonView]:
+        """The live daemons on this NATS (their presence records), this one first."""
+        ...
+
+    async def drain_daemon(self, daemon_id: str) -> None:
+        """Ask a live daemon to drain: its sessions stop at node boundaries and move to the live
+        peers. ``NotFound`` for a daemon that is not alive; a retryable error when it does not
+        answer."""
         ...
 
     async def put_skill(self, name: str, body: str) -> SkillView:

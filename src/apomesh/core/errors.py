@@ -25,6 +25,8 @@ ApomeshError                       base; ``retryable`` says whether trying again
 ├── NotFound                       an unknown session, agent, skill or worker (what)
 ├── Fenced                         a message carried a stale fencing epoch
 ├── CommandRefused                 a duplicate or stale command a session's state refuses
+├── OwnedElsewhere                 a write to a session another daemon drives (owner, url)
+├── DaemonDraining                 this daemon is draining: it takes no new session
 ├── Nondeterminism                 a replayed coordinator loop asked for other work than the log holds
 ├── PayloadTooLarge                an input over its configured limit (what, size, limit)
 ├── ToolError                      a tool call failed in a way the model should see
@@ -180,6 +182,30 @@ class Fenced(ApomeshError):
         self.agent = agent
         self.epoch = epoch
         self.current = current
+
+
+class OwnedElsewhere(ApomeshError):
+    """A write (answer, cancel, resume, an operator's action) sent to a daemon that does not own
+    the session: its lease names another daemon, which alone may write it. Nothing was written;
+    send the request to ``owner_url``."""
+
+    code = "owned_by_another_daemon"
+
+    def __init__(self, session_id: str, owner: str, owner_url: str = "") -> None:
+        where = f" at {owner_url}" if owner_url else ""
+        super().__init__(
+            f"session {session_id} is owned by daemon {owner}{where}; send the request there"
+        )
+        self.session_id = session_id
+        self.owner = owner
+        self.owner_url = owner_url
+
+
+class DaemonDraining(ApomeshError):
+    """This daemon is draining for maintenance: it places no new session (send it to a peer)."""
+
+    code = "daemon_draining"
+    retryable = True
 
 
 class CommandRefused(ApomeshError):

@@ -52,6 +52,9 @@ class SessionLeases(Protocol):
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released."""
 
+    async def owner(self, session_id: str) -> str | None:
+        """Who holds the lease now, or None."""
+
 
 class StateStore(Protocol):
     """The daemon's local durable state (LMDB): snapshots, journal, completed-session index.

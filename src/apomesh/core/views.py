@@ -88,10 +88,33 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
     agent: str | None = None
     """``name@version`` of the published agent the session runs now (after any migration)."""
+    owner: str | None = None
+    """The id of the daemon that drives the session (holds its lease), when one does."""
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+class DaemonView(msgspec.Struct, frozen=True, kw_only=True):
+    """One live daemon, as ``GET /v1/daemons`` answers it (from its presence record)."""
+
+    id: str
+    host: str
+    url: str
+    incarnation: str
+    state: str
+    """``active``, ``draining`` or ``drained`` (it handed its sessions over)."""
+    sessions: int
+    stranded: int
+    load: int
+    """Agents it has running on workers now."""
+    started_at: float
+    last_seen: float
+    lease_age: float
+    """Seconds since it last renewed its record (and its leases)."""
+    this: bool = False
+    """Whether this is the daemon that answered."""
 
 
 class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):

@@ -175,6 +175,10 @@ class ControlPlane:
                 msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
             )
             return
+        if self.route(report.session_id) is None:
+            # Not driven here: another daemon of the same NATS may drive it and answers.
+            self.log.debug("left %s for %s to its owner", type(report).__name__, report.session_id)
+            return
         await _reply(msg, await self._decide(report))
 
     async def _decide(self, report: Report) -> Reply:

@@ -8,7 +8,9 @@ buckets, the LMDB store, the plugin host; ``apomesh.runtime.node`` builds them) 
 - ``SessionRuntime`` (``runtime.sessions``): each session's single writer, built by the registry
   with the collaborators in ``SessionDeps``;
 - ``ControlPlane`` (``runtime.control``): the ``ctl.*`` and heartbeat subscriptions;
-- ``BootScan`` (``runtime.recovery``): the classification of every session at boot.
+- ``BootScan`` (``runtime.recovery``): the classification of every session at boot;
+- ``Presence`` (``runtime.presence``): this daemon's record among the live daemons, and theirs;
+- ``Takeover`` (``runtime.recovery``): adopting the sessions of a daemon that is gone.
 
 The parts are handed their collaborators, never the daemon; the use cases (create, resume, cancel,
 answer, migrate) live in ``runtime.service``. Only the node imports this module.
@@ -30,19 +32,26 @@ from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.private_files import read_private_file, write_private_file
+from apomesh.core.errors import LogUnavailable
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import Config
 from apomesh.runtime.control import ControlPlane
 from apomesh.runtime.metrics import DaemonMetrics
-from apomesh.runtime.recovery import BootScan
-from apomesh.runtime.registry import SessionRegistry
+from apomesh.runtime.presence import Presence
+from apomesh.runtime.recovery import BootScan, Takeover
+from apomesh.runtime.registry import SessionRegistry, renew_interval
 from apomesh.runtime.sessions import SessionDeps, SessionRuntime
 from apomesh.runtime.snapshots import SnapshotStore
 from apomesh.runtime.workers import WorkerPool
 
 log = logging.getLogger("apomesh.daemon")
+
+PRESENCE_CALL_SECONDS = 2.0
+"""The longest a drain waits for one presence read or write."""
+DRAIN_SUBJECT_PREFIX = "apomesh.daemon.drain."
+"""``<prefix><daemon id>``: a request asking that daemon to drain (``Daemon.drain_for_peers``)."""
 
 
 class Daemon:
@@ -79,6 +88,10 @@ class Daemon:
         self.boot_report: dict[str, Any] = {}
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._drain_sub: Any = None
+        self._drained: asyncio.Task[list[str]] | None = None
+        self._started = False
+        self.renew_every = renew_interval(kv.leases.ttl)
 
         self.registry = SessionRegistry(
             log_adapter=log_adapter,
@@ -86,6 +99,26 @@ class Daemon:
             store=store,
             snapshots=self.snapshots,
             spawn=self._spawn,
+            logger=log,
+            renew_every=self.renew_every,
+        )
+        scheme = "https" if config.http.tls_cert else "http"
+        self.presence = Presence(
+            kv.daemons,
+            incarnation=self.incarnation,
+            url=f"{scheme}://{config.http.listen}",
+            sessions=lambda: list(self.registry.live),
+            stranded=lambda: list(self.registry.stranded),
+            load=lambda: sum(len(r.slots) for r in self.registry.live.values()),
+            logger=log,
+        )
+        self.registry.owner_url = self.presence.url_of
+        self.registry.changed = self.presence.nudge
+        self.takeover = Takeover(
+            log_adapter=log_adapter,
+            registry=self.registry,
+            presence=self.presence,
+            stopped=lambda: self._closing or self.presence.state != "active",
             logger=log,
         )
         self.workers = WorkerPool(
@@ -128,6 +161,7 @@ class Daemon:
             spawn=self._spawn,
             closing=lambda: self._closing,
             logger=log,
+            takeover=self.takeover,
         )
 
     @property
@@ -147,6 +181,8 @@ class Daemon:
     async def start(self, *, recover: bool = True) -> None:
         self.daemon_id = await self._stable_id()
         self.registry.owner = self.daemon_id
+        self.presence.daemon_id = self.daemon_id
+        self._started = True
         await self.log.ensure()
         await self.heartbeats.ensure()
         await self.control.start()
@@ -161,6 +197,65 @@ class Daemon:
                 await self.workers.ask_reregister(worker_id, force=True)
         if recover:
             self.boot_report = await self.boot.run()
+        with contextlib.suppress(Exception):
+            await self.presence.publish()
+        self._spawn(self.presence.publish_forever(self.renew_every))
+        if recover:
+            # A peer that is gone is noticed within a lease TTL: a few looks per renewal.
+            self._spawn(self.takeover.sweep_forever(max(0.2, self.renew_every / 2)))
+        self._drain_sub = await self.nc.subscribe(
+            DRAIN_SUBJECT_PREFIX + self.daemon_id, cb=self._on_drain_request
+        )
+
+    async def _on_drain_request(self, msg: Any) -> None:
+        self.start_drain()
+        with contextlib.suppress(Exception):
+            await msg.respond(b"draining")
+
+    def start_drain(self) -> None:
+        """Drain for maintenance (``apomesh daemons drain``): place no new session, stop every
+        session at a node boundary and hand them over to the live peers; this daemon keeps
+        answering reads. Idempotent."""
+        if self._drained is None:
+            self._drained = self._spawn(self.drain_for_peers())
+
+    async def request_drain(self, daemon_id: str) -> None:
+        """Ask the daemon ``daemon_id`` (this one, or a peer over NATS) to drain."""
+        if daemon_id == self.daemon_id:
+            self.start_drain()
+            return
+        try:
+            await self.nc.request(DRAIN_SUBJECT_PREFIX + daemon_id, b"", timeout=5.0)
+        except Exception as exc:
+            raise LogUnavailable(
+                f"daemon {daemon_id} did not answer the drain request: {exc}"
+            ) from None
+
+    async def drain_for_peers(self) -> list[str]:
+        """Suspend every session at a node boundary (``SessionSuspended``, within
+        ``[daemon] shutdown_timeout``); with live peers, give their leases back and publish the
+        record ``drained`` listing them, so that a peer adopts them at once with no unknown
+        outcome. Without peers the leases are kept (this daemon resumes them when it starts
+        again). Answers the sessions handed over."""
+        # A NATS going away must not hold the shutdown: each presence call is bounded.
+        self.presence.state = "draining"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.presence.publish(), PRESENCE_CALL_SECONDS)
+        await self.registry.drain(self.config.daemon.shutdown_timeout)
+        try:
+            peers = await asyncio.wait_for(self.presence.live_peers(), PRESENCE_CALL_SECONDS)
+        except Exception as exc:
+            log.warning("drain: the live peers cannot be listed (%s); leases kept", exc)
+            peers = []
+        handed: list[str] = []
+        if peers:
+            handed = await self.registry.hand_over()
+            self.presence.handed_over = handed
+            log.info("drain: %d sessions handed over to %d live peers", len(handed), len(peers))
+        self.presence.state = "drained"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.presence.publish(), PRESENCE_CALL_SECONDS)
+        return handed
 
     async def _stable_id(self) -> str:
         """The data dir's daemon identity (the owner name of its session leases). Kept in a file
@@ -184,11 +279,19 @@ class Daemon:
         # Drain first, while the control plane still hears the workers: every session stops at a
         # node boundary and is marked suspended, so the next daemon resumes it by itself
         # (``[daemon] shutdown_timeout`` is the grace period; what is still running then is cut).
-        await self.registry.drain(self.config.daemon.shutdown_timeout)
+        if self._drained is None and self._started:
+            self._drained = self._spawn(self.drain_for_peers())
+        if self._drained is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._drained)
         self._closing = True
-        # Leases are not given back here: they expire by themselves, and this daemon (its id is
-        # kept in the data dir) takes its own back at once when it starts again. A release request
-        # left unanswered while NATS is going away must never hold the shutdown.
+        if self._drain_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._drain_sub.unsubscribe()
+        # Without live peers, leases are not given back here: they expire by themselves, and this
+        # daemon (its id is kept in the data dir) takes its own back at once when it starts
+        # again. A release request left unanswered while NATS is going away must never hold the
+        # shutdown.
         await self.registry.stop_all()
         await self.control.stop()
         for task in list(self._tasks):

@@ -448,7 +448,7 @@ class Node:
             max_event_bytes=config.limits.max_event_bytes,
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
-        kv = await KvBuckets.open(js, replicas)
+        kv = await KvBuckets.open(js, replicas, lease_ttl=config.daemon.lease_ttl)
         self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
         plugins = make_plugin_host(config)
         workspace = config.daemon.workspace_path()
@@ -477,6 +477,8 @@ class Node:
             nc=self.nc,
             incarnation=daemon.incarnation,
             boot_report=lambda: daemon.boot_report,
+            presence=daemon.presence,
+            request_drain=daemon.request_drain,
         )
         for worker_id in local_ids:
             user = self.credentials.local_workers[worker_id] if self.credentials else None
@@ -490,6 +492,8 @@ class Node:
             assert callable(self.http) and self.service is not None
             self._http_endpoint = await self.http(self.service, config)
             self.http_url = self._http_endpoint.url
+            self.daemon.presence.url = self.http_url
+            self.daemon.presence.nudge()
 
     async def aclose(self) -> None:
         if self._http_endpoint is not None:

@@ -6,7 +6,17 @@ cannot vouch for), books terminal ones as completed, auto-resumes the safe ones 
 registry (a drained session under its own agent refs; waiting for a lease another owner still holds) and strands the others on the
 recoverable list with their category (``recoverable``, ``pin_mismatch``, ``undecodable``, ...).
 ``classify`` is the verdict for one folded session: the plugins' recovery classifiers first, then
-the core rules.
+the core rules. A session whose lease another daemon holds is not classified: it is that daemon's,
+and ``Takeover`` watches it.
+
+``Takeover`` is how a live peer adopts the sessions of a daemon that is gone. Every sweep it reads
+the presence records (``runtime.presence``) and remembers which daemon drives which session; the
+sessions of a daemon whose record aged out (it died) or that says ``drained`` (it handed them
+over) are adopted once their lease is free, under their own agent refs (``fresh_children`` is
+False), exactly as after a worker loss: journaled effects are served from the log, an intent
+without its result goes through the tool's probe and ``on_unknown``. Two peers racing for one
+session are decided by its lease: exactly one adopts it. (The lone-daemon rule of the boot scan
+is untouched: a daemon restarting on its own data dir classifies its own sessions.)
 """
 
 from __future__ import annotations
@@ -21,11 +31,12 @@ from typing import Any, Protocol, runtime_checkable
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import StreamFold
 from apomesh.core import decisions
-from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError
+from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, OwnedElsewhere
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState, fold
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
+from apomesh.runtime.presence import Presence
 from apomesh.runtime.registry import Recoverable, SessionRegistry
 
 log = logging.getLogger("apomesh.daemon")
@@ -69,6 +80,7 @@ class BootScan:
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
         closing: Callable[[], bool],
         logger: logging.Logger | None = None,
+        takeover: Takeover | None = None,
     ) -> None:
         self.log_adapter = log_adapter
         self.store = store
@@ -77,6 +89,7 @@ class BootScan:
         self.spawn = spawn
         self.closing = closing
         self.log = logger or log
+        self.takeover = takeover
         self.waiting_for_lease: set[str] = set()
 
     async def run(self) -> dict[str, Any]:
@@ -91,6 +104,7 @@ class BootScan:
             "auto_resume": 0,
             "recoverable": 0,
             "undecodable": 0,
+            "owned_by_peers": 0,
         }
         scanned = await self._fold_in_one_pass(completed)
 
@@ -108,6 +122,12 @@ class BootScan:
             if state.terminal:
                 counts["terminal"] += 1
                 await self.registry.write_completed(state)
+                return
+            holder = await self.registry.lease_owner(session_id)
+            if self.takeover is not None and holder not in (None, self.registry.owner):
+                # Another daemon drives it (or did, until its lease expires): its, not ours.
+                counts["owned_by_peers"] += 1
+                self.takeover.watch(session_id, holder)
                 return
             verdict = classify(self.plugins, state)
             if verdict.verdict == "auto_resume":
@@ -209,3 +229,102 @@ class BootScan:
                     self.log.debug("session %s still waits: %s", session_id, exc)
         finally:
             self.waiting_for_lease.discard(session_id)
+
+
+class Takeover:
+    """Adopts the sessions of daemons that are gone; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        log_adapter: EventLog,
+        registry: SessionRegistry,
+        presence: Presence,
+        stopped: Callable[[], bool],
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.log_adapter = log_adapter
+        self.registry = registry
+        self.presence = presence
+        self.stopped = stopped
+        self.log = logger or log
+        self.owned_by: dict[str, str] = {}
+        """Session -> the other daemon last seen driving it (or holding its lease)."""
+        self.settled: set[tuple[str, str]] = set()
+        """(session, daemon) pairs resolved here: the session no longer waits for that daemon."""
+        self.adopted = 0
+
+    def watch(self, session_id: str, owner: str) -> None:
+        """Remember that ``owner`` drives the session (adopted here should it go away)."""
+        if owner != self.registry.owner:
+            self.owned_by[session_id] = owner
+
+    async def sweep_forever(self, interval: float) -> None:
+        while not self.stopped():
+            try:
+                await self.sweep()
+            except Exception as exc:
+                self.log.warning("takeover sweep failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    async def sweep(self) -> int:
+        """One look at the presence records; answers how many sessions were adopted."""
+        records = await self.presence.peers()
+        me = self.registry.owner
+        listed: dict[str, set[str]] = {}
+        for record in records.values():
+            if record.id == me:
+                continue
+            listed[record.id] = set(record.sessions)
+            for session_id in record.sessions:
+                if record.gone and (session_id, record.id) in self.settled:
+                    continue  # handed over, and already adopted or ended
+                self.owned_by[session_id] = record.id
+        adopted = 0
+        for session_id, owner in list(self.owned_by.items()):
+            if self.stopped():
+                break
+            seen = records.get(owner)
+            if seen is not None and not seen.gone:
+                if session_id not in listed.get(owner, ()):
+                    del self.owned_by[session_id]  # it finished or moved: its owner says so
+                continue
+            if await self._take(session_id, owner):
+                adopted += 1
+            if self.owned_by.get(session_id) != owner:
+                self.settled.add((session_id, owner))
+        return adopted
+
+    async def _take(self, session_id: str, owner: str) -> bool:
+        """Adopt one session of a daemon that is gone, once its lease is free."""
+        if self.registry.writer(session_id) is not None:
+            self.owned_by.pop(session_id, None)
+            return False
+        holder = await self.registry.lease_owner(session_id)
+        if holder == owner:
+            return False  # not expired (nor released) yet
+        if holder is not None and holder != self.registry.owner:
+            self.owned_by[session_id] = holder  # another peer took it: watch that one now
+            return False
+        try:
+            state = fold(await self.log_adapter.read(session_id), session_id)
+        except (CodecError, FoldError) as exc:
+            self.log.error("session %s of daemon %s cannot be folded: %s", session_id, owner, exc)
+            self.owned_by.pop(session_id, None)
+            return False
+        if state.terminal or state.bootstrap is None:
+            # Ended, or never durably started: nothing to drive (the boot scan lists the latter).
+            self.owned_by.pop(session_id, None)
+            return False
+        try:
+            await self.registry.adopt(state, recovered="auto", fresh_children=False)
+        except OwnedElsewhere as exc:
+            self.owned_by[session_id] = exc.owner  # a peer won the race for it
+            return False
+        except ApomeshError as exc:
+            self.log.warning("session %s of daemon %s not adopted yet: %s", session_id, owner, exc)
+            return False
+        self.owned_by.pop(session_id, None)
+        self.adopted += 1
+        self.log.info("took over session %s from daemon %s", session_id, owner)
+        return True

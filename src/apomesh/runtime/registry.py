@@ -10,7 +10,9 @@ writer, else the stranded entry, else the fold cache over the log. The lease of 
 is renewed here (a lease found held by another owner stops this daemon's writer, as an append
 conflict does) and given back when this daemon stops driving it. At shutdown ``drain`` lets every
 live session stop at a node boundary and mark itself suspended for the next daemon, within a grace
-period, before ``stop_all`` cuts off the rest.
+period, before ``stop_all`` cuts off the rest; with live peers, ``hand_over`` then gives the leases
+of the suspended sessions back so that a peer adopts them at once. A write for a session whose
+lease another daemon holds is refused with ``OwnedElsewhere`` naming it (and its URL).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
-from apomesh.core.errors import ApomeshError, AppendConflict, NotFound
+from apomesh.core.errors import ApomeshError, AppendConflict, NotFound, OwnedElsewhere
 from apomesh.core.events import Event
 from apomesh.core.ports import EventLog, SessionLeases
 from apomesh.core.state import SessionState, fold
@@ -36,6 +38,13 @@ from apomesh.runtime.snapshots import SnapshotStore
 log = logging.getLogger("apomesh.daemon")
 
 LEASE_RENEW_SECONDS = 5.0
+"""The longest pause between two renewals of a lease (and of the daemon's presence record)."""
+
+
+def renew_interval(ttl: float) -> float:
+    """How often leases are renewed for a lease TTL: a third of it, at most
+    ``LEASE_RENEW_SECONDS``, so a lease survives two missed renewals before it can expire."""
+    return min(LEASE_RENEW_SECONDS, ttl / 3)
 
 
 @dataclass
@@ -82,7 +91,13 @@ class SessionRegistry:
         snapshots: SnapshotStore,
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
         logger: logging.Logger | None = None,
+        renew_every: float = LEASE_RENEW_SECONDS,
     ) -> None:
+        self.renew_every = renew_every
+        self.owner_url: Callable[[str | None], str] = lambda _owner: ""
+        """The advertised URL of a lease owner (set by the daemon from the presence records)."""
+        self.changed: Callable[[], None] = lambda: None
+        """Called when the set of live or stranded sessions changes (the presence record)."""
         self.log_adapter = log_adapter
         self.leases = leases
         self.store = store
@@ -143,7 +158,8 @@ class SessionRegistry:
         try:
             leased = await self.leases.acquire(session_id, self.owner)
             if not leased:
-                raise ApomeshError(f"session {session_id} is driven by another daemon")
+                holder = await self.lease_owner(session_id)
+                raise OwnedElsewhere(session_id, holder or "another daemon", self.owner_url(holder))
             if opening:
                 await runtime.append(*opening)
         except BaseException:
@@ -156,9 +172,24 @@ class SessionRegistry:
                     await self.leases.release(session_id, self.owner)
             raise
         self.folds.forget(session_id)
+        self.changed()
         if start:
             runtime.start(recovered)
         return runtime
+
+    async def lease_owner(self, session_id: str) -> str | None:
+        """Who holds the session's lease now (None when nobody does or NATS cannot say)."""
+        with contextlib.suppress(ApomeshError):
+            return await self.leases.owner(session_id)
+        return None
+
+    async def check_owned_here(self, session_id: str) -> None:
+        """Refuse a write for a session another daemon owns (``OwnedElsewhere``)."""
+        if session_id in self.live:
+            return
+        holder = await self.lease_owner(session_id)
+        if holder is not None and holder != self.owner:
+            raise OwnedElsewhere(session_id, holder, self.owner_url(holder))
 
     async def open_writer(self, session_id: str) -> SessionRuntime:
         """The session's writer for an operator's command: the live one, else one adopted (lease
@@ -180,6 +211,7 @@ class SessionRegistry:
     def strand(self, entry: Recoverable) -> None:
         """List a session this daemon does not drive on the recoverable list."""
         self.stranded[entry.session_id] = entry
+        self.changed()
 
     async def end(self, runtime: SessionRuntime, ending: Ending) -> None:
         """A writer stops driving its session (its ``on_end``): book it as finished, stranded or
@@ -188,6 +220,7 @@ class SessionRegistry:
         session_id = state.session_id
         if self.live.get(session_id) is runtime:
             del self.live[session_id]
+        self.changed()
         if ending.kind == "finished":
             await self.write_completed(state)
             self.stranded.pop(session_id, None)
@@ -239,6 +272,25 @@ class SessionRegistry:
             )
         return len(pending)
 
+    async def hand_over(self) -> list[str]:
+        """After ``drain``, for the live peers: this daemon stops driving every session. Those
+        that logged ``SessionSuspended`` get their leases back at once, for a peer to adopt them
+        with no unknown outcome; one cut off by the grace period keeps its lease, no longer
+        renewed, and a peer adopts it once that expires, as after a crash. Answers their ids."""
+        handed: list[str] = []
+        for session_id, runtime in list(self.live.items()):
+            await runtime.stop()
+            del self.live[session_id]
+            self.folds.forget(session_id)
+            for ref in runtime.state.agents:
+                self.snapshots.forget(f"{session_id}/{ref}")
+            if runtime.state.cleanly_suspended:
+                with contextlib.suppress(Exception):
+                    await self.leases.release(session_id, self.owner)
+            handed.append(session_id)
+        self.changed()
+        return handed
+
     async def stop_all(self) -> None:
         """Daemon shutdown: stop every writer; leases expire by themselves (see ``Daemon.aclose``)."""
         for runtime in list(self.live.values()):
@@ -248,7 +300,7 @@ class SessionRegistry:
 
     async def renew_leases_forever(self) -> None:
         while True:
-            await asyncio.sleep(LEASE_RENEW_SECONDS)
+            await asyncio.sleep(self.renew_every)
             for session_id, runtime in list(self.live.items()):
                 with contextlib.suppress(Exception):
                     if await self.leases.renew(session_id, self.owner):

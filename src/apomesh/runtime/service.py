@@ -10,13 +10,20 @@ composes the pinned shape and makes ``SessionStarted`` durable before answering.
 stranded session to another published version of its agent (``migrate_pins`` key ``agent``): the
 version's sealed bundle is read once, at the operator's request, and composed into the shape the
 migration records.
+
+Several daemons may serve one NATS: a new session is placed on the daemon that received the
+request (refused with ``DaemonDraining`` while it drains); any daemon answers the reads of any
+session (the fold over the log); a write to a session another daemon owns (its lease, or its
+recoverable list) is refused with ``OwnedElsewhere`` naming that daemon and its URL, never
+applied here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import msgspec
@@ -29,8 +36,10 @@ from apomesh.core.envelope import Envelope
 from apomesh.core.errors import (
     ApomeshError,
     CommandRefused,
+    DaemonDraining,
     MigrationRefused,
     NotFound,
+    OwnedElsewhere,
     PayloadTooLarge,
 )
 from apomesh.core.events import (
@@ -45,6 +54,7 @@ from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
     AgentRecordView,
+    DaemonView,
     PinDiff,
     RecoverableFilter,
     RecoverableView,
@@ -72,6 +82,7 @@ from apomesh.runtime.pinning import (
     plan_migration,
     published_agent,
 )
+from apomesh.runtime.presence import Presence
 from apomesh.runtime.registry import Recoverable, SessionRegistry
 from apomesh.runtime.sessions import Ending
 from apomesh.runtime.tails import SessionTails
@@ -101,6 +112,8 @@ class Service:
         nc: Any,
         incarnation: str,
         boot_report: Callable[[], dict[str, Any]],
+        presence: Presence | None = None,
+        request_drain: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.registry = registry
         self.workers = workers
@@ -113,6 +126,8 @@ class Service:
         self.nc = nc
         self.incarnation = incarnation
         self._boot_report = boot_report
+        self.presence = presence
+        self._request_drain = request_drain
         # Every event-stream reader of a session shares one tail of its log.
         self.tails = SessionTails(log_adapter)
 
@@ -127,6 +142,10 @@ class Service:
         by: str,
     ) -> str:
         _check_size("the goal", goal, self.limits.max_goal_bytes)
+        if self.presence is not None and self.presence.state != "active":
+            raise DaemonDraining(
+                f"daemon {self.presence.daemon_id} is draining; start the session on another daemon"
+            )
         if agent is not None:
             shape = await self._published_shape(agent[0], agent[1], check={})
         else:
@@ -217,6 +236,13 @@ class Service:
             )
         for sid, runtime in self.registry.live.items():
             rows[sid] = session_summary(runtime.state)
+        if self.presence is not None:
+            # The sessions the other daemons drive, read from the log.
+            for peer in self.presence.known.values():
+                for sid in peer.sessions if peer.id != self.registry.owner else ():
+                    if sid not in rows:
+                        with contextlib.suppress(ApomeshError):
+                            rows[sid] = session_summary(await self.registry.folds.state(sid))
         out = [
             r
             for r in rows.values()
@@ -236,8 +262,23 @@ class Service:
             return session_view(rec.state, status="recoverable", reason=rec.reason)
         runtime = self.registry.writer(session_id)
         if runtime is not None:
-            return session_view(runtime.state)
-        return await self.registry.folds.view(session_id)
+            return msgspec.structs.replace(session_view(runtime.state), owner=self.registry.owner)
+        view = await self.registry.folds.view(session_id)
+        if view.terminal:
+            return view
+        return msgspec.structs.replace(view, owner=await self.registry.lease_owner(session_id))
+
+    async def _check_owned_here(self, session_id: str) -> None:
+        """Refuse a write for a session another daemon owns: its lease names that daemon, or
+        the session waits on that daemon's recoverable list."""
+        if self.registry.writer(session_id) is not None or session_id in self.registry.stranded:
+            return
+        await self.registry.check_owned_here(session_id)
+        if self.presence is None:
+            return
+        for record in self.presence.known.values():
+            if record.id != self.registry.owner and session_id in record.stranded:
+                raise OwnedElsewhere(session_id, record.id, record.url)
 
     async def read_events(self, session_id: str, after: int) -> list[Envelope]:
         envelopes: list[Envelope] = await self.log.read(session_id, after)
@@ -259,6 +300,7 @@ class Service:
     async def answer_hitl(self, session_id: str, pause_id: str, answer: str, *, by: str) -> None:
         """Answer an open pause through the session's writer: a second answer to the same pause
         (a double click, two operators, a retry) is refused (``CommandRefused``), never logged."""
+        await self._check_owned_here(session_id)
         runtime = self.registry.writer(session_id)
         if runtime is not None:
             await runtime.answer_hitl(pause_id, answer, by=by)
@@ -276,6 +318,7 @@ class Service:
         ``agent``), each move logged as ``OperatorAction(migrate_pin)``. A pin that cannot be
         satisfied is a typed error naming it; a migration is checked whole before anything is
         logged."""
+        await self._check_owned_here(session_id)
         rec = self.registry.stranded.get(session_id)
         if rec is None:
             await self._not_stranded(session_id, migrate_pins)
@@ -387,6 +430,7 @@ class Service:
     async def cancel(self, session_id: str, *, by: str) -> None:
         """Cancel a live or stranded session through its writer (opened, lease and all, for a
         session this daemon does not drive); refused once it has ended."""
+        await self._check_owned_here(session_id)
         stranded = self.registry.stranded.get(session_id)
         runtime = await self.registry.open_writer(session_id)
         try:
@@ -432,6 +476,43 @@ class Service:
             if w.worker_id not in pool.workers
         ]
         return alive + lost
+
+    # --- daemons ------------------------------------------------------------------------------------
+
+    async def list_daemons(self) -> list[DaemonView]:
+        """Every live daemon on this NATS, from the presence records (this one first)."""
+        if self.presence is None:
+            return []
+        now = time.time()
+        me = self.presence.daemon_id
+        views = [
+            DaemonView(
+                id=r.id,
+                host=r.host,
+                url=r.url,
+                incarnation=r.incarnation,
+                state=r.state,
+                sessions=len(r.sessions) if r.state != "drained" else 0,
+                stranded=len(r.stranded),
+                load=r.load,
+                started_at=r.started_at,
+                last_seen=r.last_seen,
+                lease_age=round(max(0.0, now - r.last_seen), 3),
+                this=r.id == me,
+            )
+            for r in (await self.presence.peers()).values()
+        ]
+        views.sort(key=lambda v: (not v.this, v.id))
+        return views
+
+    async def drain_daemon(self, daemon_id: str) -> None:
+        """Ask a live daemon (this one or a peer) to drain: its sessions stop at node boundaries
+        and move to the live peers. ``NotFound`` for a daemon that is not alive."""
+        if self.presence is None or self._request_drain is None:
+            raise NotFound(f"daemon {daemon_id}")
+        if daemon_id not in await self.presence.peers():
+            raise NotFound(f"daemon {daemon_id}")
+        await self._request_drain(daemon_id)
 
     # --- catalog -------------------------------------------------------------------------------------
 
@@ -485,6 +566,7 @@ class Service:
             "ok": connected,
             "incarnation": self.incarnation,
             "nats": "connected" if connected else "reconnecting",
+            "daemon": self.registry.owner,
             "sessions": len(self.registry.live),
             "recoverable": len(self.registry.stranded),
             "workers": len(self.workers.workers),

@@ -179,8 +179,8 @@ class Worker:
                     log.error("worker %s refused by the daemon: %s", self.worker_id, reply.reason)
                     await asyncio.sleep(5.0)
                     continue
-                if self.incarnation and reply.incarnation != self.incarnation:
-                    self._abandon_all("a new daemon incarnation took over", keep=reply.incarnation)
+                # Several daemons may answer: a dispatch of one is never abandoned for another
+                # (a restarted daemon's stale epochs are fenced when they report).
                 self.incarnation = reply.incarnation
                 self.heartbeat_interval = reply.heartbeat_interval or self.heartbeat_interval
                 self._registered.set()

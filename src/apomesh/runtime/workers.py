@@ -146,10 +146,10 @@ class WorkerPool:
     async def beat(self, beat: Beat) -> None:
         self.metrics.heartbeats_received.inc()
         worker = self.workers.get(beat.worker_id)
-        if worker is None or beat.incarnation_seen != self.incarnation:
+        if worker is None:
+            # Unknown here (a restart, or it registered with another daemon of the same NATS).
             await self.ask_reregister(beat.worker_id)
-            if worker is None:
-                return
+            return
         worker.last_seen = time.monotonic()
         worker.last_beat_wall = time.time()
         worker.agents = list(beat.agents)

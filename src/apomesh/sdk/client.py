@@ -27,6 +27,7 @@ import msgspec
 from apomesh._version import __version__
 from apomesh.core.views import (
     AgentRecordView,
+    DaemonView,
     RecoverableFilter,
     RecoverableView,
     ResumeOutcome,
@@ -211,6 +212,10 @@ class _WorkerList(msgspec.Struct):
     workers: list[WorkerView]
 
 
+class _DaemonList(msgspec.Struct):
+    daemons: list[DaemonView]
+
+
 class _SkillList(msgspec.Struct):
     skills: list[SkillView]
 
@@ -252,7 +257,11 @@ async def _sse_records(response: httpx.Response) -> AsyncIterator[EventRecord]:
 
 
 class Client:
-    """An async client of one daemon. Use it as ``async with Client(url, token) as client:``.
+    """An async client of a daemon. Use it as ``async with Client(url, token) as client:``.
+
+    ``url`` may list several daemons of one NATS, comma-separated: a request the current one
+    cannot be reached for is sent to the next, and an event stream that drops continues on the
+    next daemon after the last event it delivered (every daemon reads every session's log).
 
     ``timeout`` bounds each ordinary request; ``stream_timeout`` is the longest silence an event
     stream tolerates (the daemon sends a keep-alive every 15 s) before reconnecting;
@@ -267,7 +276,8 @@ class Client:
         stream_timeout: float = 60.0,
         reconnect_window: float = 60.0,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()] or [DEFAULT_URL]
+        self.url = self.urls[0]
         headers = {"Accept": "application/json", "User-Agent": f"apomesh-sdk/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -287,6 +297,12 @@ class Client:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    def _fail_over(self) -> None:
+        """Send what follows to the next daemon (when ``url`` lists several)."""
+        if len(self.urls) > 1:
+            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+            self._http.base_url = httpx.URL(self.url)
+
     # --- plumbing -----------------------------------------------------------------------------
 
     async def _send(
@@ -300,12 +316,19 @@ class Client:
         content = msgspec.json.encode(body) if body is not None else None
         # Every write says JSON, body or not: the daemon refuses any other (415).
         headers = {"Content-Type": "application/json"} if method != "GET" else None
-        try:
-            response = await self._http.request(
-                method, path, content=content, params=params, headers=headers
-            )
-        except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
+        for attempt in range(len(self.urls)):
+            try:
+                response = await self._http.request(
+                    method, path, content=content, params=params, headers=headers
+                )
+                break
+            except httpx.ConnectError as exc:
+                # Never sent: the next daemon may take it.
+                if attempt == len(self.urls) - 1:
+                    raise _unreachable(self.url, exc) from exc
+                self._fail_over()
+            except httpx.TransportError as exc:
+                raise _unreachable(self.url, exc) from exc
         if response.status_code >= 400:
             raise _error_from(response)
         return response
@@ -381,7 +404,9 @@ class Client:
             except httpx.TransportError as exc:
                 problem = exc
             # The stream ended early or could not start: the daemon stopped, restarted or the
-            # network dropped. Try again after a growing pause, for a bounded while.
+            # network dropped. Try again (on the next daemon, when several are listed) after a
+            # growing pause, for a bounded while.
+            self._fail_over()
             now = time.monotonic()
             if failing_since is None:
                 failing_since = now
@@ -474,6 +499,14 @@ class Client:
         return (await self._get("/v1/workers", _WorkerList)).workers
 
     # --- catalog ------------------------------------------------------------------------------
+
+    async def list_daemons(self) -> list[DaemonView]:
+        """The live daemons on the daemon's NATS, the one answering first."""
+        return (await self._get("/v1/daemons", _DaemonList)).daemons
+
+    async def drain_daemon(self, daemon_id: str) -> None:
+        """Ask a daemon to drain: its sessions move to the live peers at node boundaries."""
+        await self._send("POST", f"/v1/daemons/{quote(daemon_id, safe='')}/drain")
 
     async def put_skill(self, name: str, body: str) -> SkillView:
         response = await self._send(
@@ -640,6 +673,12 @@ class SyncClient:
 
     def list_workers(self) -> list[WorkerView]:
         return self._run(self._client.list_workers())
+
+    def list_daemons(self) -> list[DaemonView]:
+        return self._run(self._client.list_daemons())
+
+    def drain_daemon(self, daemon_id: str) -> None:
+        self._run(self._client.drain_daemon(daemon_id))
 
     def put_skill(self, name: str, body: str) -> SkillView:
         return self._run(self._client.put_skill(name, body))

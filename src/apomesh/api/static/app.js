@@ -1,13 +1,13 @@
 // apomesh operator console: one page, vanilla JavaScript, no build step.
 //
-// Pages (hash routes): #/sessions, #/sessions/<id>, #/recoverable, #/workers.
+// Pages (hash routes): #/sessions, #/sessions/<id>, #/recoverable, #/workers, #/daemons.
 // Auth: when the API answers 401 the token dialog opens; the token is kept in sessionStorage
 // ("apomesh.token") and sent as "Authorization: Bearer <token>" on every request, including the
 // event stream, which is read with fetch() (not EventSource) so the token never appears in a URL.
 // The event stream reconnects by itself with Last-Event-ID after a drop or a daemon restart.
 //
 // Stable hooks for browser tests (data-testid unless noted):
-//   layout     nav-sessions, nav-recoverable, nav-workers, recoverable-count, conn-status
+//   layout     nav-sessions, nav-recoverable, nav-workers, nav-daemons, recoverable-count, conn-status
 //              (data-state: ok|offline|unauthorized), token-button, notice, view
 //   token      token-dialog, token-input, token-submit, token-cancel, token-clear, token-error
 //   sessions   sessions-page, session-filter-status (select), session-search (input),
@@ -31,6 +31,8 @@
 //              resume-error
 //   workers    workers-page, workers-table, worker-row (data-worker-id, data-alive),
 //              worker-heartbeat, workers-empty
+//   daemons    daemons-page, daemons-table, daemon-row (data-daemon-id, data-state,
+//              data-this), daemon-sessions, daemon-lease-age
 
 const TOKEN_KEY = "apomesh.token";
 const STATUSES = ["running", "paused", "completed", "failed", "cancelled", "recoverable"];
@@ -716,6 +718,42 @@ function renderWorkers() {
   every(current, POLL_MS, load);
 }
 
+// Daemons ----------------------------------------------------------------------------------
+
+function renderDaemons() {
+  const current = startPage();
+  const body = h("tbody");
+  const errors = h("div");
+  $("view").replaceChildren(h("section", { id: "daemons-page", testid: "daemons-page" },
+    h("h1", {}, "Daemons"), errors,
+    h("table", { id: "daemons-table", testid: "daemons-table", class: "grid" },
+      h("thead", {}, h("tr", {}, ["Daemon", "Host", "State", "Sessions", "Stranded", "Load",
+        "Lease age", "Started", "URL"].map((t) => h("th", {}, t)))), body)));
+
+  async function load() {
+    try {
+      const data = await api("GET", "/v1/daemons");
+      if (page !== current) return;
+      errors.replaceChildren();
+      body.replaceChildren(...data.daemons.map((d) => h("tr",
+        { testid: "daemon-row", data: { daemonId: d.id, state: d.state, this: String(d.this) } },
+        h("td", { class: "mono" }, d.this ? `${d.id} (this)` : d.id),
+        h("td", {}, d.host),
+        h("td", {}, badge(d.state)),
+        h("td", { testid: "daemon-sessions" }, String(d.sessions)),
+        h("td", {}, String(d.stranded)),
+        h("td", {}, String(d.load)),
+        h("td", { testid: "daemon-lease-age" }, `${d.lease_age.toFixed(1)} s`),
+        h("td", { title: formatTime(d.started_at) }, ago(d.started_at)),
+        h("td", { class: "muted" }, d.url))));
+    } catch (error) {
+      if (page === current) showError(errors, error);
+    }
+  }
+  load();
+  every(current, POLL_MS, load);
+}
+
 // --- routing -------------------------------------------------------------------------------
 
 function render() {
@@ -727,6 +765,7 @@ function render() {
   if (parts[0] === "sessions" && parts[1]) renderSession(decodeURIComponent(parts.slice(1).join("/")));
   else if (parts[0] === "recoverable") renderRecoverable();
   else if (parts[0] === "workers") renderWorkers();
+  else if (parts[0] === "daemons") renderDaemons();
   else renderSessions();
   pollRecoverableCount();
 }
