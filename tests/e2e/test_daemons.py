@@ -255,11 +255,6 @@ async def check_takeover(
     assert [r.event_id for r in tailed] == [r.event_id for r in records[session_ids[0]]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the dead daemon's recorded model turns must survive its host (the replicated state"
-    " tier); from its own LMDB alone the peer asks the model again",
-)
 async def test_fresh_model_sessions_of_a_killed_daemon_finish_on_its_peer_audited_clean(
     system: Daemons,
 ) -> None:
