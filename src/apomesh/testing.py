@@ -223,6 +223,12 @@ class DaemonProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
+    @property
+    def daemon_id(self) -> str:
+        """The daemon's stable id, which its data dir keeps (once it has started): workers
+        register with it and report to it on ``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``."""
+        return (self.data_dir / "daemon.id").read_text(encoding="utf-8").strip()
+
     def start(self, timeout: float = 30.0) -> None:
         import os
         import subprocess

@@ -147,6 +147,7 @@ class Daemon:
     async def start(self, *, recover: bool = True) -> None:
         self.daemon_id = await self._stable_id()
         self.registry.owner = self.daemon_id
+        self.workers.daemon_id = self.daemon_id  # names it on dispatches and control subjects
         await self.log.ensure()
         await self.heartbeats.ensure()
         await self.control.start()
