@@ -140,8 +140,6 @@ class Worker:
         self.daemons: dict[str, str] = {}
         """The daemons this worker is registered with: daemon id -> incarnation."""
         self.running: dict[tuple[str, str], RunningAgent] = {}
-        self.peak_agents = 0
-        """The most dispatches this worker has run at once."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._beat_task: asyncio.Task[None] | None = None
         self._sub: Any = None
@@ -314,7 +312,16 @@ class Worker:
             self._run(message), name=f"agent-{message.session_id}-{message.agent}"
         )
         self.running[key] = RunningAgent(message.epoch, task, message.daemon, message.incarnation)
-        self.peak_agents = max(self.peak_agents, len(self.running))
+        log.info(
+            "worker %s runs %s/%s epoch %d for daemon %s: %d of %d agents",
+            self.worker_id,
+            message.session_id,
+            message.agent,
+            message.epoch,
+            message.daemon,
+            len(self.running),
+            self.max_agents,
+        )
         await _respond(msg, DispatchAck(True, beat_seq=self._seq))
 
     async def _run(self, run: Run) -> None:
