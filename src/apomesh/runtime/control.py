@@ -39,6 +39,7 @@ from apomesh.runtime.protocol import (
     Report,
     answerable,
     beat_subject,
+    check_token,
     daemon_control_wildcard,
     subject_verb,
     subject_worker,
@@ -75,7 +76,7 @@ class ControlPlane:
 
     async def start(self) -> None:
         """Subscribe; ``workers.daemon_id`` is this daemon's stable id by now."""
-        daemon_id = self.workers.daemon_id
+        daemon_id = check_token(self.workers.daemon_id, "daemon id")
         self._subs.append(
             await self.nc.subscribe(
                 daemon_control_wildcard(daemon_id, VERB_REGISTER), cb=self._on_register
