@@ -2,7 +2,7 @@
 the worker pool asks a worker it hears to register with this daemon, places agents only where
 there is room (a worker's capacity less what its beats list for other daemons and what this
 daemon placed there), marks a worker full when it refuses a dispatch for that, and fails a
-dispatch that the worker's later beats no longer list."""
+dispatch that the worker's later beats no longer list at its epoch."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ async def test_placement_leaves_room_for_other_daemons_agents() -> None:
     nc = FakeNats()
     workers = pool(nc)
     await workers.register(Register("w1", "w1", [], ["scripted"], max_agents=2))
-    beat = Beat("w1", "w1", {"daemon-a": "inc-2"}, agents=["other/root"], seq=1, max_agents=2)
+    beat = Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={"other/root": 1}, seq=1, max_agents=2)
     await workers.beat(beat)
     info = workers.workers["w1"]
     assert workers.free_slots(info) == 1
@@ -141,7 +141,7 @@ async def test_a_worker_that_refuses_for_being_full_is_full_until_its_next_beat(
     assert workers.free_slots(workers.workers["w1"]) == 0
     assert workers.metrics.dispatches_refused.value("full") == 1
     await workers.beat(
-        Beat("w1", "w1", {"daemon-a": "inc-2"}, agents=["x/root"], seq=1, max_agents=4)
+        Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={"x/root": 1}, seq=1, max_agents=4)
     )
     assert workers.free_slots(workers.workers["w1"]) == 3
 
@@ -154,10 +154,23 @@ async def test_a_dispatch_the_workers_later_beats_no_longer_list_is_lost() -> No
     nc.acks.append(DispatchAck(True, beat_seq=5))
     assert await workers.send_run("w1", Run("s1", "root", 1, CONFIG, "act", "go"))
     # A beat sent before the worker took it says nothing about it.
-    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents=[], seq=5))
+    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={}, seq=5))
     assert not dispatch.future.done()
-    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents=["s1/root"], seq=6))
+    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={"s1/root": 1}, seq=6))
     assert not dispatch.future.done()
-    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents=[], seq=7))
+    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={}, seq=7))
     with pytest.raises(WorkerLost, match="abandoned"):
+        dispatch.future.result()
+
+
+async def test_a_dispatch_the_worker_replaced_with_a_newer_epoch_is_lost() -> None:
+    nc = FakeNats()
+    workers = pool(nc)
+    await workers.register(Register("w1", "w1", [], ["scripted"]))
+    dispatch = workers.track("w1", "s1", "root", 3)
+    nc.acks.append(DispatchAck(True, beat_seq=1))
+    assert await workers.send_run("w1", Run("s1", "root", 3, CONFIG, "act", "go"))
+    # Another daemon now drives the session and dispatched the agent again to the same worker.
+    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={"s1/root": 4}, seq=2))
+    with pytest.raises(WorkerLost):
         dispatch.future.result()

@@ -218,14 +218,14 @@ class RegisterReply(msgspec.Struct):
 
 
 class Beat(msgspec.Struct):
-    """A worker's heartbeat, heard by every daemon. ``agents`` (``session/agent``, for every
-    daemon) is its load; ``daemons`` maps each daemon id it is registered with to that daemon's
-    incarnation."""
+    """A worker's heartbeat, heard by every daemon. ``agents`` maps each dispatch it runs (for
+    every daemon), ``session/agent``, to its epoch: its load; ``daemons`` maps each daemon id it
+    is registered with to that daemon's incarnation."""
 
     worker_id: str
     name: str
     daemons: dict[str, str] = {}
-    agents: list[str] = []
+    agents: dict[str, int] = {}
     seq: int = 0
     max_agents: int = DEFAULT_MAX_AGENTS
 

@@ -132,6 +132,8 @@ class Worker:
         self.worker_id = check_worker_id(worker_id or f"{_safe(self.name)}-{uuid.uuid4().hex[:8]}")
         self.instance = uuid.uuid4().hex[:12]
         self.heartbeat_interval = heartbeat_interval
+        self._asked_intervals: dict[str, float] = {}
+        """The heartbeat interval each daemon asked for: the worker beats at the shortest."""
         self.request_timeout = request_timeout
         if max_agents < 1:
             raise ValueError(f"max_agents must be at least 1, not {max_agents}")
@@ -217,7 +219,9 @@ class Worker:
                 keep=reply.incarnation,
             )
             self.daemons[daemon_id] = reply.incarnation
-            self.heartbeat_interval = reply.heartbeat_interval or self.heartbeat_interval
+            if reply.heartbeat_interval > 0:
+                self._asked_intervals[daemon_id] = reply.heartbeat_interval
+                self.heartbeat_interval = min(self._asked_intervals.values())
             self._registered.set()
             self._beat_now.set()
             log.info(
@@ -236,7 +240,7 @@ class Worker:
                 self.worker_id,
                 self.name,
                 daemons=dict(self.daemons),
-                agents=[f"{s}/{a}" for (s, a) in self.running],
+                agents={f"{s}/{a}": running.epoch for (s, a), running in self.running.items()},
                 seq=self._seq,
                 max_agents=self.max_agents,
             )

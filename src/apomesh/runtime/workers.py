@@ -73,8 +73,9 @@ class WorkerInfo:
     instance: str = ""
     plugins: dict[str, str] = field(default_factory=dict)
     max_agents: int = DEFAULT_MAX_AGENTS
-    full: bool = False
-    """It refused a dispatch for being full since its latest beat."""
+    full_at: int | None = None
+    """The beat it had sent when it refused a dispatch for being full: it counts as full until
+    a later beat says otherwise."""
     beat_seq: int = 0
 
 
@@ -183,8 +184,9 @@ class WorkerPool:
 
     async def beat(self, beat: Beat) -> None:
         """A worker's beat: it is alive; it runs ``beat.agents`` (for every daemon); a dispatch
-        of ours it acknowledged before this beat and no longer lists was abandoned (its writer
-        dispatches it again); a beat without our incarnation asks it to register with us."""
+        of ours it acknowledged before this beat and no longer lists at its epoch was abandoned
+        or replaced (its writer dispatches it again); a beat without our incarnation asks it to
+        register with us."""
         self.metrics.heartbeats_received.inc()
         worker = self.workers.get(beat.worker_id)
         if worker is None or beat.daemons.get(self.daemon_id) != self.incarnation:
@@ -193,18 +195,18 @@ class WorkerPool:
                 return
         worker.last_seen = time.monotonic()
         worker.last_beat_wall = time.time()
-        worker.agents = list(beat.agents)
-        worker.max_agents = max(1, beat.max_agents)
-        worker.full = False
         if beat.seq < worker.beat_seq:
             return  # an older beat (or a restarted process, which registers anew)
         worker.beat_seq = beat.seq
-        listed = set(beat.agents)
+        worker.agents = list(beat.agents)
+        worker.max_agents = max(1, beat.max_agents)
+        if worker.full_at is not None and beat.seq > worker.full_at:
+            worker.full_at = None
         for dispatch in list(self._in_flight.get(beat.worker_id, ())):
             if (
                 dispatch.acked_seq is not None
                 and beat.seq > dispatch.acked_seq
-                and dispatch.key not in listed
+                and beat.agents.get(dispatch.key) != dispatch.epoch
                 and not dispatch.future.done()
             ):
                 self.log.warning(
@@ -316,7 +318,7 @@ class WorkerPool:
         lists for other daemons (and for dispatches of ours it has not listed yet) and those this
         daemon placed on it; none after it refused a dispatch for being full, until its next
         beat."""
-        if worker.full:
+        if worker.full_at is not None:
             return 0
         mine = {d.key for d in self._in_flight.get(worker.worker_id, ())}
         others = sum(1 for agent in worker.agents if agent not in mine)
@@ -384,7 +386,7 @@ class WorkerPool:
             self.metrics.dispatches_refused.labels("full" if ack.full else "refused").inc()
             worker = self.workers.get(worker_id)
             if ack.full and worker is not None:
-                worker.full = True
+                worker.full_at = ack.beat_seq
             return False
         self._dispatch_refused.pop(worker_id, None)
         for dispatch in self._in_flight.get(worker_id, ()):
