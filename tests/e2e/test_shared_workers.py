@@ -1,8 +1,9 @@
 """Workers shared by several daemons on one NATS, on real processes: ``apomesh serve`` daemons
 with their own data dirs and ``apomesh worker`` processes on one nats-server.
 
-A second daemon leaves the first one's dispatches alone (its sessions run to completion, with
-no re-dispatch) and both daemons' sessions run on the same worker process; a worker started with
+A second daemon, started and then SIGKILLed and started again (a new incarnation), leaves the
+first one's running dispatch alone (its session runs to completion, with no re-dispatch), and
+both daemons' sessions run on the same worker process; a worker started with
 ``--max-agents 1`` never runs two agents at once, for one daemon's fan-out or two daemons
 together (a daemon waits for room, visibly); a worker whose daemon is killed abandons that
 daemon's dispatch once it stops answering, so its slot serves another daemon.
@@ -18,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests.e2e.test_probes import holding
 
 from apomesh.adapters.natsserver import NatsServer
 from apomesh.sdk.client import EventRecord, SyncClient
@@ -39,6 +41,21 @@ def slow_agent(name: str, steps: int, delay: float) -> dict[str, Any]:
         "version": "1",
         "tools": ["fs.list"],
         "model": {"provider": "scripted", "turns": turns},
+    }
+
+
+def gated_writer(path: str) -> dict[str, Any]:
+    """An agent that writes ``path`` once (its fs.write waits while the test holds the file's
+    lock), then answers."""
+    call = {"tool": "fs.write", "args": {"path": path, "content": "first"}}
+    return {
+        "name": "gated",
+        "version": "1",
+        "tools": ["fs.write"],
+        "model": {
+            "provider": "scripted",
+            "turns": [{"tool_calls": [call]}, {"final": "first done"}],
+        },
     }
 
 
@@ -163,34 +180,43 @@ def one_slot_worker(fresh_nats_server: NatsServer, tmp_path: Path) -> Iterator[W
     )
 
 
-def test_a_second_daemon_leaves_the_first_daemons_sessions_running_on_the_shared_worker(
+def test_other_daemons_starting_and_restarting_leave_the_first_daemons_dispatch_running(
     daemons: list[DaemonProcess], worker: WorkerProcess
 ) -> None:
     first, second = daemons
     first.start()
     worker_id = the_worker(first.url)
-    long_one = start(first.url, "the first daemon's", slow_agent("first", 8, 0.3))
-    wait_for(
-        "the first session dispatched",
-        lambda: any(
-            a["phase"] in ("dispatched", "running") for a in view(first.url, long_one)["agents"]
-        ),
-    )
-    second.start()
-    # The same worker process serves the second daemon too.
-    assert the_worker(second.url) == worker_id
-    short_one = start(second.url, "the second daemon's", slow_agent("second", 2, 0.1))
-
-    for url, session_id, output in (
-        (first.url, long_one, "first done"),
-        (second.url, short_one, "second done"),
-    ):
-        ended = wait_ended(url, session_id)
-        assert (ended["status"], ended["output"]) == ("completed", output), ended
-    first_log = log_of(first.url, long_one)
+    gate = "gate.txt"
+    with holding(worker.workspace, gate) as release:
+        # The first daemon's agent waits inside its fs.write (the test holds the file's lock)
+        # until released: its dispatch is running on the worker all the while.
+        gated = start(first.url, "the first daemon's", gated_writer(gate))
+        wait_for(
+            "the first daemon's agent inside its tool",
+            lambda: f"fs.write waits for the lock of {gate}" in worker.log_file.read_text(),
+        )
+        second.start()
+        # The same worker process serves the second daemon too...
+        assert the_worker(second.url) == worker_id
+        ran_on_second = [start(second.url, "the second daemon's", slow_agent("second", 2, 0.1))]
+        assert wait_ended(second.url, ran_on_second[0])["status"] == "completed"
+        # ...and a new incarnation of it (SIGKILLed, started again on its data dir).
+        second.kill()
+        second.start()
+        assert the_worker(second.url) == worker_id
+        ran_on_second.append(start(second.url, "again", slow_agent("second", 2, 0.1)))
+        assert wait_ended(second.url, ran_on_second[1])["status"] == "completed"
+        assert view(first.url, gated)["status"] == "running"
+        release()
+        ended = wait_ended(first.url, gated)
+    assert (ended["status"], ended["output"]) == ("completed", "first done"), ended
+    assert (worker.workspace / gate).read_text() == "first"
+    first_log = log_of(first.url, gated)
     # Never abandoned, so never dispatched again.
     assert "AgentResuming" not in [r.kind for r in first_log]
-    assert dispatched_to(first_log) == dispatched_to(log_of(second.url, short_one)) == {worker_id}
+    assert dispatched_to(first_log) == {worker_id}
+    for session_id in ran_on_second:
+        assert dispatched_to(log_of(second.url, session_id)) == {worker_id}
     assert "abandoning" not in worker.log_file.read_text(errors="replace")
 
 
