@@ -57,14 +57,16 @@ from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import load_config
 from apomesh.runtime.daemon import Daemon
 from apomesh.runtime.protocol import (
+    DISPATCH_DECODER,
     ENCODER,
     REGISTER_REPLY_DECODER,
-    SUBJECT_REGISTER,
+    VERB_REGISTER,
     Beat,
     DispatchAck,
     Register,
+    Reregister,
     beat_subject,
-    bound_subject,
+    control_subject,
     dispatch_subject,
     worker_inbox_prefix,
 )
@@ -178,23 +180,32 @@ class SinkWorker:
         self.tools = tools
         self.dispatches = 0
         self._beat_task: asyncio.Task[None] | None = None
-        self._incarnation = ""
+        self._daemons: dict[str, str] = {}
+        self.registered = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         async def on_dispatch(msg: Any) -> None:
+            message = DISPATCH_DECODER.decode(msg.data)
+            if isinstance(message, Reregister):
+                # A daemon that hears our beats asks us to register with it.
+                task = asyncio.create_task(self.register(message.daemon))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return
             self.dispatches += 1
             await msg.respond(ENCODER.encode(DispatchAck(True)))
 
         await self.nc.subscribe(dispatch_subject(self.worker_id), cb=on_dispatch)
         self._beat_task = asyncio.create_task(self._beat())
 
-    async def register(self) -> None:
+    async def register(self, daemon_id: str) -> None:
         request = Register(self.worker_id, "sink", self.tools, ["scripted"])
         # The daemon answers only on the worker's own inbox; the sink shares the daemon's
         # connection, so it names that inbox itself.
         inbox = f"{worker_inbox_prefix(self.worker_id)}.register"
         replies = await self.nc.subscribe(inbox)
-        subject = bound_subject(SUBJECT_REGISTER, self.worker_id)
+        subject = control_subject(daemon_id, VERB_REGISTER, self.worker_id)
         while True:
             try:
                 await self.nc.publish(subject, ENCODER.encode(request), reply=inbox)
@@ -203,14 +214,15 @@ class SinkWorker:
                 await asyncio.sleep(0.05)
                 continue
             await replies.unsubscribe()
-            self._incarnation = REGISTER_REPLY_DECODER.decode(msg.data).incarnation
+            self._daemons[daemon_id] = REGISTER_REPLY_DECODER.decode(msg.data).incarnation
+            self.registered.set()
             return
 
     async def _beat(self) -> None:
         seq = 0
         while True:
             seq += 1
-            beat = Beat(self.worker_id, "sink", self._incarnation, seq=seq)
+            beat = Beat(self.worker_id, "sink", dict(self._daemons), seq=seq, max_agents=1_000_000)
             await self.nc.publish(beat_subject(self.worker_id), ENCODER.encode(beat))
             await asyncio.sleep(0.5)
 
@@ -271,7 +283,7 @@ async def boot(url: str, data: Path, expected_auto: int) -> dict[str, Any]:
         plugins=host,
         workspace=data / "workspace",
     )
-    registering = asyncio.create_task(sink.register())
+    registering = asyncio.create_task(sink.registered.wait())
     started = time.perf_counter()
     try:
         await daemon.start()

@@ -93,7 +93,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from apomesh.runtime.protocol import check_worker_id, new_worker_id, worker_inbox_prefix
     from apomesh.runtime.worker import Worker
 
-    config = _config(args, {"nats": {"urls": args.nats.split(",") if args.nats else None}})
+    config = _config(
+        args,
+        {
+            "nats": {"urls": args.nats.split(",") if args.nats else None},
+            "workers": {"max_agents": args.max_agents},
+        },
+    )
     _setup_logging(config.daemon.log_level)
     if not config.nats.urls:
         err.print("a worker needs NATS: --nats URL, [nats] urls or APOMESH_NATS_URLS")
@@ -135,10 +141,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
             name=name,
             worker_id=worker_id,
             heartbeat_interval=config.liveness.heartbeat_interval,
+            max_agents=config.workers.max_agents,
+            daemon_gone_after=config.workers.daemon_gone_after,
         )
         await worker.start()
         console.print(
-            f"worker {worker.worker_id} on {redact_urls(config.nats.urls)}, workspace {workspace}"
+            f"worker {worker.worker_id} on {redact_urls(config.nats.urls)}, workspace {workspace},"
+            f" {worker.max_agents} agents at most"
         )
         await stop.wait()
         await worker.aclose()
@@ -619,6 +628,12 @@ def build_parser() -> argparse.ArgumentParser:
         " else NAME-<random>); NATS permissions bind it to the credentials",
     )
     p.add_argument("--workspace", help="the directory file tools are confined to")
+    p.add_argument(
+        "--max-agents",
+        type=int,
+        help="how many agents it runs at once, for every daemon together (default 8;"
+        " [workers] max_agents)",
+    )
     p.add_argument(
         "--config",
         help="config file (credentials, TLS); secrets also come from APOMESH_NATS_* variables,"

@@ -223,6 +223,12 @@ class DaemonProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
+    @property
+    def daemon_id(self) -> str:
+        """The daemon's stable id, which its data dir keeps (once it has started): workers
+        register with it and report to it on ``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``."""
+        return (self.data_dir / "daemon.id").read_text(encoding="utf-8").strip()
+
     def start(self, timeout: float = 30.0) -> None:
         import os
         import subprocess
@@ -298,7 +304,7 @@ class DaemonProcess:
 class WorkerProcess:
     """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT.
     ``config`` is a config file it reads (``--config``): its NATS credentials, its model
-    providers' credentials."""
+    providers' credentials; ``extra_args`` more flags (``--max-agents 1``)."""
 
     def __init__(
         self,
@@ -308,6 +314,7 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         *,
         config: Any = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         from pathlib import Path
 
@@ -316,6 +323,7 @@ class WorkerProcess:
         self.name = name
         self.env = env or {}
         self.config = Path(config) if config is not None else None
+        self.extra_args = extra_args
         self.log_file = self.workspace.parent / f"worker-{name}.log"
         self.proc: Any = None
 
@@ -337,6 +345,7 @@ class WorkerProcess:
             "--workspace",
             str(self.workspace),
             *(["--config", str(self.config)] if self.config is not None else []),
+            *self.extra_args,
         ]
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(

@@ -25,8 +25,8 @@ from tests.e2e.secure_system import SecureSystem
 from apomesh.runtime.protocol import (
     ENCODER,
     REPLY_DECODER,
-    SUBJECT_NODE,
-    bound_subject,
+    VERB_NODE,
+    control_subject,
     worker_inbox_prefix,
 )
 from apomesh.sdk.client import PayloadTooLargeError, SyncClient
@@ -230,7 +230,9 @@ async def test_an_oversized_report_on_a_control_subject_gets_an_error_reply(
     )
     try:
         payload = ENCODER.encode({"junk": "j" * (SNAPSHOT_LIMIT + 8192)})
-        reply = await nc.request(bound_subject(SUBJECT_NODE, "worker-c"), payload, timeout=10)
+        reply = await nc.request(
+            control_subject(system.daemon.daemon_id, VERB_NODE, "worker-c"), payload, timeout=10
+        )
     finally:
         await nc.close()
     answer = REPLY_DECODER.decode(reply.data)

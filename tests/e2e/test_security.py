@@ -40,13 +40,13 @@ from apomesh.runtime.protocol import (
     ENCODER,
     REGISTER_REPLY_DECODER,
     REPLY_DECODER,
-    SUBJECT_NODE,
-    SUBJECT_REGISTER,
+    VERB_NODE,
+    VERB_REGISTER,
     BudgetState,
     Cancel,
     NodeReport,
     Register,
-    bound_subject,
+    control_subject,
     worker_inbox_prefix,
 )
 
@@ -285,8 +285,10 @@ async def test_a_worker_cannot_impersonate_another_workers_heartbeat_or_reports(
     probe = await Probe.open(system, "worker-c")
     try:
         await probe.publish_refused("apomesh.hb.worker-a")
-        await probe.publish_refused(bound_subject(SUBJECT_NODE, "worker-a"))
-        await probe.publish_refused(bound_subject(SUBJECT_REGISTER, "worker-a"))
+        await probe.publish_refused(control_subject(system.daemon.daemon_id, VERB_NODE, "worker-a"))
+        await probe.publish_refused(
+            control_subject(system.daemon.daemon_id, VERB_REGISTER, "worker-a")
+        )
     finally:
         await probe.aclose()
     edge = await Probe.open(system, "edge-1", on_leaf=True)
@@ -439,7 +441,7 @@ async def test_a_leaf_login_carries_only_its_edge_workers_subjects(system: Secur
                 [
                     f"apomesh.log.{session}",
                     "apomesh.dispatch.worker-a",
-                    bound_subject(SUBJECT_NODE, "worker-a"),
+                    control_subject(system.daemon.daemon_id, VERB_NODE, "worker-a"),
                     "apomesh.hb.worker-a",
                 ],
             )
@@ -555,7 +557,9 @@ async def test_the_daemon_refuses_a_worker_with_tools_it_does_not_allow(
             "worker-c", "worker-c", [*installed()[0], "shell.exec"], installed()[1], instance="x"
         )
         reply = await probe.nc.request(
-            bound_subject(SUBJECT_REGISTER, "worker-c"), ENCODER.encode(registration), timeout=10
+            control_subject(system.daemon.daemon_id, VERB_REGISTER, "worker-c"),
+            ENCODER.encode(registration),
+            timeout=10,
         )
         answer = REGISTER_REPLY_DECODER.decode(reply.data)
         assert not answer.ok
@@ -563,7 +567,9 @@ async def test_the_daemon_refuses_a_worker_with_tools_it_does_not_allow(
         # Registering under another worker's id from its own subject is refused too.
         impostor = Register("worker-a", "worker-a", *installed())
         reply = await probe.nc.request(
-            bound_subject(SUBJECT_REGISTER, "worker-c"), ENCODER.encode(impostor), timeout=10
+            control_subject(system.daemon.daemon_id, VERB_REGISTER, "worker-c"),
+            ENCODER.encode(impostor),
+            timeout=10,
         )
         answer = REGISTER_REPLY_DECODER.decode(reply.data)
         assert not answer.ok and "cannot register as worker-a" in answer.reason
@@ -603,7 +609,9 @@ async def test_a_report_naming_another_worker_is_fenced(system: SecureSystem) ->
                 new_messages=[], model={}, budget=BudgetState(),
             )  # fmt: skip
             reply = await probe.nc.request(
-                bound_subject(SUBJECT_NODE, "worker-c"), ENCODER.encode(report), timeout=10
+                control_subject(system.daemon.daemon_id, VERB_NODE, "worker-c"),
+                ENCODER.encode(report),
+                timeout=10,
             )
             answer = REPLY_DECODER.decode(reply.data)
             # Naming the real owner: not who sent it. Naming itself: not whose dispatch it is.
@@ -624,7 +632,7 @@ async def test_a_worker_registering_again_from_a_new_process_replaces_its_predec
         for instance in ("first-process", "second-process"):
             registration = Register("worker-c", "worker-c", *installed(), instance=instance)
             reply = await probe.nc.request(
-                bound_subject(SUBJECT_REGISTER, "worker-c"),
+                control_subject(system.daemon.daemon_id, VERB_REGISTER, "worker-c"),
                 ENCODER.encode(registration),
                 timeout=10,
             )
@@ -645,20 +653,25 @@ async def test_a_worker_registering_again_from_a_new_process_replaces_its_predec
 DROPPED_METRIC = "apomesh_control_requests_dropped_total"
 
 
-async def poison_replies(nc: nats.NATS, worker_id: str, session_id: str) -> None:
+async def poison_replies(nc: nats.NATS, daemon_id: str, worker_id: str, session_id: str) -> None:
     """Requests on ``worker_id``'s own control subjects whose reply subjects point where it may
     not publish: the JetStream API (a purge of the log), a session's log, a KV key. Then one
     with its own inbox, answered once the daemon has read the others."""
     registration = ENCODER.encode(Register(worker_id, "prober", [], []))
     for subject, reply in (
-        (bound_subject(SUBJECT_REGISTER, worker_id), "$JS.API.STREAM.PURGE.APOMESH_LOG"),
-        (bound_subject(SUBJECT_REGISTER, worker_id), f"apomesh.log.{session_id}"),
-        (bound_subject(SUBJECT_NODE, worker_id), f"apomesh.log.{session_id}"),
-        (bound_subject(SUBJECT_REGISTER, worker_id), "$KV.APOMESH_SKILLS.house-style"),
-        (bound_subject(SUBJECT_REGISTER, worker_id), f"{worker_inbox_prefix('worker-a')}.x.1"),
+        (control_subject(daemon_id, VERB_REGISTER, worker_id), "$JS.API.STREAM.PURGE.APOMESH_LOG"),
+        (control_subject(daemon_id, VERB_REGISTER, worker_id), f"apomesh.log.{session_id}"),
+        (control_subject(daemon_id, VERB_NODE, worker_id), f"apomesh.log.{session_id}"),
+        (control_subject(daemon_id, VERB_REGISTER, worker_id), "$KV.APOMESH_SKILLS.house-style"),
+        (
+            control_subject(daemon_id, VERB_REGISTER, worker_id),
+            f"{worker_inbox_prefix('worker-a')}.x.1",
+        ),
     ):
         await nc.publish(subject, registration, reply=reply)
-    answer = await nc.request(bound_subject(SUBJECT_REGISTER, worker_id), registration, timeout=10)
+    answer = await nc.request(
+        control_subject(daemon_id, VERB_REGISTER, worker_id), registration, timeout=10
+    )
     REGISTER_REPLY_DECODER.decode(answer.data)
 
 
@@ -703,7 +716,7 @@ async def test_a_worker_cannot_make_the_daemon_answer_onto_jetstream_the_log_or_
     try:
         before = await log_counts(daemon.nc, session_id)
         assert before[0] > 0 and before[1] > 0
-        await poison_replies(probe.nc, "worker-c", session_id)
+        await poison_replies(probe.nc, system.daemon.daemon_id, "worker-c", session_id)
         assert await log_counts(daemon.nc, session_id) == before
     finally:
         await probe.aclose()
@@ -734,11 +747,11 @@ async def test_with_no_nats_permissions_the_daemon_still_answers_only_worker_inb
     nc = await nats.connect(mesh.nats_url, inbox_prefix=worker_inbox_prefix("prober"))
     try:
         before = await log_counts(nc, session_id)
-        await poison_replies(nc, "prober", session_id)
+        await poison_replies(nc, mesh.daemon.daemon_id, "prober", session_id)
         assert await log_counts(nc, session_id) == before
         # The bare subjects of old are not served at all.
         with pytest.raises(nats.errors.NoRespondersError):
-            await nc.request(SUBJECT_REGISTER, b"", timeout=10)
+            await nc.request(f"apomesh.ctl.{mesh.daemon.daemon_id}.register", b"", timeout=10)
     finally:
         await nc.close()
     wait_dropped(lambda: httpx.get(f"{mesh.url}/metrics").text, 5)

@@ -44,7 +44,7 @@ class ReportingWorker(Worker):
                 budget=BudgetState(steps=step),
                 source=source,
             )
-            self.replies[source] = await self.send(report)
+            self.replies[source] = await self.send(report, run.daemon)
         self.reported.set()
 
 

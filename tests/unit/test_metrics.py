@@ -71,6 +71,8 @@ def test_the_daemon_metrics_are_all_apomesh_names() -> None:
         "apomesh_snapshot_bytes_total",
         "apomesh_append_conflicts_total",
         "apomesh_control_requests_dropped_total",
+        "apomesh_dispatches_refused_total",
+        "apomesh_placement_waits_total",
     }
     assert 'apomesh_sessions{state="running"} 2' in text
     assert 'apomesh_resumes_total{path="worker_lost"} 1' in text

@@ -53,7 +53,7 @@ def test_a_worker_id_must_be_one_subject_token() -> None:
 
 def test_a_worker_may_use_only_subjects_that_name_it() -> None:
     rules = worker_permissions("edge-2")
-    assert rules.publish == ("apomesh.hb.edge-2", "apomesh.ctl.*.edge-2")
+    assert rules.publish == ("apomesh.hb.edge-2", "apomesh.ctl.*.*.edge-2")
     assert rules.subscribe == ("apomesh.dispatch.edge-2", "_INBOX.worker.edge-2.>")
     for forbidden in ("$JS.>", "$KV.>", "apomesh.log.>"):
         assert forbidden in rules.publish_deny and forbidden in rules.subscribe_deny
@@ -65,17 +65,19 @@ def test_a_worker_may_use_only_subjects_that_name_it() -> None:
 @pytest.mark.parametrize(
     ("subject", "reply", "answered"),
     [
-        ("apomesh.ctl.node.w1", "_INBOX.worker.w1.abc.1", True),
-        ("apomesh.ctl.register.w1", "_INBOX.worker.w1.x", True),
-        ("apomesh.ctl.node.w1", "", False),
-        ("apomesh.ctl.node.w1", "$JS.API.STREAM.PURGE.APOMESH_LOG", False),
-        ("apomesh.ctl.node.w1", "apomesh.log.s1", False),
-        ("apomesh.ctl.node.w1", "$KV.APOMESH_SKILLS.k", False),
-        ("apomesh.ctl.node.w1", "_INBOX.worker.w2.x", False),
-        ("apomesh.ctl.node.w1", "_INBOX.worker.w1", False),
-        ("apomesh.ctl.node.w1", "_INBOX.worker.w1.", False),
-        ("apomesh.ctl.node.w1", "_INBOX.worker.w10.x", False),
-        ("apomesh.ctl.node", "_INBOX.worker.node.x", False),
+        ("apomesh.ctl.d1.node.w1", "_INBOX.worker.w1.abc.1", True),
+        ("apomesh.ctl.d1.register.w1", "_INBOX.worker.w1.x", True),
+        ("apomesh.ctl.d1.node.w1", "", False),
+        ("apomesh.ctl.d1.node.w1", "$JS.API.STREAM.PURGE.APOMESH_LOG", False),
+        ("apomesh.ctl.d1.node.w1", "apomesh.log.s1", False),
+        ("apomesh.ctl.d1.node.w1", "$KV.APOMESH_SKILLS.k", False),
+        ("apomesh.ctl.d1.node.w1", "_INBOX.worker.w2.x", False),
+        ("apomesh.ctl.d1.node.w1", "_INBOX.worker.w1", False),
+        ("apomesh.ctl.d1.node.w1", "_INBOX.worker.w1.", False),
+        ("apomesh.ctl.d1.node.w1", "_INBOX.worker.w10.x", False),
+        ("apomesh.ctl.d1.node", "_INBOX.worker.node.x", False),
+        ("apomesh.ctl.node.w1", "_INBOX.worker.w1.x", False),
+        ("apomesh.ctl.d1.node.w1.x", "_INBOX.worker.x.y", False),
         ("apomesh.hb.x.w1", "_INBOX.worker.w1.x", False),
     ],
 )
@@ -94,8 +96,8 @@ def test_a_leaf_login_carries_only_its_edge_workers_subjects() -> None:
     assert rules.publish == (
         "apomesh.hb.e1",
         "apomesh.hb.e2",
-        "apomesh.ctl.*.e1",
-        "apomesh.ctl.*.e2",
+        "apomesh.ctl.*.*.e1",
+        "apomesh.ctl.*.*.e2",
     )
     assert rules.subscribe == (
         "apomesh.dispatch.e1",
@@ -127,7 +129,7 @@ def test_urls_are_logged_without_their_secrets(url: str, shown: str) -> None:
 def test_the_control_plane_role_has_no_jetstream_kv_or_log() -> None:
     control = control_permissions()
     assert set(control.publish) == {"apomesh.dispatch.*", "_INBOX.worker.>"}
-    assert set(control.subscribe) == {"apomesh.ctl.*.*", "apomesh.hb.*", "_INBOX.control.>"}
+    assert set(control.subscribe) == {"apomesh.ctl.*.*.*", "apomesh.hb.*", "_INBOX.control.>"}
     for denied in ("$JS.>", "$KV.>", "apomesh.log.>"):
         assert denied in control.publish_deny and denied in control.subscribe_deny
     assert not control.allow_responses  # an answer goes only where it may publish anyway

@@ -140,6 +140,9 @@ class WorkerView(msgspec.Struct, frozen=True, kw_only=True):
     alive: bool = True
     plugins: dict[str, str] = {}
     """The plugin versions it registered with (it runs only agents whose session pins them)."""
+    max_agents: int = 0
+    """How many agents it runs at once, for every daemon it serves together (``agents`` lists
+    them all); 0 when not known."""
 
 
 class PinDiff(msgspec.Struct, frozen=True, kw_only=True):

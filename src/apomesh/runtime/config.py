@@ -24,6 +24,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from apomesh.core.errors import DefinitionError
+from apomesh.runtime.protocol import DEFAULT_DAEMON_GONE_AFTER, DEFAULT_MAX_AGENTS
 
 KIB: Final = 1024
 MIB: Final = 1024 * KIB
@@ -170,10 +171,14 @@ class PluginsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class WorkersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What this daemon's local workers may run: empty lists mean everything installed."""
+    """What workers registering with this daemon may run (empty lists mean everything installed),
+    and how a worker runs: at most ``max_agents`` agents at once, and for how long it waits on a
+    daemon that stopped answering a dispatch's reports."""
 
     allowed_tools: list[str] = []
     allowed_providers: list[str] = []
+    max_agents: Positive = DEFAULT_MAX_AGENTS
+    daemon_gone_after: PositiveSeconds = DEFAULT_DAEMON_GONE_AFTER
 
 
 class ProviderCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

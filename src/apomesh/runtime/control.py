@@ -1,9 +1,10 @@
 """The daemon's control plane: the NATS subscriptions workers talk to, and the one place replies
 are sent.
 
-``ControlPlane`` subscribes to registrations (``apomesh.ctl.register.<worker_id>``), worker reports
-(``apomesh.ctl.<verb>.<worker_id>``) and heartbeats (``apomesh.hb.*``). A request whose reply
-subject is not the sending worker's own inbox (``_INBOX.worker.<worker_id>.``) is dropped unread
+``ControlPlane`` subscribes to this daemon's own control subjects only — registrations
+(``apomesh.ctl.<daemon_id>.register.<worker_id>``) and reports
+(``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``), so another daemon's reports never reach it —
+and to every worker's heartbeats (``apomesh.hb.*``). A request whose reply subject is not the sending worker's own inbox (``_INBOX.worker.<worker_id>.``) is dropped unread
 and counted: NATS does not check reply subjects, and the daemon's answer would be published with
 its rights (JetStream, KV, the log) wherever the sender chose. It refuses a report
 over the size limit, decodes it, checks that the sender bound in the subject is the worker the
@@ -28,17 +29,19 @@ from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
     BEAT_DECODER,
-    CTL_BOUND_WILDCARD,
     ENCODER,
     HB_PREFIX,
     REGISTER_DECODER,
     REPORT_DECODER,
-    SUBJECT_REGISTER,
+    VERB_REGISTER,
     RegisterReply,
     Reply,
     Report,
     answerable,
     beat_subject,
+    check_token,
+    daemon_control_wildcard,
+    subject_verb,
     subject_worker,
 )
 from apomesh.runtime.sessions import Held, SessionRuntime
@@ -72,8 +75,16 @@ class ControlPlane:
         self._beat_sub: Any = None
 
     async def start(self) -> None:
-        self._subs.append(await self.nc.subscribe(SUBJECT_REGISTER + ".*", cb=self._on_register))
-        self._subs.append(await self.nc.subscribe(CTL_BOUND_WILDCARD, cb=self._on_report))
+        """Subscribe; ``workers.daemon_id`` is this daemon's stable id by now."""
+        daemon_id = check_token(self.workers.daemon_id, "daemon id")
+        self._subs.append(
+            await self.nc.subscribe(
+                daemon_control_wildcard(daemon_id, VERB_REGISTER), cb=self._on_register
+            )
+        )
+        self._subs.append(
+            await self.nc.subscribe(daemon_control_wildcard(daemon_id), cb=self._on_report)
+        )
         self._beat_sub = await self.nc.subscribe(HB_PREFIX + "*", cb=self._on_beat)
         self._subs.append(self._beat_sub)
 
@@ -106,7 +117,12 @@ class ControlPlane:
         try:
             reg = REGISTER_DECODER.decode(msg.data)
         except Exception as exc:
-            await _reply(msg, RegisterReply(False, reason=f"undecodable registration: {exc}"))
+            await _reply(
+                msg,
+                RegisterReply(
+                    False, reason=f"undecodable registration: {exc}", daemon=self.workers.daemon_id
+                ),
+            )
             return
         sender = subject_worker(msg.subject)
         if sender is not None and sender != reg.worker_id:
@@ -136,7 +152,7 @@ class ControlPlane:
     # --- reports from workers --------------------------------------------------------------------
 
     async def _on_report(self, msg: Msg) -> None:
-        if msg.subject.startswith(SUBJECT_REGISTER + "."):
+        if subject_verb(msg.subject) == VERB_REGISTER:
             return  # registrations have their own subscription
         if self._answerable(msg):
             # nats-py runs one subscription's callbacks one after another: hand each report to
@@ -174,10 +190,6 @@ class ControlPlane:
             await _reply(
                 msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
             )
-            return
-        if self.route(report.session_id) is None:
-            # Not driven here: another daemon of the same NATS may drive it and answers.
-            self.log.debug("left %s for %s to its owner", type(report).__name__, report.session_id)
             return
         await _reply(msg, await self._decide(report))
 

@@ -183,6 +183,7 @@ class Daemon:
         self.registry.owner = self.daemon_id
         self.presence.daemon_id = self.daemon_id
         self._started = True
+        self.workers.daemon_id = self.daemon_id  # names it on dispatches and control subjects
         await self.log.ensure()
         await self.heartbeats.ensure()
         await self.control.start()

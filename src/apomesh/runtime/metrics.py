@@ -358,6 +358,16 @@ class DaemonMetrics:
             "Control requests dropped unanswered: not on a worker's bound subject, or with a reply"
             " subject outside that worker's own inbox.",
         )
+        self.dispatches_refused = r.counter(
+            "apomesh_dispatches_refused_total",
+            "Dispatches a worker did not take, by reason: full (it ran as many agents as it may),"
+            " refused (a stale epoch, an undecodable dispatch) or unanswered.",
+            ["reason"],
+        )
+        self.placement_waits = r.counter(
+            "apomesh_placement_waits_total",
+            "Agents that waited for room because every worker able to run them was full.",
+        )
         self.append_conflicts = r.counter(
             "apomesh_append_conflicts_total",
             "Sessions this daemon stopped driving because another writer appended to their log.",

@@ -7,9 +7,12 @@ its connection). ``control_permissions`` is the daemon's second, control-plane c
 one that answers workers' registrations and reports and sends them dispatches: only the
 dispatch subjects, the workers' inboxes, the bound control and heartbeat subjects and its own
 inbox (``_INBOX.control``), and never JetStream, the KV buckets or the log, so a bug in a
-responder cannot reach them whatever reply subject a worker asks for. ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat
-and its own bound control subjects (``apomesh.ctl.<verb>.<worker_id>``), answer the dispatches it
-receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
+responder cannot reach them whatever reply subject a worker asks for. Several daemons may share
+the daemon and control logins: the control login hears every daemon's control subjects
+(``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``), and each daemon subscribes to its own.
+``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat and its own bound
+control subjects (``apomesh.ctl.*.*.<worker_id>``: any daemon's, as itself), answer the dispatches
+it receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
 the log and the KV buckets are denied outright. ``leaf_permissions(worker_ids)`` is the hub's login for a leaf node: only its edge workers'
 own subjects cross the link. ``operator_permissions`` is for people inspecting
 a deployment and taking stream backups: read-only JetStream requests, never a write to the log.
@@ -38,6 +41,7 @@ from apomesh.runtime.protocol import (
     beat_subject,
     check_worker_id,
     dispatch_subject,
+    worker_control_subjects,
     worker_inbox_prefix,
 )
 
@@ -84,8 +88,8 @@ def daemon_permissions() -> Permissions:
 
 
 def control_permissions() -> Permissions:
-    """The daemon's control-plane connection: it hears workers' bound control subjects and
-    heartbeats and its own inbox, answers into the workers' inboxes and sends dispatches; the
+    """The daemon's control-plane connection (one login may serve several daemons): it hears
+    workers' bound control subjects (every daemon's) and heartbeats and its own inbox, answers into the workers' inboxes and sends dispatches; the
     JetStream API, the KV buckets and the log are denied, and it has no ``allow_responses``, so
     it can answer a request only on a subject it may publish to anyway."""
     return Permissions(
@@ -101,7 +105,7 @@ def worker_permissions(worker_id: str) -> Permissions:
     JetStream, the log or the KV buckets."""
     check_worker_id(worker_id)
     return Permissions(
-        publish=(beat_subject(worker_id), f"{CTL_PREFIX}*.{worker_id}"),
+        publish=(beat_subject(worker_id), worker_control_subjects(worker_id)),
         subscribe=(dispatch_subject(worker_id), f"{worker_inbox_prefix(worker_id)}.>"),
         publish_deny=FORBIDDEN_TO_WORKERS,
         subscribe_deny=FORBIDDEN_TO_WORKERS,
@@ -122,7 +126,7 @@ def leaf_permissions(worker_ids: Iterable[str]) -> Permissions:
     return Permissions(
         publish=(
             *(beat_subject(worker_id) for worker_id in ids),
-            *(f"{CTL_PREFIX}*.{worker_id}" for worker_id in ids),
+            *(worker_control_subjects(worker_id) for worker_id in ids),
         ),
         subscribe=(
             *(dispatch_subject(worker_id) for worker_id in ids),

@@ -301,6 +301,8 @@ async def start_local_worker(
         workspace=workspace,
         name=name,
         heartbeat_interval=config.liveness.heartbeat_interval,
+        max_agents=config.workers.max_agents,
+        daemon_gone_after=config.workers.daemon_gone_after,
     )
     await worker.start()
     return nc, worker

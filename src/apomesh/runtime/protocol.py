@@ -1,23 +1,38 @@
-"""The control plane between the daemon and its workers, over core NATS only.
+"""The control plane between daemons and workers, over core NATS only.
 
-Workers never touch JetStream: they register (``apomesh.ctl.register.<worker_id>``), beat on
-``apomesh.hb.<worker_id>``, take dispatches on ``apomesh.dispatch.<worker_id>`` and report back with
-requests on ``apomesh.ctl.<verb>.<worker_id>``; their request inboxes are under
-``_INBOX.worker.<worker_id>``. Every subject a worker uses names it, so NATS permissions can bind a
-worker id to the credentials it connects with, and the daemon refuses a message whose payload names
-another worker than its subject. NATS does not check the reply subject of a request against the
-sender's permissions, and the daemon answers with its own (JetStream, KV, the log): it answers
-only a request on a bound subject whose reply subject is that worker's own inbox
-(``answerable``) and drops anything else, bare ``apomesh.ctl.<verb>`` subjects included. Every
-report names the agent and carries the fencing epoch of
-the dispatch it belongs to; the daemon answers ``Fenced`` to a stale epoch and appends nothing.
-Workers never send events: they send facts (a node's new messages, a journal step, an outcome) and
-the daemon decides which events to append. All messages are msgpack-encoded msgspec Structs.
+Several daemons may share one NATS and every worker on it: a worker serves them all. Each daemon
+has a stable id (kept in its data dir) and an incarnation (fresh at every start). Daemons learn
+workers from beats: a worker beats on ``apomesh.hb.<worker_id>`` with its load (the agents it
+runs), its capacity and the incarnation of every daemon it is registered with; a daemon that sees
+a beat without its own current incarnation asks that worker to register (``Reregister`` on the
+worker's dispatch subject, as a starting daemon does for every worker in the heartbeat stream),
+and the worker registers with that daemon alone. A worker so never needs to know any daemon in
+advance. A dispatch (``Run``, on ``apomesh.dispatch.<worker_id>``) names its daemon and
+incarnation; every report of that dispatch goes to that daemon's own control subjects,
+``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``, never to another's. The worker tracks incarnations
+per daemon id: a new incarnation of daemon X abandons only X's older dispatches (X recovers them
+under new epochs), and a daemon that stops answering a dispatch's reports for
+``[workers] daemon_gone_after`` seconds loses that dispatch (the session's new owner dispatches it
+again under a new epoch), so no worker slot stays wedged. A worker runs at most ``max_agents``
+dispatches at once and refuses one more (``DispatchAck.full``); a daemon places no agent on a
+worker it knows to be full, and one that finds a dispatch it sent gone from the worker's later
+beats (``DispatchAck.beat_seq``) dispatches it again.
+
+Every subject a worker uses names it, so NATS permissions can bind a worker id to the credentials
+it connects with (``apomesh.ctl.*.*.<worker_id>``), and the daemon refuses a message whose payload
+names another worker than its subject. Its request inboxes are under ``_INBOX.worker.<worker_id>``.
+NATS does not check the reply subject of a request against the sender's permissions, and the
+daemon answers with its own (JetStream, KV, the log): it answers only a request on a bound subject
+whose reply subject is that worker's own inbox (``answerable``) and drops anything else. Every
+report names the agent and carries the fencing epoch of the dispatch it belongs to; the daemon
+answers ``Fenced`` to a stale epoch and appends nothing. Workers never send events: they send
+facts (a node's new messages, a journal step, an outcome) and the daemon decides which events to
+append. All messages are msgpack-encoded msgspec Structs.
 
 No message may outgrow the NATS ``max_payload``. A dispatch carries the agent's working memory
 only while it is small; a larger memory stays on the daemon and the worker fetches it page by page
-(``MemoryFetch`` on ``apomesh.ctl.memory.<worker_id>``, each page answered on the worker's own
-inbox and fenced by the dispatch's epoch like any report).
+(``MemoryFetch`` on ``apomesh.ctl.<daemon_id>.memory.<worker_id>``, each page answered on the
+worker's own inbox and fenced by the dispatch's epoch like any report).
 """
 
 from __future__ import annotations
@@ -30,20 +45,25 @@ import msgspec
 from apomesh.core.definition import AgentConfig
 from apomesh.plugins.api import Message, ModelResponse
 
-SUBJECT_REGISTER = "apomesh.ctl.register"
-SUBJECT_NODE = "apomesh.ctl.node"
-SUBJECT_TURN = "apomesh.ctl.turn"
-SUBJECT_JOURNAL = "apomesh.ctl.journal"
-SUBJECT_HITL = "apomesh.ctl.hitl"
-SUBJECT_JOB = "apomesh.ctl.job"
-SUBJECT_DONE = "apomesh.ctl.done"
-SUBJECT_MEMORY = "apomesh.ctl.memory"
-CTL_BOUND_WILDCARD = "apomesh.ctl.*.*"
-"""Control subjects that end in the sending worker's id."""
+VERB_REGISTER = "register"
+VERB_NODE = "node"
+VERB_TURN = "turn"
+VERB_JOURNAL = "journal"
+VERB_HITL = "hitl"
+VERB_JOB = "job"
+VERB_DONE = "done"
+VERB_MEMORY = "memory"
 CTL_PREFIX = "apomesh.ctl."
+CTL_BOUND_WILDCARD = "apomesh.ctl.*.*.*"
+"""Every daemon's control subjects (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``)."""
 HB_PREFIX = "apomesh.hb."
 DISPATCH_PREFIX = "apomesh.dispatch."
 WORKER_INBOX_PREFIX = "_INBOX.worker."
+DEFAULT_MAX_AGENTS = 8
+"""How many agents a worker runs at once unless told otherwise (``[workers] max_agents``)."""
+DEFAULT_DAEMON_GONE_AFTER = 30.0
+"""Seconds a daemon may leave a dispatch's reports unanswered before the worker abandons it
+(``[workers] daemon_gone_after``)."""
 
 
 def dispatch_subject(worker_id: str) -> str:
@@ -54,9 +74,20 @@ def beat_subject(worker_id: str) -> str:
     return f"{HB_PREFIX}{worker_id}"
 
 
-def bound_subject(subject: str, worker_id: str) -> str:
-    """A control subject (``SUBJECT_NODE``, ``SUBJECT_REGISTER``, ...) bound to ``worker_id``."""
-    return f"{subject}.{worker_id}"
+def control_subject(daemon_id: str, verb: str, worker_id: str) -> str:
+    """The subject worker ``worker_id`` sends ``verb`` (``VERB_NODE``, ``VERB_REGISTER``, ...) to
+    daemon ``daemon_id`` on."""
+    return f"{CTL_PREFIX}{daemon_id}.{verb}.{worker_id}"
+
+
+def daemon_control_wildcard(daemon_id: str, verb: str = "*") -> str:
+    """The control subjects one daemon listens on (every worker's, one verb or all)."""
+    return f"{CTL_PREFIX}{daemon_id}.{verb}.*"
+
+
+def worker_control_subjects(worker_id: str) -> str:
+    """Every control subject worker ``worker_id`` may send on (to any daemon, any verb)."""
+    return f"{CTL_PREFIX}*.*.{worker_id}"
 
 
 def worker_inbox_prefix(worker_id: str) -> str:
@@ -66,19 +97,28 @@ def worker_inbox_prefix(worker_id: str) -> str:
 
 
 def subject_worker(subject: str) -> str | None:
-    """The worker id a bound control subject names, or ``None`` for a bare one."""
+    """The worker id a bound control subject names, or ``None`` for any other subject."""
     tokens = subject.split(".")
-    return tokens[3] if len(tokens) == 4 else None
+    if len(tokens) != 5 or not subject.startswith(CTL_PREFIX):
+        return None
+    return tokens[4] or None
+
+
+def subject_verb(subject: str) -> str:
+    """The verb of a bound control subject (``register``, ``node``, ...), else ``""``."""
+    tokens = subject.split(".")
+    return tokens[3] if len(tokens) == 5 and subject.startswith(CTL_PREFIX) else ""
 
 
 def answerable(subject: str, reply: str) -> bool:
     """Whether the daemon may answer a request on control ``subject`` at ``reply``: only when the
-    subject is bound to a worker (``apomesh.ctl.<verb>.<worker_id>``) and the reply subject lies in
-    that worker's own inbox (``_INBOX.worker.<worker_id>.``), the one place its permissions let it
-    hear. Any other reply subject (the JetStream API, a session's log, a KV key, another worker's
-    inbox) would be published with the daemon's rights on the sender's say-so."""
+    subject is bound to a worker (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``) and the reply
+    subject lies in that worker's own inbox (``_INBOX.worker.<worker_id>.``), the one place its
+    permissions let it hear. Any other reply subject (the JetStream API, a session's log, a KV
+    key, another worker's inbox) would be published with the daemon's rights on the sender's
+    say-so."""
     worker_id = subject_worker(subject)
-    if worker_id is None or not subject.startswith(CTL_PREFIX):
+    if worker_id is None:
         return False
     inbox = worker_inbox_prefix(worker_id) + "."
     rest = reply[len(inbox) :]
@@ -94,11 +134,17 @@ def new_worker_id(name: str) -> str:
 
 def check_worker_id(worker_id: str) -> str:
     """``worker_id`` when it can be one subject token; ``ValueError`` otherwise."""
-    if not worker_id or any(c in worker_id for c in ".*> \t\r\n") or not worker_id.isprintable():
+    return check_token(worker_id, "worker id")
+
+
+def check_token(value: str, what: str) -> str:
+    """``value`` (a worker or daemon id) when it can be one subject token; ``ValueError``
+    naming ``what`` otherwise."""
+    if not value or any(c in value for c in ".*> \t\r\n") or not value.isprintable():
         raise ValueError(
-            f"worker id {worker_id!r} cannot be a NATS subject token (no dots, wildcards or spaces)"
+            f"{what} {value!r} cannot be a NATS subject token (no dots, wildcards or spaces)"
         )
-    return worker_id
+    return value
 
 
 class BudgetState(msgspec.Struct):
@@ -144,11 +190,13 @@ class AgentMemory(msgspec.Struct):
 
 
 class Register(msgspec.Struct, tag=True):
+    """A worker registering with one daemon (on that daemon's ``register`` subject), when the
+    daemon asked it to (``Reregister``)."""
+
     worker_id: str
     name: str
     tools: list[str]
     providers: list[str]
-    incarnation_seen: str = ""
     pid: int = 0
     instance: str = ""
     """Random per worker process: the same id registering with another instance is a restarted
@@ -156,6 +204,8 @@ class Register(msgspec.Struct, tag=True):
     plugins: dict[str, str] = {}
     """The plugin distributions the worker loaded, name -> version: it only receives agents of
     sessions whose plugin pins those versions satisfy."""
+    max_agents: int = DEFAULT_MAX_AGENTS
+    """How many agents the worker runs at once, for every daemon together."""
 
 
 class RegisterReply(msgspec.Struct):
@@ -163,14 +213,21 @@ class RegisterReply(msgspec.Struct):
     incarnation: str = ""
     reason: str = ""
     heartbeat_interval: float = 1.0
+    daemon: str = ""
+    """The id of the daemon that answered."""
 
 
 class Beat(msgspec.Struct):
+    """A worker's heartbeat, heard by every daemon. ``agents`` maps each dispatch it runs (for
+    every daemon), ``session/agent``, to its epoch: its load; ``daemons`` maps each daemon id it
+    is registered with to that daemon's incarnation."""
+
     worker_id: str
     name: str
-    incarnation_seen: str
-    agents: list[str] = []
+    daemons: dict[str, str] = {}
+    agents: dict[str, int] = {}
     seq: int = 0
+    max_agents: int = DEFAULT_MAX_AGENTS
 
 
 class _Report(msgspec.Struct, tag=True):
@@ -315,6 +372,10 @@ class Run(msgspec.Struct, tag=True):
     task_index: int = 0
     memory: AgentMemory | None = None
     incarnation: str = ""
+    """The incarnation of the dispatching daemon (stamped by its worker pool)."""
+    daemon: str = ""
+    """The id of the dispatching daemon: every report of this dispatch goes to its control
+    subjects."""
     memory_pages: int = 0
     """When the memory is too large to travel with the dispatch (``memory`` is None then): how
     many pages of its encoded bytes the worker fetches with ``MemoryFetch``, in order."""
@@ -332,7 +393,10 @@ class Cancel(msgspec.Struct, tag=True):
 
 
 class Reregister(msgspec.Struct, tag=True):
+    """Daemon ``daemon`` (now at ``incarnation``) asks the worker to register with it."""
+
     incarnation: str
+    daemon: str = ""
 
 
 DispatchMessage = Run | Cancel | Reregister
@@ -341,6 +405,11 @@ DispatchMessage = Run | Cancel | Reregister
 class DispatchAck(msgspec.Struct):
     ok: bool
     reason: str = ""
+    full: bool = False
+    """Refused because the worker already runs ``max_agents`` agents."""
+    beat_seq: int = 0
+    """The worker's latest beat when it took the dispatch: a later beat not listing the agent
+    means the worker no longer runs it."""
 
 
 ENCODER = msgspec.msgpack.Encoder()

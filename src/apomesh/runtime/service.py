@@ -458,6 +458,7 @@ class Service:
                 providers=list(w.providers),
                 alive=now - w.last_seen <= pool.threshold,
                 plugins=dict(w.plugins),
+                max_agents=w.max_agents,
             )
             for w in pool.workers.values()
         ]

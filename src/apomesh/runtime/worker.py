@@ -1,10 +1,14 @@
-"""``apomesh worker``: runs agents' tool-use loops for the daemon, holding no durable state.
+"""``apomesh worker``: runs agents' tool-use loops for every daemon on its NATS, holding no
+durable state.
 
 A worker speaks core NATS only (request/reply and plain publishes, never the JetStream API), so it
-runs unchanged behind a leaf node. It registers with its tools and model providers, beats on
-``apomesh.hb.<worker_id>`` from its own task, takes dispatches on ``apomesh.dispatch.<worker_id>``
-and runs each in a task. When it sees a new daemon incarnation it abandons every running dispatch
-(the new daemon re-dispatches them under new epochs) and registers again.
+runs unchanged behind a leaf node. It beats on ``apomesh.hb.<worker_id>`` from its own task, takes
+dispatches on ``apomesh.dispatch.<worker_id>`` and runs each in a task, at most ``max_agents`` at
+once (one more is refused, and said so). It registers with each daemon that asks it to (a daemon
+asks when its incarnation is missing from the worker's beats) and reports a dispatch only to the
+daemon that sent it (``runtime.protocol``). A new incarnation of a daemon abandons that daemon's
+older dispatches and nobody else's (the new incarnation re-dispatches them under new epochs); a
+dispatch whose daemon stops answering for ``daemon_gone_after`` seconds is abandoned too.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +34,21 @@ from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.plugins.api import ModelProvider, SupervisorPolicy, Tool
 from apomesh.runtime.agent_loop import run_agent
 from apomesh.runtime.protocol import (
+    DEFAULT_DAEMON_GONE_AFTER,
+    DEFAULT_MAX_AGENTS,
     DISPATCH_DECODER,
     ENCODER,
     MEMORY_DECODER,
     REGISTER_REPLY_DECODER,
     REPLY_DECODER,
-    SUBJECT_DONE,
-    SUBJECT_HITL,
-    SUBJECT_JOB,
-    SUBJECT_JOURNAL,
-    SUBJECT_MEMORY,
-    SUBJECT_NODE,
-    SUBJECT_REGISTER,
-    SUBJECT_TURN,
+    VERB_DONE,
+    VERB_HITL,
+    VERB_JOB,
+    VERB_JOURNAL,
+    VERB_MEMORY,
+    VERB_NODE,
+    VERB_REGISTER,
+    VERB_TURN,
     AgentMemory,
     Beat,
     Cancel,
@@ -59,23 +67,38 @@ from apomesh.runtime.protocol import (
     Run,
     TurnReport,
     beat_subject,
-    bound_subject,
     check_worker_id,
+    control_subject,
     dispatch_subject,
 )
 
 log = logging.getLogger("apomesh.worker")
 
-_SUBJECTS: dict[type, str] = {
-    NodeReport: SUBJECT_NODE,
-    TurnReport: SUBJECT_TURN,
-    JournalBegin: SUBJECT_JOURNAL,
-    JournalFinish: SUBJECT_JOURNAL,
-    HitlAsk: SUBJECT_HITL,
-    JobStart: SUBJECT_JOB,
-    MemoryFetch: SUBJECT_MEMORY,
-    Done: SUBJECT_DONE,
+_VERBS: dict[type, str] = {
+    NodeReport: VERB_NODE,
+    TurnReport: VERB_TURN,
+    JournalBegin: VERB_JOURNAL,
+    JournalFinish: VERB_JOURNAL,
+    HitlAsk: VERB_HITL,
+    JobStart: VERB_JOB,
+    MemoryFetch: VERB_MEMORY,
+    Done: VERB_DONE,
 }
+
+
+class DaemonGone(Fenced):
+    """The daemon that sent a dispatch left its reports unanswered for too long: the dispatch is
+    abandoned (whoever owns the session now dispatches it again under a new epoch)."""
+
+
+@dataclass
+class RunningAgent:
+    """One dispatch this worker runs: its epoch, its task and the daemon that sent it."""
+
+    epoch: int
+    task: asyncio.Task[None]
+    daemon: str
+    incarnation: str
 
 
 class Worker:
@@ -94,6 +117,8 @@ class Worker:
         heartbeat_interval: float = 1.0,
         request_timeout: float = 5.0,
         plugin_versions: dict[str, str] | None = None,
+        max_agents: int = DEFAULT_MAX_AGENTS,
+        daemon_gone_after: float = DEFAULT_DAEMON_GONE_AFTER,
     ) -> None:
         self.nc = nc
         self.plugin_versions = dict(plugin_versions or {})
@@ -107,38 +132,46 @@ class Worker:
         self.worker_id = check_worker_id(worker_id or f"{_safe(self.name)}-{uuid.uuid4().hex[:8]}")
         self.instance = uuid.uuid4().hex[:12]
         self.heartbeat_interval = heartbeat_interval
+        self._asked_intervals: dict[str, float] = {}
+        """The heartbeat interval each daemon asked for: the worker beats at the shortest."""
         self.request_timeout = request_timeout
-        self.incarnation = ""
-        self.running: dict[tuple[str, str], tuple[int, asyncio.Task[None]]] = {}
-        self._run_incarnation: dict[tuple[str, str], str] = {}
+        if max_agents < 1:
+            raise ValueError(f"max_agents must be at least 1, not {max_agents}")
+        self.max_agents = max_agents
+        self.daemon_gone_after = daemon_gone_after
+        self.daemons: dict[str, str] = {}
+        """The daemons this worker is registered with: daemon id -> incarnation."""
+        self.running: dict[tuple[str, str], RunningAgent] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._beat_task: asyncio.Task[None] | None = None
         self._sub: Any = None
         self._registered = asyncio.Event()
         self._beat_now = asyncio.Event()
-        self._register_lock = asyncio.Lock()
+        self._registering: set[str] = set()
         self._closing = False
         self._seq = 0
 
     async def start(self) -> None:
+        """Listen for dispatches and start beating: every daemon that hears the beats asks this
+        worker to register with it."""
         self.workspace.mkdir(parents=True, exist_ok=True)
         self._sub = await self.nc.subscribe(dispatch_subject(self.worker_id), cb=self._on_dispatch)
         self._beat_task = asyncio.create_task(self._beat_forever(), name=f"beat-{self.worker_id}")
-        self._spawn(self.register())
 
     async def wait_registered(self, timeout: float = 30.0) -> None:
+        """Until a first daemon accepted this worker's registration."""
         await asyncio.wait_for(self._registered.wait(), timeout)
 
     async def aclose(self) -> None:
         self._closing = True
         if self._beat_task:
             self._beat_task.cancel()
-        for _, task in list(self.running.values()):
-            task.cancel()
+        for running in list(self.running.values()):
+            running.task.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(
-            *(t for _, t in self.running.values()), *self._tasks, return_exceptions=True
+            *(r.task for r in self.running.values()), *self._tasks, return_exceptions=True
         )
         if self._beat_task:
             with contextlib.suppress(asyncio.CancelledError):
@@ -149,44 +182,56 @@ class Worker:
 
     # --- registration and heartbeat --------------------------------------------------------------
 
-    async def register(self) -> None:
-        """Register until a daemon answers; a new incarnation abandons every running dispatch."""
-        async with self._register_lock:
-            delay = 0.1
-            while not self._closing:
-                request = Register(
-                    self.worker_id,
-                    self.name,
-                    sorted(self.tools),
-                    sorted(self.providers),
-                    incarnation_seen=self.incarnation,
-                    pid=os.getpid(),
-                    instance=self.instance,
-                    plugins=self.plugin_versions,
+    async def register(self, daemon_id: str) -> None:
+        """Register with daemon ``daemon_id`` (once; unanswered, the daemon asks again when it
+        next hears a beat). Its new incarnation abandons its older dispatches, nobody else's."""
+        if daemon_id in self._registering or self._closing:
+            return
+        self._registering.add(daemon_id)
+        try:
+            request = Register(
+                self.worker_id,
+                self.name,
+                sorted(self.tools),
+                sorted(self.providers),
+                pid=os.getpid(),
+                instance=self.instance,
+                plugins=self.plugin_versions,
+                max_agents=self.max_agents,
+            )
+            try:
+                msg = await self.nc.request(
+                    control_subject(daemon_id, VERB_REGISTER, self.worker_id),
+                    ENCODER.encode(request),
+                    timeout=self.request_timeout,
                 )
-                try:
-                    msg = await self.nc.request(
-                        bound_subject(SUBJECT_REGISTER, self.worker_id),
-                        ENCODER.encode(request),
-                        timeout=self.request_timeout,
-                    )
-                    reply = REGISTER_REPLY_DECODER.decode(msg.data)
-                except (TimeoutError, NatsTimeout, NoRespondersError):
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
-                    continue
-                if not reply.ok:
-                    log.error("worker %s refused by the daemon: %s", self.worker_id, reply.reason)
-                    await asyncio.sleep(5.0)
-                    continue
-                # Several daemons may answer: a dispatch of one is never abandoned for another
-                # (a restarted daemon's stale epochs are fenced when they report).
-                self.incarnation = reply.incarnation
-                self.heartbeat_interval = reply.heartbeat_interval or self.heartbeat_interval
-                self._registered.set()
-                self._beat_now.set()
-                log.info("worker %s registered with daemon %s", self.worker_id, reply.incarnation)
+                reply = REGISTER_REPLY_DECODER.decode(msg.data)
+            except (TimeoutError, NatsTimeout, NoRespondersError):
                 return
+            if not reply.ok:
+                log.error(
+                    "worker %s refused by daemon %s: %s", self.worker_id, daemon_id, reply.reason
+                )
+                return
+            self._abandon(
+                daemon_id,
+                f"daemon {daemon_id} started again (incarnation {reply.incarnation})",
+                keep=reply.incarnation,
+            )
+            self.daemons[daemon_id] = reply.incarnation
+            if reply.heartbeat_interval > 0:
+                self._asked_intervals[daemon_id] = reply.heartbeat_interval
+                self.heartbeat_interval = min(self._asked_intervals.values())
+            self._registered.set()
+            self._beat_now.set()
+            log.info(
+                "worker %s registered with daemon %s (incarnation %s)",
+                self.worker_id,
+                daemon_id,
+                reply.incarnation,
+            )
+        finally:
+            self._registering.discard(daemon_id)
 
     async def _beat_forever(self) -> None:
         while True:
@@ -194,9 +239,10 @@ class Worker:
             beat = Beat(
                 self.worker_id,
                 self.name,
-                self.incarnation,
-                agents=[f"{s}/{a}" for (s, a) in self.running],
+                daemons=dict(self.daemons),
+                agents={f"{s}/{a}": running.epoch for (s, a), running in self.running.items()},
                 seq=self._seq,
+                max_agents=self.max_agents,
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(beat_subject(self.worker_id), ENCODER.encode(beat))
@@ -206,14 +252,14 @@ class Worker:
                 await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval)
             self._beat_now.clear()
 
-    def _abandon_all(self, reason: str, keep: str = "") -> None:
-        """Cancel every dispatch except those the incarnation ``keep`` sent (a new daemon may
-        dispatch to us before our registration with it has been answered)."""
-        for key, (_, task) in list(self.running.items()):
-            if keep and self._run_incarnation.get(key) == keep:
+    def _abandon(self, daemon_id: str, reason: str, keep: str) -> None:
+        """Cancel every dispatch daemon ``daemon_id`` sent from another incarnation than ``keep``
+        (it may dispatch to us before our registration with it has been answered)."""
+        for key, running in list(self.running.items()):
+            if running.daemon != daemon_id or running.incarnation == keep:
                 continue
             log.warning("abandoning %s: %s", key, reason)
-            task.cancel()
+            running.task.cancel()
             del self.running[key]
 
     # --- dispatch --------------------------------------------------------------------------------
@@ -226,41 +272,71 @@ class Worker:
             return
         if isinstance(message, Reregister):
             await _respond(msg, DispatchAck(True))
-            # Also from the incarnation we know: it asks when it no longer lists us (it declared
+            # Also from an incarnation we know: it asks when it no longer lists us (it declared
             # us lost during a silence), and only a new registration puts us back on its list.
-            self._spawn(self.register())
+            if message.daemon:
+                self._spawn(self.register(message.daemon))
             return
         if isinstance(message, Cancel):
             key = (message.session_id, message.agent)
             current = self.running.get(key)
-            if current and current[0] <= message.epoch:
-                current[1].cancel()
+            if current and current.epoch <= message.epoch:
+                current.task.cancel()
                 self.running.pop(key, None)
             await _respond(msg, DispatchAck(True))
             return
         assert isinstance(message, Run)
-        if message.incarnation and self.incarnation and message.incarnation != self.incarnation:
-            # A dispatch from a daemon we have not registered with yet: take it, then re-register.
-            self._spawn(self.register())
+        if not message.daemon:
+            await _respond(msg, DispatchAck(False, "a dispatch must name its daemon"))
+            return
+        if self.daemons.get(message.daemon) != message.incarnation:
+            # A dispatch from a daemon we have not registered with yet: take it, then register.
+            self._spawn(self.register(message.daemon))
         key = (message.session_id, message.agent)
         old = self.running.get(key)
+        if old is not None and old.epoch >= message.epoch:
+            await _respond(msg, DispatchAck(False, f"epoch {message.epoch} is stale"))
+            return
+        if old is None and len(self.running) >= self.max_agents:
+            log.warning(
+                "worker %s refused %s/%s from daemon %s: full (%d of %d agents running)",
+                self.worker_id,
+                message.session_id,
+                message.agent,
+                message.daemon,
+                len(self.running),
+                self.max_agents,
+            )
+            reason = f"full: {len(self.running)} of {self.max_agents} agents running"
+            await _respond(msg, DispatchAck(False, reason, full=True, beat_seq=self._seq))
+            return
         if old is not None:
-            if old[0] >= message.epoch:
-                await _respond(msg, DispatchAck(False, f"epoch {message.epoch} is stale"))
-                return
-            old[1].cancel()
+            old.task.cancel()
         task = asyncio.create_task(
             self._run(message), name=f"agent-{message.session_id}-{message.agent}"
         )
-        self.running[key] = (message.epoch, task)
-        self._run_incarnation[key] = message.incarnation
-        await _respond(msg, DispatchAck(True))
+        self.running[key] = RunningAgent(message.epoch, task, message.daemon, message.incarnation)
+        log.info(
+            "worker %s runs %s/%s epoch %d for daemon %s: %d of %d agents",
+            self.worker_id,
+            message.session_id,
+            message.agent,
+            message.epoch,
+            message.daemon,
+            len(self.running),
+            self.max_agents,
+        )
+        await _respond(msg, DispatchAck(True, beat_seq=self._seq))
 
     async def _run(self, run: Run) -> None:
         key = (run.session_id, run.agent)
+
+        async def send(report: Report) -> Reply:
+            return await self.send(report, run.daemon)
+
         try:
             if run.memory_pages:
-                run = msgspec.structs.replace(run, memory=await self._fetch_memory(run))
+                run = msgspec.structs.replace(run, memory=await self._fetch_memory(run, send))
             done = await run_agent(
                 run,
                 worker_id=self.worker_id,
@@ -268,9 +344,14 @@ class Worker:
                 tools=self.tools,
                 providers=self.providers,
                 supervisors=self.supervisors,
-                send=self.send,
+                send=send,
             )
-            await self.send(done)
+            await send(done)
+        except DaemonGone as exc:
+            log.warning("abandoning %s epoch %s: %s", key, run.epoch, exc)
+            if self.daemons.get(run.daemon) == run.incarnation:
+                # Listed no more in our beats: if it is only slow, it asks us to register again.
+                del self.daemons[run.daemon]
         except Fenced as exc:
             log.warning("dispatch %s epoch %s fenced off: %s", key, run.epoch, exc)
         except asyncio.CancelledError:
@@ -278,7 +359,7 @@ class Worker:
         except Exception as exc:
             log.exception("agent %s failed", key)
             with contextlib.suppress(Exception):
-                await self.send(
+                await send(
                     Done(
                         self.worker_id,
                         run.session_id,
@@ -290,17 +371,16 @@ class Worker:
                 )
         finally:
             current = self.running.get(key)
-            if current is not None and current[0] == run.epoch:
+            if current is not None and current.epoch == run.epoch:
                 self.running.pop(key, None)
-                self._run_incarnation.pop(key, None)
 
-    async def _fetch_memory(self, run: Run) -> AgentMemory:
+    async def _fetch_memory(self, run: Run, send: Any) -> AgentMemory:
         """The dispatch's working memory, fetched page by page (it was too large to travel with
         the dispatch); a page the daemon refuses ends the dispatch like any refused report."""
         pages: list[bytes] = []
         for page in range(run.memory_pages):
             fetch = MemoryFetch(self.worker_id, run.session_id, run.agent, run.epoch, page)
-            reply = await self.send(fetch)
+            reply = await send(fetch)
             if reply.status == "fenced":
                 raise Fenced(reply.message or "this dispatch was fenced off by a newer epoch")
             if reply.status != "ok":
@@ -308,16 +388,24 @@ class Worker:
             pages.append(reply.data)
         return MEMORY_DECODER.decode(b"".join(pages))
 
-    async def send(self, report: Report) -> Reply:
-        """Send a report, retrying while the daemon is away; the daemon dedupes retries."""
-        subject = bound_subject(_SUBJECTS[type(report)], self.worker_id)
+    async def send(self, report: Report, daemon_id: str) -> Reply:
+        """Send a report to daemon ``daemon_id``, retrying while it is away (it dedupes
+        retries); ``DaemonGone`` once it has not answered for ``daemon_gone_after`` seconds."""
+        subject = control_subject(daemon_id, _VERBS[type(report)], self.worker_id)
         data = ENCODER.encode(report)
+        started = time.monotonic()
         delay = 0.1
         while True:
             try:
                 msg = await self.nc.request(subject, data, timeout=self.request_timeout)
                 return REPLY_DECODER.decode(msg.data)
             except (TimeoutError, NatsTimeout, NoRespondersError):
+                silent = time.monotonic() - started
+                if silent >= self.daemon_gone_after:
+                    raise DaemonGone(
+                        f"daemon {daemon_id} has not answered {type(report).__name__}"
+                        f" for {silent:.0f} s"
+                    ) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

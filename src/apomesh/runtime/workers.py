@@ -1,11 +1,16 @@
 """The daemon's worker pool: registration, liveness by heartbeat, placement of agents on workers,
 and the dispatches in flight on each worker.
 
-``WorkerPool`` knows workers and dispatches, never sessions. A session's writer asks it for a worker
-(``pick``), tracks the dispatch it sends there (``track``/``send_run``), and waits on the dispatch's
-future; when a worker is declared lost (missed heartbeats, or it registered again from a new
-process) the pool fails that worker's own dispatches with ``WorkerLost`` and the writer re-dispatches.
-The control plane hands it decoded registrations and beats; nothing else writes its tables.
+``WorkerPool`` knows workers and dispatches, never sessions. Workers are shared by every daemon
+on the NATS: the pool learns them from their beats and asks each to register with this daemon
+(``runtime.protocol``). A session's writer asks it for a worker (``pick``: a capable worker with
+room, by the load its beats report for every daemon plus this daemon's own dispatches), tracks the
+dispatch it sends there (``track``/``send_run``, which names this daemon and incarnation), and
+waits on the dispatch's future; when a worker is declared lost (missed heartbeats, or it
+registered again from a new process) the pool fails that worker's own dispatches with
+``WorkerLost`` and the writer re-dispatches, as it does for a dispatch the worker's later beats
+no longer list (it abandoned it). The control plane hands it decoded registrations and beats;
+nothing else writes its tables.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 
 from apomesh.core.definition import AgentConfig
@@ -27,6 +33,7 @@ from apomesh.plugins.pins import worker_pin_problem
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
+    DEFAULT_MAX_AGENTS,
     DISPATCH_ACK_DECODER,
     ENCODER,
     Beat,
@@ -40,6 +47,8 @@ from apomesh.runtime.protocol import (
 
 LOST_WORKERS_KEPT = 64
 """How many workers declared lost the pool keeps listing (``GET /v1/workers``, ``alive`` false)."""
+REFUSED_ASK_AGAIN = 30.0
+"""Seconds before a worker whose registration was refused is asked to register again."""
 
 
 class WorkerLost(Exception):
@@ -63,6 +72,11 @@ class WorkerInfo:
     load: int = 0
     instance: str = ""
     plugins: dict[str, str] = field(default_factory=dict)
+    max_agents: int = DEFAULT_MAX_AGENTS
+    full_at: int | None = None
+    """The beat it had sent when it refused a dispatch for being full: it counts as full until
+    a later beat says otherwise."""
+    beat_seq: int = 0
 
 
 @dataclass(eq=False)
@@ -74,6 +88,13 @@ class Dispatch:
     agent: str
     epoch: int
     future: asyncio.Future[Any]
+    acked_seq: int | None = None
+    """The worker's beat sequence number when it acknowledged the dispatch."""
+
+    @property
+    def key(self) -> str:
+        """``session/agent``, as beats list the agents a worker runs."""
+        return f"{self.session_id}/{self.agent}"
 
 
 class WorkerPool:
@@ -85,6 +106,7 @@ class WorkerPool:
         *,
         nc: NATS,
         incarnation: str,
+        daemon_id: str = "",
         metrics: DaemonMetrics,
         on_registered: Callable[[], Awaitable[None]],
         logger: logging.Logger | None = None,
@@ -92,6 +114,8 @@ class WorkerPool:
         self.config = config
         self.nc = nc
         self.incarnation = incarnation
+        self.daemon_id = daemon_id or incarnation
+        """This daemon's stable id (set by the daemon at start, before any worker is heard)."""
         self.metrics = metrics
         self.on_registered = on_registered
         self.log = logger or logging.getLogger("apomesh.daemon")
@@ -103,6 +127,7 @@ class WorkerPool:
         self._in_flight: dict[str, set[Dispatch]] = {}
         self._reregister_sent: dict[str, float] = {}
         self._dispatch_refused: dict[str, float] = {}
+        self._registration_refused: dict[str, float] = {}
         self._reconnected_at = time.monotonic()
         self._was_connected = True
 
@@ -116,9 +141,13 @@ class WorkerPool:
         bad += [p for p in reg.providers if allowed_providers and p not in allowed_providers]
         if bad:
             self.log.warning("refused worker %s: not allowed: %s", reg.worker_id, ", ".join(bad))
+            self._registration_refused[reg.worker_id] = time.monotonic()
             return RegisterReply(
-                False, reason=f"not allowed by the daemon's config: {', '.join(bad)}"
+                False,
+                reason=f"not allowed by the daemon's config: {', '.join(bad)}",
+                daemon=self.daemon_id,
             )
+        self._registration_refused.pop(reg.worker_id, None)
         known = self.workers.get(reg.worker_id)
         if known is not None and known.instance and reg.instance and known.instance != reg.instance:
             # The same identity from a new process: whatever the old one ran died with it.
@@ -134,25 +163,61 @@ class WorkerPool:
             load=known.load if known else 0,
             instance=reg.instance,
             plugins=dict(reg.plugins),
+            max_agents=max(1, reg.max_agents),
+            agents=known.agents if known else [],
+            beat_seq=known.beat_seq if known else 0,
         )
         self.lost_workers.pop(reg.worker_id, None)
-        self.log.info("worker %s (%s) registered", reg.worker_id, reg.name)
-        return RegisterReply(True, incarnation=self.incarnation, heartbeat_interval=self.interval)
+        self.log.info(
+            "worker %s (%s) registered, %d agents at most", reg.worker_id, reg.name, reg.max_agents
+        )
+        return RegisterReply(
+            True,
+            incarnation=self.incarnation,
+            heartbeat_interval=self.interval,
+            daemon=self.daemon_id,
+        )
 
     async def registered(self) -> None:
         """The registration was answered: wake whoever waits for a worker."""
         await self.on_registered()
 
     async def beat(self, beat: Beat) -> None:
+        """A worker's beat: it is alive; it runs ``beat.agents`` (for every daemon); a dispatch
+        of ours it acknowledged before this beat and no longer lists at its epoch was abandoned
+        or replaced (its writer dispatches it again); a beat without our incarnation asks it to
+        register with us."""
         self.metrics.heartbeats_received.inc()
         worker = self.workers.get(beat.worker_id)
-        if worker is None:
-            # Unknown here (a restart, or it registered with another daemon of the same NATS).
+        if worker is None or beat.daemons.get(self.daemon_id) != self.incarnation:
             await self.ask_reregister(beat.worker_id)
-            return
+            if worker is None:
+                return
         worker.last_seen = time.monotonic()
         worker.last_beat_wall = time.time()
+        if beat.seq < worker.beat_seq:
+            return  # an older beat (or a restarted process, which registers anew)
+        worker.beat_seq = beat.seq
         worker.agents = list(beat.agents)
+        worker.max_agents = max(1, beat.max_agents)
+        if worker.full_at is not None and beat.seq > worker.full_at:
+            worker.full_at = None
+        for dispatch in list(self._in_flight.get(beat.worker_id, ())):
+            if (
+                dispatch.acked_seq is not None
+                and beat.seq > dispatch.acked_seq
+                and beat.agents.get(dispatch.key) != dispatch.epoch
+                and not dispatch.future.done()
+            ):
+                self.log.warning(
+                    "worker %s no longer runs %s epoch %d: dispatching it again",
+                    beat.worker_id,
+                    dispatch.key,
+                    dispatch.epoch,
+                )
+                dispatch.future.set_exception(
+                    WorkerLost(beat.worker_id, f"worker {beat.worker_id} abandoned the dispatch")
+                )
 
     def heard_from(self, worker_id: str) -> None:
         """A report from the worker passed its fence: it is alive at least as of the last beat."""
@@ -161,13 +226,18 @@ class WorkerPool:
             worker.last_seen = max(worker.last_seen, time.monotonic() - self.interval)
 
     async def ask_reregister(self, worker_id: str, force: bool = False) -> None:
+        """Ask a worker to register with this daemon (at most once an interval; a worker whose
+        registration was refused is asked again only after ``REFUSED_ASK_AGAIN`` seconds)."""
         now = time.monotonic()
         if not force and now - self._reregister_sent.get(worker_id, 0.0) < max(1.0, self.interval):
+            return
+        if not force and now - self._registration_refused.get(worker_id, -1e9) < REFUSED_ASK_AGAIN:
             return
         self._reregister_sent[worker_id] = now
         with contextlib.suppress(Exception):
             await self.nc.publish(
-                dispatch_subject(worker_id), ENCODER.encode(Reregister(self.incarnation))
+                dispatch_subject(worker_id),
+                ENCODER.encode(Reregister(self.incarnation, daemon=self.daemon_id)),
             )
 
     # --- placement and dispatch --------------------------------------------------------------------
@@ -181,10 +251,12 @@ class WorkerPool:
         who: str = "",
         stop: Callable[[], bool] | None = None,
     ) -> str | None:
-        """A live registered worker that has the agent's model provider and tools and whose
-        plugin versions satisfy the session's ``pins``; waits for one (``who``, the session and
-        agent, is named in a warning while it waits), or answers None once ``stop()`` is true."""
+        """A live registered worker that has the agent's model provider and tools, whose
+        plugin versions satisfy the session's ``pins`` and that has room for one more agent
+        (``free_slots``); waits for one (``who``, the session and agent, is named in a warning
+        while it waits), or answers None once ``stop()`` is true."""
         warned = False
+        waited_for_room = False
         while True:
             if stop is not None and stop():
                 return None
@@ -205,6 +277,19 @@ class WorkerPool:
                     "; ".join(f"{worker}: {problem}" for worker, problem in problems.items()),
                 )
                 warned = True
+            roomy = [w for w in candidates if self.free_slots(w) > 0]
+            if candidates and not roomy and not waited_for_room:
+                self.log.warning(
+                    "%s waits for room on a worker: %s",
+                    who or config.name,
+                    "; ".join(
+                        f"{w.worker_id} runs {w.max_agents - self.free_slots(w)} of {w.max_agents}"
+                        for w in candidates
+                    ),
+                )
+                self.metrics.placement_waits.inc()
+                waited_for_room = True
+            candidates = roomy
             # A worker that just refused or missed a dispatch is passed over while another can
             # take it (it is not declared lost for that: liveness alone decides).
             now = time.monotonic()
@@ -227,6 +312,17 @@ class WorkerPool:
                 chosen.load += 1
                 return chosen.worker_id
             await asyncio.sleep(0.1)
+
+    def free_slots(self, worker: WorkerInfo) -> int:
+        """How many more agents ``worker`` may take: its capacity less the agents its latest beat
+        lists for other daemons (and for dispatches of ours it has not listed yet) and those this
+        daemon placed on it; none after it refused a dispatch for being full, until its next
+        beat."""
+        if worker.full_at is not None:
+            return 0
+        mine = {d.key for d in self._in_flight.get(worker.worker_id, ())}
+        others = sum(1 for agent in worker.agents if agent not in mine)
+        return worker.max_agents - others - worker.load
 
     def release(self, worker_id: str) -> None:
         """A dispatch picked for ``worker_id`` ended (answered, lost or refused)."""
@@ -257,7 +353,9 @@ class WorkerPool:
 
     async def send_run(self, worker_id: str, run: Run) -> bool:
         """Send a dispatch; False when it was not acknowledged (try again), ``PayloadTooLarge``
-        when it can never be sent."""
+        when it can never be sent. The dispatch names this daemon and incarnation: the worker
+        reports it here, and only here."""
+        run = msgspec.structs.replace(run, daemon=self.daemon_id, incarnation=self.incarnation)
         data = ENCODER.encode(run)
         limit = int(self.nc.max_payload)
         if len(data) > limit:
@@ -274,6 +372,7 @@ class WorkerPool:
                 exc,
             )
             self._dispatch_refused[worker_id] = time.monotonic()
+            self.metrics.dispatches_refused.labels("unanswered").inc()
             return False
         if not ack.ok:
             self.log.warning(
@@ -284,8 +383,19 @@ class WorkerPool:
                 ack.reason,
             )
             self._dispatch_refused[worker_id] = time.monotonic()
+            self.metrics.dispatches_refused.labels("full" if ack.full else "refused").inc()
+            worker = self.workers.get(worker_id)
+            if ack.full and worker is not None:
+                worker.full_at = ack.beat_seq
             return False
         self._dispatch_refused.pop(worker_id, None)
+        for dispatch in self._in_flight.get(worker_id, ()):
+            if (dispatch.session_id, dispatch.agent, dispatch.epoch) == (
+                run.session_id,
+                run.agent,
+                run.epoch,
+            ):
+                dispatch.acked_seq = ack.beat_seq
         return True
 
     async def send_cancel(

@@ -40,7 +40,7 @@ def _install(directory: str) -> None:
             return
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    async def send(self: Any, report: Any) -> Any:
+    async def send(self: Any, report: Any, *args: Any) -> Any:
         kind = type(report).__name__
         intent = kind == "JournalBegin" or getattr(report, "intent", None) is not None
         if intent:
@@ -49,7 +49,7 @@ def _install(directory: str) -> None:
             fire("report")
         if kind == "Done" and report.outcome in ("final", "plan"):
             fire("done")
-        reply = await real_send(self, report)
+        reply = await real_send(self, report, *args)
         if intent and reply.status == "ok" and reply.decision == "run":
             fire("effect")
         return reply
