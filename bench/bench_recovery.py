@@ -65,6 +65,7 @@ from apomesh.runtime.protocol import (
     DispatchAck,
     Register,
     Reregister,
+    Run,
     beat_subject,
     control_subject,
     dispatch_subject,
@@ -170,6 +171,10 @@ def measure_loss(interval: float, rounds: int, sessions: int) -> None:
 # --- boot recovery -----------------------------------------------------------------------------
 
 
+SINK_ROOM = 1_000_000
+"""The sink takes every dispatch: the figure is the daemon's, not a worker's capacity."""
+
+
 class SinkWorker:
     """A registered worker that beats and acknowledges every dispatch, running nothing: the boot
     figure is then the daemon's alone."""
@@ -183,6 +188,8 @@ class SinkWorker:
         self._daemons: dict[str, str] = {}
         self.registered = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.running: dict[str, int] = {}
+        self.seq = 0
 
     async def start(self) -> None:
         async def on_dispatch(msg: Any) -> None:
@@ -193,14 +200,17 @@ class SinkWorker:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
                 return
-            self.dispatches += 1
-            await msg.respond(ENCODER.encode(DispatchAck(True)))
+            if isinstance(message, Run):
+                # Taken and held, never run: its beats list it, so the daemon waits on it.
+                self.dispatches += 1
+                self.running[f"{message.session_id}/{message.agent}"] = message.epoch
+            await msg.respond(ENCODER.encode(DispatchAck(True, beat_seq=self.seq)))
 
         await self.nc.subscribe(dispatch_subject(self.worker_id), cb=on_dispatch)
         self._beat_task = asyncio.create_task(self._beat())
 
     async def register(self, daemon_id: str) -> None:
-        request = Register(self.worker_id, "sink", self.tools, ["scripted"])
+        request = Register(self.worker_id, "sink", self.tools, ["scripted"], max_agents=SINK_ROOM)
         # The daemon answers only on the worker's own inbox; the sink shares the daemon's
         # connection, so it names that inbox itself.
         inbox = f"{worker_inbox_prefix(self.worker_id)}.register"
@@ -219,10 +229,16 @@ class SinkWorker:
             return
 
     async def _beat(self) -> None:
-        seq = 0
         while True:
-            seq += 1
-            beat = Beat(self.worker_id, "sink", dict(self._daemons), seq=seq, max_agents=1_000_000)
+            self.seq += 1
+            beat = Beat(
+                self.worker_id,
+                "sink",
+                dict(self._daemons),
+                agents=dict(self.running),
+                seq=self.seq,
+                max_agents=SINK_ROOM,
+            )
             await self.nc.publish(beat_subject(self.worker_id), ENCODER.encode(beat))
             await asyncio.sleep(0.5)
 

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,9 @@ class WorkerPool:
         self.lost_workers: dict[str, WorkerInfo] = {}
         """Workers declared lost, newest last, listed as such until they register again."""
         self._in_flight: dict[str, set[Dispatch]] = {}
+        self._in_flight_keys: dict[str, Counter[str]] = {}
+        """``Dispatch.key`` of the dispatches in flight on each worker (placement asks it while
+        many agents wait for room, so it must stay cheap)."""
         self._reregister_sent: dict[str, float] = {}
         self._dispatch_refused: dict[str, float] = {}
         self._registration_refused: dict[str, float] = {}
@@ -320,7 +324,7 @@ class WorkerPool:
         beat."""
         if worker.full_at is not None:
             return 0
-        mine = {d.key for d in self._in_flight.get(worker.worker_id, ())}
+        mine = self._in_flight_keys.get(worker.worker_id, Counter[str]())
         others = sum(1 for agent in worker.agents if agent not in mine)
         return worker.max_agents - others - worker.load
 
@@ -336,14 +340,21 @@ class WorkerPool:
             worker_id, session_id, agent, epoch, asyncio.get_running_loop().create_future()
         )
         self._in_flight.setdefault(worker_id, set()).add(dispatch)
+        self._in_flight_keys.setdefault(worker_id, Counter())[dispatch.key] += 1
         return dispatch
 
     def untrack(self, dispatch: Dispatch) -> None:
         pending = self._in_flight.get(dispatch.worker_id)
-        if pending is not None:
-            pending.discard(dispatch)
-            if not pending:
-                del self._in_flight[dispatch.worker_id]
+        if pending is None or dispatch not in pending:
+            return
+        pending.discard(dispatch)
+        keys = self._in_flight_keys[dispatch.worker_id]
+        keys[dispatch.key] -= 1
+        if keys[dispatch.key] <= 0:
+            del keys[dispatch.key]
+        if not pending:
+            del self._in_flight[dispatch.worker_id]
+            del self._in_flight_keys[dispatch.worker_id]
 
     @property
     def page_bytes(self) -> int:
