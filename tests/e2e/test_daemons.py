@@ -387,6 +387,10 @@ async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcom
 
 
 async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons) -> None:
+    # A lease and presence TTL well past the shutdown: a session B owns right after A exits was
+    # handed over, not taken after its lease expired; and a loaded machine delaying B's presence
+    # renewal by a second or two does not make A believe it has no live peer.
+    system.env["APOMESH_DAEMON_LEASE_TTL"] = "30"
     a = system.daemon("a")
     b = system.daemon("b")
     system.worker("w1")
