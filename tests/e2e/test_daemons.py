@@ -285,6 +285,45 @@ async def test_fresh_model_sessions_of_a_killed_daemon_finish_on_its_peer_audite
         assert audit.status == "completed"
 
 
+async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_peer(
+    system: Daemons,
+) -> None:
+    # A lease TTL longer than a restart of A: A's own boot scan, not B's takeover, sees the crash.
+    system.env["APOMESH_DAEMON_LEASE_TTL"] = "10"
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
+    await wait_daemons(a, b)
+    (session_id,) = await start_sessions(a.url, ["stranded-then-lost"], steps=8)
+    async with Client(a.url) as on_a:
+        await wait_side_effects(on_a, [session_id], 1)
+    # A crashes and restarts: a side effect is logged, so the session waits for an operator on A.
+    a.kill()
+    a.start(timeout=60.0)
+    async with Client(a.url) as on_a, Client(b.url) as on_b:
+        with anyio.fail_after(DEADLINE):
+            while session_id not in {r.session_id for r in await on_a.list_recoverable()}:
+                await anyio.sleep(0.1)
+        assert session_id not in {r.session_id for r in await on_b.list_recoverable()}
+    # A is lost for good, data dir and all: once its presence ages out, B lists the session.
+    a.kill()
+    shutil.rmtree(a.data_dir)
+    async with Client(b.url) as on_b:
+        with anyio.fail_after(DEADLINE):
+            while True:
+                listed = {r.session_id: r for r in await on_b.list_recoverable()}
+                if session_id in listed:
+                    break
+                await anyio.sleep(0.2)
+        assert listed[session_id].side_effects >= 1
+        assert "which is gone" in listed[session_id].reason
+        await on_b.resume(session_id)
+    records = await all_events(b.url, session_id)
+    assert_exactly_once(records, system.workspace)
+    assert [r.event["path"] for r in records if r.kind == "SessionRecovered"] == ["operator"]
+
+
 async def test_a_frozen_daemons_session_moves_and_its_stale_writes_are_rejected(
     system: Daemons,
 ) -> None:

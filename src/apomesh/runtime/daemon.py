@@ -118,6 +118,7 @@ class Daemon:
             log_adapter=log_adapter,
             registry=self.registry,
             presence=self.presence,
+            plugins=plugins,
             stopped=lambda: self._closing or self.presence.state != "active",
             logger=log,
         )

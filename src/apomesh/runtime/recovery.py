@@ -240,16 +240,20 @@ class Takeover:
         log_adapter: EventLog,
         registry: SessionRegistry,
         presence: Presence,
+        plugins: PluginHost,
         stopped: Callable[[], bool],
         logger: logging.Logger | None = None,
     ) -> None:
         self.log_adapter = log_adapter
         self.registry = registry
         self.presence = presence
+        self.plugins = plugins
         self.stopped = stopped
         self.log = logger or log
         self.owned_by: dict[str, str] = {}
         """Session -> the other daemon last seen driving it (or holding its lease)."""
+        self.stranded_by: dict[str, str] = {}
+        """Session -> the other daemon whose recoverable list it was last seen on."""
         self.settled: set[tuple[str, str]] = set()
         """(session, daemon) pairs resolved here: the session no longer waits for that daemon."""
         self.adopted = 0
@@ -276,6 +280,8 @@ class Takeover:
             if record.id == me:
                 continue
             listed[record.id] = set(record.sessions)
+            for session_id in record.stranded:
+                self.stranded_by[session_id] = record.id
             for session_id in record.sessions:
                 if record.gone and (session_id, record.id) in self.settled:
                     continue  # handed over, and already adopted or ended
@@ -293,7 +299,42 @@ class Takeover:
                 adopted += 1
             if self.owned_by.get(session_id) != owner:
                 self.settled.add((session_id, owner))
+        for session_id, owner in list(self.stranded_by.items()):
+            seen = records.get(owner)
+            if seen is not None and not seen.gone:
+                if session_id not in seen.stranded:
+                    del self.stranded_by[session_id]  # resumed, cancelled or ended there
+                continue
+            del self.stranded_by[session_id]
+            await self._list_here(session_id, owner)
         return adopted
+
+    async def _list_here(self, session_id: str, owner: str) -> None:
+        """A session that waited for an operator on a daemon that is gone waits here now, on this
+        daemon's recoverable list (classified again), so no operator loses sight of it."""
+        if session_id in self.registry.stranded or self.registry.writer(session_id) is not None:
+            return
+        try:
+            state = fold(await self.log_adapter.read(session_id), session_id)
+        except (CodecError, FoldError) as exc:
+            reason = f"{decisions.REASON_UNDECODABLE}: {exc}"
+            self.registry.strand(Recoverable(session_id, "", reason, "undecodable", 0, 0.0))
+            return
+        if state.terminal:
+            return
+        verdict = classify(self.plugins, state)
+        self.registry.strand(
+            Recoverable(
+                session_id,
+                state.goal,
+                f"{verdict.reason} (listed on daemon {owner}, which is gone)",
+                verdict.category,
+                state.side_effects,
+                state.last_ts,
+                state,
+            )
+        )
+        self.log.info("session %s of daemon %s waits for an operator here now", session_id, owner)
 
     async def _take(self, session_id: str, owner: str) -> bool:
         """Adopt one session of a daemon that is gone, once its lease is free."""
