@@ -373,18 +373,26 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcome(
-    system: Daemons,
-) -> None:
+async def two_daemons_running(
+    system: Daemons, prefix: str
+) -> tuple[DaemonProcess, DaemonProcess, str, str, list[str]]:
+    """Daemons A and B over two shared workers, and two long sessions on A past a side effect."""
     a = system.daemon("a")
     b = system.daemon("b")
     system.worker("w1")
     system.worker("w2")
     await wait_daemons(a, b)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
-    session_ids = await start_sessions(a.url, [f"drain-{n}" for n in range(2)], steps=30)
+    session_ids = await start_sessions(a.url, [f"{prefix}-{n}" for n in range(2)], steps=30)
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, session_ids, 1)
+    return a, b, a_id, b_id, session_ids
+
+
+async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcome(
+    system: Daemons,
+) -> None:
+    a, b, a_id, b_id, session_ids = await two_daemons_running(system, "drain")
 
     listed = await anyio.to_thread.run_sync(lambda: cli("daemons", "list", "--url", a.url))
     assert listed.returncode == 0, listed.stderr
@@ -430,15 +438,7 @@ async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons)
     # handed over, not taken after its lease expired; and a loaded machine delaying B's presence
     # renewal by a second or two does not make A believe it has no live peer.
     system.env["APOMESH_DAEMON_LEASE_TTL"] = "30"
-    a = system.daemon("a")
-    b = system.daemon("b")
-    system.worker("w1")
-    system.worker("w2")
-    await wait_daemons(a, b)
-    a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
-    session_ids = await start_sessions(a.url, [f"term-{n}" for n in range(2)], steps=30)
-    async with Client(a.url) as on_a:
-        await wait_side_effects(on_a, session_ids, 1)
+    a, b, a_id, b_id, session_ids = await two_daemons_running(system, "term")
     await anyio.to_thread.run_sync(a.stop)
     assert a.proc is not None and a.proc.returncode == 0, a.output_tail()
     async with Client(b.url) as on_b:

@@ -102,6 +102,18 @@ def solo_appender(appends: int) -> dict[str, Any]:
     }
 
 
+def fanout_appender() -> dict[str, Any]:
+    """A fanout the fresh model plans into two children, each making one fs.append call."""
+    return {
+        "name": "fresh-fanout",
+        "version": "1.0.0",
+        "coordination": "fanout",
+        "coordination_params": {"max_parallel": 2},
+        "model": fresh("fresh:plan=2"),
+        "roles": {"worker": {"tools": ["fs.append"], "model": fresh("fresh:appends=1")}},
+    }
+
+
 def start(url: str, goal: str, definition: dict[str, Any]) -> str:
     response = httpx.post(f"{url}/v1/sessions", json={"goal": goal, "definition": definition})
     assert response.status_code == 201, response.text
@@ -243,14 +255,7 @@ def test_a_fanout_root_lost_before_its_plan_is_done_replays_the_plan_and_its_chi
 ) -> None:
     with FreshModelServer() as server:
         system = ReplayMesh(mesh, server)
-        definition = {
-            "name": "fresh-fanout",
-            "version": "1.0.0",
-            "coordination": "fanout",
-            "coordination_params": {"max_parallel": 2},
-            "model": fresh("fresh:plan=2"),
-            "roles": {"worker": {"tools": ["fs.append"], "model": fresh("fresh:appends=1")}},
-        }
+        definition = fanout_appender()
         session_id = start(system.url, "plan once", definition)
         # The root's worker freezes between its plan's report and Done, past the heartbeat
         # threshold: the root is re-dispatched elsewhere; thawed, the zombie's Done is fenced.
@@ -289,14 +294,7 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(mesh: Mesh) -> None:
     )
     with FreshModelServer() as server:
         system = ReplayMesh(mesh, server)
-        definition = {
-            "name": "fresh-fanout",
-            "version": "1.0.0",
-            "coordination": "fanout",
-            "coordination_params": {"max_parallel": 2},
-            "model": fresh("fresh:plan=2"),
-            "roles": {"worker": {"tools": ["fs.append"], "model": fresh("fresh:appends=1")}},
-        }
+        definition = fanout_appender()
         system.arm("turn-stored")
         session_id = start(system.url, "plan, unlogged", definition)
         deadline = time.monotonic() + TIMEOUT
