@@ -123,7 +123,8 @@ def describe_tool(tool: Tool) -> dict[str, Any]:
 class ModelError(ApomeshError):
     """A model provider could not produce an answer (an HTTP error, an unreachable endpoint, an
     answer it cannot parse). ``status`` is the HTTP status when there was one; rate limits, server
-    errors and unreachable endpoints are ``retryable``."""
+    errors and unreachable endpoints are ``retryable``. ``retry_after`` is the delay in seconds the
+    API asked for (its ``Retry-After`` header), when it named one."""
 
     code = "model_error"
 
@@ -134,6 +135,7 @@ class ModelError(ApomeshError):
         provider: str,
         status: int | None = None,
         retryable: bool | None = None,
+        retry_after: float | None = None,
     ) -> None:
         where = f"model provider {provider!r}" + (f" (HTTP {status})" if status is not None else "")
         super().__init__(f"{where}: {message}")
@@ -142,6 +144,7 @@ class ModelError(ApomeshError):
         if retryable is None:
             retryable = status is not None and (status == 429 or status >= 500)
         self.retryable = retryable
+        self.retry_after = retry_after
 
 
 class ModelRequest(msgspec.Struct, frozen=True):
@@ -164,6 +167,9 @@ class ModelResponse(msgspec.Struct, frozen=True):
     plan: list[str] | None = None
     final: str | None = None
     tokens: int = 0
+    """Total tokens of the call (prompt + completion when the API reports both)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     memory: dict[str, Any] = {}
 
 
