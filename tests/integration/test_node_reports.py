@@ -48,7 +48,9 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
         for _, worker in node.workers:
             await worker.wait_registered()
         agent = writer([[write("a.txt", "one")], [write("b.txt", "two"), write("c.txt", "three")]])
-        session_id = await node.service.create_session("write", agent=None, definition=agent, by="t")
+        session_id = await node.service.create_session(
+            "write", agent=None, definition=agent, by="t"
+        )
         runtime = node.daemon.registry.live[session_id]
         assert runtime.task is not None
         await runtime.task
@@ -57,12 +59,18 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
 
     assert runtime.state.status == "completed"
     workspace = config.daemon.workspace_path()
-    assert [(workspace / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == ["one", "two", "three"]
+    assert [(workspace / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == [
+        "one",
+        "two",
+        "three",
+    ]
     events = [e.event for e in envelopes]
     steps: list[list[str]] = [[]]
     for ev in events:
         if isinstance(ev, ToolCallIntent | ToolCallRecorded):
-            steps[-1].append(f"{type(ev).__name__}:{ev.tool}:{ev.outcome if isinstance(ev, ToolCallRecorded) else ''}")
+            steps[-1].append(
+                f"{type(ev).__name__}:{ev.tool}:{ev.outcome if isinstance(ev, ToolCallRecorded) else ''}"
+            )
         elif isinstance(ev, AgentSnapshotted) and ev.source == "turn":
             steps[-1].append("turn")
         elif isinstance(ev, AgentSnapshotted):
@@ -75,3 +83,50 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
     records = [msgspec.msgpack.decode(value) for _, value in journal]
     assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]
     assert runtime.state.side_effects == 3
+
+
+@pytest.mark.anyio
+async def test_in_process_workers_report_over_the_local_link_with_the_same_checks(
+    tmp_path: Path,
+) -> None:
+    """An in-process worker's reports to its own daemon skip NATS (``ControlPlane.local_link``)
+    and meet the same checks: the session completes with no report on the daemon's control
+    subjects, and a report naming another worker is fenced."""
+    from apomesh.runtime.protocol import ENCODER, Done
+
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
+            "plugins": {"allow": ["apomesh"]},
+        },
+    )
+    async with Node(config, http=False) as node:
+        assert node.daemon is not None and node.service is not None
+        ((_, worker),) = node.workers
+        await worker.wait_registered()
+        assert set(worker.local_links) == {node.daemon.daemon_id}
+        over_nats: list[str] = []
+        original = node.daemon.control._process_report
+
+        async def counted(msg: Any) -> None:
+            over_nats.append(msg.subject)
+            await original(msg)
+
+        node.daemon.control._process_report = counted  # type: ignore[method-assign]
+        agent = writer([[write("a.txt", "one")]])
+        session_id = await node.service.create_session(
+            "write", agent=None, definition=agent, by="t"
+        )
+        runtime = node.daemon.registry.live[session_id]
+        assert runtime.task is not None
+        await runtime.task
+        assert runtime.state.status == "completed"
+        assert over_nats == []
+
+        link = worker.local_links[node.daemon.daemon_id]
+        forged = Done("another-worker", session_id, "root", 1, outcome="final", output="x")
+        reply = await link(ENCODER.encode(forged))
+        assert reply.status == "fenced"
+        assert "cannot report as another-worker" in reply.message

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -161,24 +161,28 @@ class ControlPlane:
             self.spawn(self._process_report(msg))
 
     async def _process_report(self, msg: Msg) -> None:
+        await _reply(msg, await self.answer(msg.data, subject_worker(msg.subject)))
+
+    async def answer(self, data: bytes, sender: str | None) -> Reply:
+        """The reply to one encoded report sent by worker ``sender``: refused when it is over the
+        size ceiling, undecodable, or names another worker; otherwise its session writer's."""
         limits = self.limits
         ceiling = (
             max(limits.max_snapshot_bytes, limits.max_event_bytes, limits.max_tool_args_bytes)
             + 4096
         )
-        if len(msg.data) > ceiling:
+        if len(data) > ceiling:
             self.log.warning(
-                "refused a report of %d bytes on %s (limit %d)", len(msg.data), msg.subject, ceiling
+                "refused a report of %d bytes from %s (limit %d)", len(data), sender, ceiling
             )
-            message = f"payload_too_large: a report of {len(msg.data)} bytes is over the limit of {ceiling}"
-            await _reply(msg, Reply("error", message=message))
-            return
+            message = (
+                f"payload_too_large: a report of {len(data)} bytes is over the limit of {ceiling}"
+            )
+            return Reply("error", message=message)
         try:
-            report = REPORT_DECODER.decode(msg.data)
+            report = REPORT_DECODER.decode(data)
         except Exception as exc:
-            await _reply(msg, Reply("error", message=f"undecodable report: {exc}"))
-            return
-        sender = subject_worker(msg.subject)
+            return Reply("error", message=f"undecodable report: {exc}")
         if sender is not None and sender != report.worker_id:
             self.metrics.fenced_reports.inc()
             self.log.warning(
@@ -187,11 +191,20 @@ class ControlPlane:
                 report.worker_id,
                 sender,
             )
-            await _reply(
-                msg, Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
-            )
-            return
-        await _reply(msg, await self._decide(report))
+            return Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
+        return await self._decide(report)
+
+    def local_link(self, worker_id: str) -> Callable[[bytes], Awaitable[Reply]]:
+        """How an in-process worker (same process, same event loop) sends its reports to this
+        daemon without a NATS round trip: the same checks and writer as a report on the worker's
+        control subjects, answered in a task of the daemon's own (a worker cancelling its call
+        never cuts the daemon's handling short, as with a request over NATS)."""
+
+        async def send(data: bytes) -> Reply:
+            task: asyncio.Future[Reply] = asyncio.ensure_future(self.answer(data, worker_id))
+            return await asyncio.shield(task)
+
+        return send
 
     async def _decide(self, report: Report) -> Reply:
         """The reply to a report from its session's writer (fenced when nobody here drives it)."""

@@ -490,6 +490,10 @@ class Node:
                 )
             )
         await self.daemon.start()
+        for _, worker in self.workers:
+            # Reports of the in-process workers to this daemon skip the NATS round trip.
+            link = self.daemon.control.local_link(worker.worker_id)
+            worker.local_links[self.daemon.daemon_id] = link
         if self.http:
             assert callable(self.http) and self.service is not None
             self._http_endpoint = await self.http(self.service, config)

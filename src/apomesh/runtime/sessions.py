@@ -33,9 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,8 +228,15 @@ class SessionRuntime:
         """The async jobs this writer runs, by (agent, job id)."""
         self._drivers: set[asyncio.Task[Any]] = set()
         """The tasks driving an agent (``drive_agent``), stopped when the session is held."""
+        self._id_prefix = os.urandom(8).hex()
+        self._id_counter = itertools.count()
 
     # --- the single writer -----------------------------------------------------------------------
+
+    def _event_id(self) -> str:
+        """A new event id: 32 hex digits, this writer's random prefix and a counter (unique like a
+        uuid4, without a system call per event)."""
+        return f"{self._id_prefix}{next(self._id_counter):016x}"
 
     async def decide(self, rule: Rule[T]) -> T:
         """Decide a change against the folded state under the writer's lock, check its events with
@@ -248,7 +256,7 @@ class SessionRuntime:
             now = time.time()
             first = self.state.last_index + 1
             envs = [
-                envelope.make(self.session_id, first + i, now, uuid.uuid4().hex, ev)
+                envelope.make(self.session_id, first + i, now, self._event_id(), ev)
                 for i, ev in enumerate(events)
             ]
             try:

@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,9 @@ class Worker:
         daemon_gone_after: float = DEFAULT_DAEMON_GONE_AFTER,
     ) -> None:
         self.nc = nc
+        self.local_links: dict[str, Callable[[bytes], Awaitable[Reply]]] = {}
+        """Daemons in this very process (``ControlPlane.local_link``), by id: reports to them skip
+        the NATS round trip; registration and heartbeats still go over NATS like any worker's."""
         self.plugin_versions = dict(plugin_versions or {})
         """Sent on ``Register``: the daemon places on this worker only agents whose session pins
         these versions."""
@@ -391,8 +395,11 @@ class Worker:
     async def send(self, report: Report, daemon_id: str) -> Reply:
         """Send a report to daemon ``daemon_id``, retrying while it is away (it dedupes
         retries); ``DaemonGone`` once it has not answered for ``daemon_gone_after`` seconds."""
-        subject = control_subject(daemon_id, _VERBS[type(report)], self.worker_id)
         data = ENCODER.encode(report)
+        link = self.local_links.get(daemon_id)
+        if link is not None:
+            return await link(data)
+        subject = control_subject(daemon_id, _VERBS[type(report)], self.worker_id)
         started = time.monotonic()
         delay = 0.1
         while True:

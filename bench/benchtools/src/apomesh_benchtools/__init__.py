@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from apomesh.plugins.api import Tool, ToolContext
 from apomesh.plugins.hookspecs import hookimpl
 
 LINE_WIDTH = 64
+_made: set[Path] = set()
+"""Folders already made (the floor makes its folder once, not per step)."""
 
 
 def line_for(session: str, step: int) -> bytes:
@@ -28,7 +31,9 @@ async def lookup(ctx: ToolContext, args: dict[str, Any]) -> str:
 
 async def append(ctx: ToolContext, args: dict[str, Any]) -> str:
     folder = ctx.workspace / "bench"
-    folder.mkdir(exist_ok=True)
+    if folder not in _made:
+        folder.mkdir(exist_ok=True)
+        _made.add(folder)
     fd = os.open(folder / f"{ctx.session_id}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line_for(ctx.session_id, int(args.get("step", 0))))
