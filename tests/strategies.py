@@ -156,6 +156,8 @@ def state_summary(state: SessionState) -> dict[str, Any]:
                 k if isinstance(k, str) else msgspec.json.encode(k).decode(): v
                 for k, v in value.items()
             }
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value, key=repr)  # a set's order is not part of the state
         summary[f.name] = msgspec.to_builtins(value)
     summary["status"] = state.status
     summary["output"] = state.output

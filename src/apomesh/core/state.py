@@ -17,7 +17,6 @@ the started one from then on; the ``BootstrapView`` always stays the record of t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -267,22 +266,35 @@ def trial_copy(state: SessionState) -> SessionState:
     time the trial reads it, so checking a step costs what the step touches, not the session's
     size; the short lists and sets are copied whole. Events, configs and shapes are immutable and
     shared."""
-    replace = cast(Callable[[Any], Any], dataclasses.replace)
-    return dataclasses.replace(
-        state,
-        agents=_overlay(state.agents, replace),
-        children=_overlay(state.children, list),
-        checkpoints=list(state.checkpoints),
-        answers=_overlay(state.answers),
-        jobs_in_flight=_overlay(state.jobs_in_flight),
-        jobs_done=_overlay(state.jobs_done),
-        hitl_pending=_overlay(state.hitl_pending),
-        hitl_answers=_overlay(state.hitl_answers),
-        journal=_overlay(state.journal, replace),
-        operator_actions=list(state.operator_actions),
-        acknowledged_unknown=set(state.acknowledged_unknown),
-        pin_overrides=dict(state.pin_overrides),
-    )
+    trial: SessionState = _copy_state(state)
+    trial.agents = _overlay(state.agents, _copy_agent)
+    trial.children = _overlay(state.children, list)
+    trial.checkpoints = list(state.checkpoints)
+    trial.answers = _overlay(state.answers)
+    trial.jobs_in_flight = _overlay(state.jobs_in_flight)
+    trial.jobs_done = _overlay(state.jobs_done)
+    trial.hitl_pending = _overlay(state.hitl_pending)
+    trial.hitl_answers = _overlay(state.hitl_answers)
+    trial.journal = _overlay(state.journal, _copy_entry)
+    trial.operator_actions = list(state.operator_actions)
+    trial.acknowledged_unknown = set(state.acknowledged_unknown)
+    trial.pin_overrides = dict(state.pin_overrides)
+    return trial
+
+
+def _shallow_copier(cls: type[Any]) -> Callable[[Any], Any]:
+    """A function answering a shallow copy of an instance of the slotted dataclass ``cls``: one
+    attribute assignment per field, written out once here (``dataclasses.replace`` goes through
+    ``__init__`` and costs some twenty times more, on every fold check)."""
+    body = "".join(f"    new.{name} = old.{name}\n" for name in cls.__slots__)
+    namespace: dict[str, Any] = {"make": object.__new__, "cls": cls}
+    exec(f"def copy(old):\n    new = make(cls)\n{body}    return new\n", namespace)
+    return cast(Callable[[Any], Any], namespace["copy"])
+
+
+_copy_state = _shallow_copier(SessionState)
+_copy_agent = _shallow_copier(AgentView)
+_copy_entry = _shallow_copier(JournalEntry)
 
 
 K = TypeVar("K")
@@ -320,6 +332,12 @@ class _TrialMap(MutableMapping[K, V]):
         value = self._copy(self._base[key])
         self._mine[key] = value
         return value
+
+    def get(self, key: K, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
     def __setitem__(self, key: K, value: V) -> None:
         self._mine[key] = value
