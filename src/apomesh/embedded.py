@@ -33,10 +33,10 @@ from typing import Any
 import msgspec
 
 from apomesh.core.definition import parse_definition
-from apomesh.core.errors import NotFound, SessionNotCompleted
+from apomesh.core.errors import NotFound, PluginPinMismatch, SessionNotCompleted
 from apomesh.core.views import SessionView
 from apomesh.plugins.api import Tool
-from apomesh.plugins.python_tools import PythonTool, tool_sets
+from apomesh.plugins.python_tools import PIN_PREFIX, PythonTool, tool_sets
 from apomesh.runtime.config import load_config
 from apomesh.runtime.node import Node
 from apomesh.runtime.service import Service
@@ -171,7 +171,17 @@ class LocalMesh:
             )
         else:
             if view.status == "recoverable":
-                await service.resume(session_id, migrate_pins={}, by=BY)
+                try:
+                    await service.resume(session_id, migrate_pins={}, by=BY)
+                except PluginPinMismatch as exc:
+                    if not exc.pin.startswith(PIN_PREFIX):
+                        raise
+                    raise PluginPinMismatch(
+                        "the session was started with other Python tools (their code, schema or"
+                        " journal settings changed since): restore them to continue it, or run"
+                        " it under another key=",
+                        pin=exc.pin,
+                    ) from exc
         return await self.wait(session_id)
 
     async def wait(self, session_id: str) -> str:
