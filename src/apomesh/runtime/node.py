@@ -3,9 +3,11 @@ connection, the event log, heartbeat stream and KV buckets, the state store (LMD
 to the replicated ``APOMESH_STATE`` bucket per ``[store] replicated``: ``open_state_store``), the
 plugin host, the daemon, its local in-process workers and the HTTP API.
 
-``Node`` is an async context manager; ``start`` brings the parts up in dependency order and
-``aclose`` takes them down in reverse, so a SIGTERM leaves nothing acknowledged behind: every event
-is on the log before it is acknowledged and snapshots are written at each node boundary.
+``Node`` is an async context manager (``apomesh serve``'s, and ``apomesh.local()``'s in a script,
+which hands it its Python tool sets as ``extra_plugins``); ``start`` brings the parts up in
+dependency order and ``aclose`` takes them down in reverse, so a SIGTERM leaves nothing
+acknowledged behind: every event is on the log before it is acknowledged and snapshots are written
+at each node boundary.
 
 The data dir is private (``private_dir``: created 0700; one owned by another user or writable by
 others is refused with ``UnsafeDataDir``) and one daemon's: before anything else (the embedded
