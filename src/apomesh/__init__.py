@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from apomesh._version import __version__
 
 if TYPE_CHECKING:
+    from apomesh.core.errors import SessionNotCompleted
     from apomesh.embedded import Agent, LocalMesh, local
     from apomesh.plugins.api import ProbeResult, ToolContext
     from apomesh.plugins.python_tools import ToolSet, tool
@@ -25,6 +26,7 @@ __all__ = [
     "Client",
     "LocalMesh",
     "ProbeResult",
+    "SessionNotCompleted",
     "SyncClient",
     "ToolContext",
     "ToolSet",
@@ -42,6 +44,7 @@ _LAZY = {
     "LocalMesh": "apomesh.embedded",
     "local": "apomesh.embedded",
     "ProbeResult": "apomesh.plugins.api",
+    "SessionNotCompleted": "apomesh.core.errors",
     "ToolContext": "apomesh.plugins.api",
     "ToolSet": "apomesh.plugins.python_tools",
     "tool": "apomesh.plugins.python_tools",

@@ -15,7 +15,9 @@ finds the same log, journal and snapshots.
 A session still running is waited for; one the restart put on the recoverable list (it had
 logged side effects) is resumed, the rerun being the deliberate act an operator's resume is: each
 journaled effect is served from the journal or settled by the tool's probe and ``on_unknown``
-policy, never run twice. A finished session answers its output again. A resume whose pins no
+policy, never run twice. Only an unknown outcome of a ``hold`` tool without a probe, which a
+resume would acknowledge, is left for the person to settle (``SessionNotCompleted``; then
+``mesh.resume(session_id)``). A finished session answers its output again. A resume whose pins no
 longer hold (the tool set changed) fails with ``PluginPinMismatch``; a session that ends other
 than completed, waits for a human or holds an unknown outcome is a ``SessionNotCompleted``.
 """
@@ -171,18 +173,34 @@ class LocalMesh:
             )
         else:
             if view.status == "recoverable":
-                try:
-                    await service.resume(session_id, migrate_pins={}, by=BY)
-                except PluginPinMismatch as exc:
-                    if not exc.pin.startswith(PIN_PREFIX):
-                        raise
-                    raise PluginPinMismatch(
-                        "the session was started with other Python tools (their code, schema or"
-                        " journal settings changed since): restore them to continue it, or run"
-                        " it under another key=",
-                        pin=exc.pin,
-                    ) from exc
+                held = _held_for_a_person(view, service.plugins.tools())
+                if held:
+                    raise SessionNotCompleted(
+                        f"session {session_id} holds unknown outcomes for you to decide ({held}:"
+                        " on_unknown='hold' and no probe): look whether the effect happened,"
+                        f" then `await mesh.resume({session_id!r})` goes on past it (the model"
+                        " is told the call failed; it is not run again)",
+                        session_id=session_id,
+                        status=view.status,
+                    )
+                await self.resume(session_id)
         return await self.wait(session_id)
+
+    async def resume(self, session_id: str) -> None:
+        """Resume a session from the recoverable list, as ``apomesh recover resume`` does: its
+        unknown outcomes are acknowledged (a ``hold`` stops holding them). ``PluginPinMismatch``
+        when its pins no longer hold."""
+        try:
+            await self.service.resume(session_id, migrate_pins={}, by=BY)
+        except PluginPinMismatch as exc:
+            if not exc.pin.startswith(PIN_PREFIX):
+                raise
+            raise PluginPinMismatch(
+                "the session was started with other Python tools (their code, schema or journal"
+                " settings changed since): restore them to continue it, or run it under another"
+                " key=",
+                pin=exc.pin,
+            ) from exc
 
     async def wait(self, session_id: str) -> str:
         """The output of session ``session_id`` once it completes; ``SessionNotCompleted`` when
@@ -216,14 +234,29 @@ class LocalMesh:
         return view.output or ""
 
 
+def _held_for_a_person(view: SessionView, tools: Mapping[str, Tool]) -> str:
+    """The unknown outcomes of ``view`` that only a person may settle: calls of a ``hold`` tool
+    with no probe (a resume would acknowledge them); ``""`` when there are none."""
+    held = []
+    for unknown in view.unknown_outcomes:
+        tool = tools.get(unknown.tool)
+        if tool is not None and tool.on_unknown == "hold" and tool.probe is None:
+            held.append(f"{unknown.tool} by {unknown.agent} with {unknown.args}")
+    return "; ".join(held)
+
+
 def _check_not_stuck(view: SessionView) -> None:
     if view.status == "recoverable":
         why = f"it is on the recoverable list: {view.reason or 'no reason given'}"
     elif view.hitl_pending:
         questions = "; ".join(f"{p.pause_id}: {p.question}" for p in view.hitl_pending)
         why = f"it waits for a human answer ({questions})"
-    elif view.unknown_outcomes and any(a.phase == "waiting" for a in view.agents):
-        calls = ", ".join(f"{u.tool} by {u.agent}" for u in view.unknown_outcomes)
+    elif held := [
+        u
+        for u in view.unknown_outcomes
+        if u.agent in {a.ref for a in view.agents if a.phase == "waiting"}
+    ]:
+        calls = ", ".join(f"{u.tool} by {u.agent}" for u in held)
         why = f"it holds unknown outcomes for an operator ({calls})"
     else:
         return

@@ -1,5 +1,6 @@
 """The Python API on real processes: the README's script killed with SIGKILL and rerun, a changed
-tool set stranded by its pin, and docs/python.md's example run as a script and served to a fleet.
+tool set stranded by its pin, an unknown outcome a ``hold`` tool leaves for the person, and
+docs/python.md's example run as a script and served to a fleet.
 
 The README's script is run exactly as the README has it, as a script of its own (its embedded
 nats-server, daemon and workers in its process). Its kill points are exact, not raced: the
@@ -233,3 +234,65 @@ def test_the_docs_tools_serve_a_fleet_pinned_by_module_and_digest(
     (tool_set,) = tool_sets(notes.tools)
     pins = started[0].event["shape"]["plugins"]
     assert {"name": "python:notes", "version": tool_set.apomesh_plugin_version} in pins
+
+
+HOLD_SCRIPT = """
+import asyncio
+import sys
+from pathlib import Path
+
+import apomesh
+
+
+@apomesh.tool(side_effect=True, on_unknown="hold")
+async def charge(amount: int) -> str:
+    with Path("charges.txt").open("a") as out:
+        out.write(f"{amount}\\n")
+    return "charged"
+
+
+agent = apomesh.Agent("biller", tools=[charge], model={"provider": "scripted", "turns": [
+    {"tool_calls": [{"tool": "charge", "args": {"amount": 5}}]}, {"final": "billed"}]})
+
+
+async def main() -> None:
+    async with apomesh.local() as mesh:
+        try:
+            print(await mesh.run(agent, "bill 5"))
+        except apomesh.SessionNotCompleted as exc:
+            if sys.argv[1:] != ["resume"]:
+                raise
+            await mesh.resume(exc.session_id)
+            print(await mesh.wait(exc.session_id))
+
+
+asyncio.run(main())
+"""
+
+
+def test_an_unknown_outcome_held_without_a_probe_waits_for_the_person(tmp_path: Path) -> None:
+    script = Script(tmp_path, "bill.py", HOLD_SCRIPT)
+    charges = tmp_path / "charges.txt"
+    os.mkfifo(charges)
+    script.start()
+    try:
+        wait_until(script.blocked_on_pipe, "the charge blocked on the charges pipe")
+        script.kill()
+    finally:
+        script.close()
+    charges.unlink()
+    # The rerun does not resume past the lost outcome of a `hold` tool by itself.
+    code, out, err = script.run_to_end()
+    assert code != 0 and out == ""
+    assert "SessionNotCompleted" in err and "holds unknown outcomes for you to decide" in err, err
+    assert "charge by root" in err
+    # The person looked (nothing was charged) and resumes past it: the call is not run again.
+    proc = subprocess.run(
+        [sys.executable, script.path.name, "resume"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "billed\n"), proc.stderr
+    assert not charges.exists()

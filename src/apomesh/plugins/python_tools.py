@@ -293,17 +293,21 @@ def load_tool_sets(spec: str) -> list[ToolSet]:
     ``python -m`` finds it. A ``PluginError`` says what is wrong with the spec."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise PluginError(f"--tools {spec!r}: name the tools as module:object")
+        raise PluginError(f"Python tools {spec!r}: name the tools as module:object")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PluginError(f"--tools {spec!r}: cannot import {module_name}: {exc}") from None
+    except Exception as exc:  # the module's own failure, whatever it is, named with the spec
+        raise PluginError(
+            f"Python tools {spec!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from None
     try:
         value = getattr(module, attribute)
     except AttributeError:
-        raise PluginError(f"--tools {spec!r}: module {module_name} has no {attribute!r}") from None
+        raise PluginError(
+            f"Python tools {spec!r}: module {module_name} has no {attribute!r}"
+        ) from None
     if isinstance(value, ToolSet):
         return [value]
     if isinstance(value, PythonTool):
@@ -311,6 +315,6 @@ def load_tool_sets(spec: str) -> list[ToolSet]:
     if isinstance(value, list | tuple) and all(isinstance(v, PythonTool) for v in value):
         return tool_sets(value)
     raise PluginError(
-        f"--tools {spec!r}: {attribute} is a {type(value).__name__}, not a tool made by"
+        f"Python tools {spec!r}: {attribute} is a {type(value).__name__}, not a tool made by"
         " @apomesh.tool, a list of them or a ToolSet"
     )

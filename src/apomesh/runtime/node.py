@@ -394,6 +394,8 @@ class Node:
         # First of all: a second daemon on this data dir must stop before it touches anything
         # (the embedded server's leftover cleanup would stop the first daemon's server).
         self._lock(data, "data dir")
+        # Plugins next: a tool set that cannot be loaded stops the node before anything starts.
+        plugins = make_plugin_host(config, self.extra_plugins)
         local_ids = [f"local-{os.getpid()}-{i}" for i in range(config.daemon.workers)]
         daemon_options = nats_options(config)
         control_options = control_nats_options(config)
@@ -469,7 +471,6 @@ class Node:
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
         kv = await KvBuckets.open(js, replicas, lease_ttl=config.daemon.lease_ttl)
         self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
-        plugins = make_plugin_host(config, self.extra_plugins)
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
         self.daemon = Daemon(
