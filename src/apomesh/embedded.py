@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from apomesh.core.definition import parse_definition
-from apomesh.core.errors import NotFound, PluginPinMismatch, SessionNotCompleted
+from apomesh.core.errors import ApomeshError, NotFound, PluginPinMismatch, SessionNotCompleted
 from apomesh.core.views import SessionView
 from apomesh.plugins.api import Tool
 from apomesh.plugins.python_tools import PIN_PREFIX, PythonTool, tool_sets
@@ -154,7 +154,7 @@ class LocalMesh:
     def service(self) -> Service:
         """What the HTTP API serves, in process: sessions, recovery, HITL answers, workers."""
         if self._node is None or self._node.service is None:
-            raise RuntimeError("the local mesh is not running: use `async with apomesh.local()`")
+            raise ApomeshError("the local mesh is not running: use `async with apomesh.local()`")
         return self._node.service
 
     async def run(
