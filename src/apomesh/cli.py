@@ -61,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "nats": {"urls": args.nats.split(",") if args.nats else None, "replicas": args.replicas},
         "daemon": {"data_dir": args.data, "workspace": args.workspace, "workers": args.workers},
         "http": {"listen": args.http},
+        "plugins": {"tools": args.tools},
     }
     config = _config(args, overrides)
     _setup_logging(config.daemon.log_level)
@@ -98,6 +99,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         {
             "nats": {"urls": args.nats.split(",") if args.nats else None},
             "workers": {"max_agents": args.max_agents},
+            "plugins": {"tools": args.tools},
         },
     )
     _setup_logging(config.daemon.log_level)
@@ -616,6 +618,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workspace", help="workspace directory of the local workers")
     p.add_argument("--http", help="HOST:PORT of the HTTP API (default 127.0.0.1:8750)")
     p.add_argument("--workers", type=int, help="local in-process workers (default 2; 0 allowed)")
+    p.add_argument(
+        "--tools",
+        action="append",
+        metavar="MODULE:OBJECT",
+        help="serve the Python tools MODULE:OBJECT names (@apomesh.tool tools, a list of them or"
+        " a ToolSet; repeatable; [plugins] tools)",
+    )
     p.add_argument("--config", help="config file (see `apomesh config sample`)")
     p.set_defaults(func=cmd_serve)
 
@@ -633,6 +642,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="how many agents it runs at once, for every daemon together (default 8;"
         " [workers] max_agents)",
+    )
+    p.add_argument(
+        "--tools",
+        action="append",
+        metavar="MODULE:OBJECT",
+        help="serve the Python tools MODULE:OBJECT names (@apomesh.tool tools, a list of them or"
+        " a ToolSet; repeatable; [plugins] tools)",
     )
     p.add_argument(
         "--config",

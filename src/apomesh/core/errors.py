@@ -27,6 +27,7 @@ ApomeshError                       base; ``retryable`` says whether trying again
 ├── CommandRefused                 a duplicate or stale command a session's state refuses
 ├── OwnedElsewhere                 a write to a session another daemon drives (owner, url)
 ├── DaemonDraining                 this daemon is draining: it takes no new session
+├── SessionNotCompleted            a session run to its end did not complete (session_id, status)
 ├── Nondeterminism                 a replayed coordinator loop asked for other work than the log holds
 ├── PayloadTooLarge                an input over its configured limit (what, size, limit)
 ├── ToolError                      a tool call failed in a way the model should see
@@ -206,6 +207,19 @@ class DaemonDraining(ApomeshError):
 
     code = "daemon_draining"
     retryable = True
+
+
+class SessionNotCompleted(ApomeshError):
+    """A session a caller waits on (``LocalMesh.run``) ended other than completed, or stopped
+    where only a person can move it on (a HITL question, an unknown outcome held, the
+    recoverable list); ``status`` is its status then."""
+
+    code = "session_not_completed"
+
+    def __init__(self, message: str, *, session_id: str, status: str) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.status = status
 
 
 class CommandRefused(ApomeshError):

@@ -161,10 +161,13 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PluginsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Which installed plugins (entry-point names) load: ``allow`` empty means all."""
+    """Which installed plugins (entry-point names) load: ``allow`` empty means all. ``tools``
+    names Python tools to serve as well, each as ``module:object`` (``@apomesh.tool`` tools, a
+    list of them or a ``ToolSet``; see docs/python.md)."""
 
     allow: list[str] = []
     block: list[str] = []
+    tools: list[str] = []
 
     def permits(self, name: str) -> bool:
         return (not self.allow or name in self.allow) and name not in self.block

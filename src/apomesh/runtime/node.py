@@ -3,9 +3,11 @@ connection, the event log, heartbeat stream and KV buckets, the state store (LMD
 to the replicated ``APOMESH_STATE`` bucket per ``[store] replicated``: ``open_state_store``), the
 plugin host, the daemon, its local in-process workers and the HTTP API.
 
-``Node`` is an async context manager; ``start`` brings the parts up in dependency order and
-``aclose`` takes them down in reverse, so a SIGTERM leaves nothing acknowledged behind: every event
-is on the log before it is acknowledged and snapshots are written at each node boundary.
+``Node`` is an async context manager (``apomesh serve``'s, and ``apomesh.local()``'s in a script,
+which hands it its Python tool sets as ``extra_plugins``); ``start`` brings the parts up in
+dependency order and ``aclose`` takes them down in reverse, so a SIGTERM leaves nothing
+acknowledged behind: every event is on the log before it is acknowledged and snapshots are written
+at each node boundary.
 
 The data dir is private (``private_dir``: created 0700; one owned by another user or writable by
 others is refused with ``UnsafeDataDir``) and one daemon's: before anything else (the embedded
@@ -41,7 +43,7 @@ import os
 import secrets
 import socket
 import tomllib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,7 @@ from apomesh.core.errors import DefinitionError, StoreError
 from apomesh.core.ports import StateStore
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
+from apomesh.plugins.python_tools import load_tool_sets
 from apomesh.runtime.catalog import Catalog
 from apomesh.runtime.config import Config
 from apomesh.runtime.daemon import Daemon
@@ -257,10 +260,17 @@ def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
     return [DirectorySkillResolver(directory)] if directory is not None else []
 
 
-def make_plugin_host(config: Config) -> PluginHost:
-    """The plugins ``[plugins]`` allows, with the built-in ``openai`` provider given the
-    ``[providers.openai]`` credentials (the only endpoints and keys its models may use)."""
-    host = PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+def make_plugin_host(config: Config, extra_plugins: Iterable[object] = ()) -> PluginHost:
+    """The plugins ``[plugins]`` allows, the Python tool sets ``[plugins] tools`` names and
+    ``extra_plugins`` (in-process plugin objects, such as ``ToolSet``s), with the built-in
+    ``openai`` provider given the ``[providers.openai]`` credentials (the only endpoints and keys
+    its models may use)."""
+    extra = [s for spec in config.plugins.tools for s in load_tool_sets(spec)]
+    host = PluginHost(
+        allow=config.plugins.allow or None,
+        block=config.plugins.block or None,
+        extra_plugins=[*extra, *extra_plugins],
+    )
     openai = host.model_providers().get(OPENAI_PROVIDER)
     if isinstance(openai, OpenAIProvider):
         openai.use_credentials(
@@ -334,9 +344,16 @@ async def open_state_store(
 class Node:
     """One ``apomesh serve`` process."""
 
-    def __init__(self, config: Config, *, http: HttpStarter | bool | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        http: HttpStarter | bool | None = None,
+        extra_plugins: Iterable[object] = (),
+    ) -> None:
         self.config = config
         self.http = http
+        self.extra_plugins = list(extra_plugins)
         self.server: Any = None
         self.nc: Any = None
         self.control_nc: Any = None
@@ -377,6 +394,8 @@ class Node:
         # First of all: a second daemon on this data dir must stop before it touches anything
         # (the embedded server's leftover cleanup would stop the first daemon's server).
         self._lock(data, "data dir")
+        # Plugins next: a tool set that cannot be loaded stops the node before anything starts.
+        plugins = make_plugin_host(config, self.extra_plugins)
         local_ids = [f"local-{os.getpid()}-{i}" for i in range(config.daemon.workers)]
         daemon_options = nats_options(config)
         control_options = control_nats_options(config)
@@ -452,7 +471,6 @@ class Node:
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
         kv = await KvBuckets.open(js, replicas, lease_ttl=config.daemon.lease_ttl)
         self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
-        plugins = make_plugin_host(config)
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
         self.daemon = Daemon(

@@ -140,7 +140,11 @@ class Service:
         agent: tuple[str, str | None] | None,
         definition: dict[str, Any] | None,
         by: str,
+        session_id: str | None = None,
     ) -> str:
+        """Start a session and answer its id: ``session_id`` when given (a caller that finds its
+        session again by a key, as ``LocalMesh.run`` does; one that exists is refused with
+        an error; it must be new), else a fresh one."""
         _check_size("the goal", goal, self.limits.max_goal_bytes)
         if self.presence is not None and self.presence.state != "active":
             raise DaemonDraining(
@@ -160,7 +164,7 @@ class Service:
                 skills=skills,
                 source="catalog" if parsed.skills else "inline",
             )
-        session_id = uuid.uuid4().hex
+        session_id = session_id or uuid.uuid4().hex
         # Nothing written (an event over the limit, say) leaves no session behind.
         await self.registry.adopt(
             new_state(session_id),
