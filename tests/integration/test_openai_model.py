@@ -142,8 +142,26 @@ async def test_http_500_is_a_typed_retryable_error(server: FakeOpenAIServer) -> 
     assert caught.value.status == 500
     assert caught.value.retryable
     assert "500" in caught.value.message and "server_error" in caught.value.message
-    # The body of an error answer is never copied into the message (it lands on the log).
-    assert "the model is overloaded" not in caught.value.message
+    # The provider's own message is kept: it says what went wrong.
+    assert caught.value.message.endswith("the model is overloaded")
+
+
+async def test_the_provider_message_is_kept_short_and_scrubbed_of_keys(
+    server: FakeOpenAIServer,
+) -> None:
+    model = make_model(server.base_url)
+    leaky = (
+        "Incorrect API key provided: sk-test. You passed sk-proj-abcdefgh1234****WXYZ and"
+        " header Bearer abc.def.ghi\x1b[31m" + " and more" * 100
+    )
+    server.fail(401, leaky, kind="invalid_request_error")
+    with pytest.raises(ModelError) as caught:
+        await model.respond(request([Message(role="user", content="hi")]))
+    message = caught.value.message
+    assert "Incorrect API key provided" in message
+    for secret in ("sk-test", "sk-proj", "abcdefgh1234", "abc.def.ghi", "\x1b"):
+        assert secret not in message
+    assert len(message) < 400
 
 
 async def test_http_401_is_not_retryable(server: FakeOpenAIServer) -> None:
