@@ -70,6 +70,8 @@ OPTIONS: dict[str, str] = {
     "extra_body": "a table merged into the request body: a server's own parameters (vLLM's"
     " `top_k`, Ollama's `options`, ...)",
     "model": "the model, when given in `options` rather than beside `provider`",
+    "base_url": "refused: endpoints are the worker's `[providers.openai.credentials.<name>]`",
+    "api_key_env": "refused: keys are the worker's `[providers.openai.credentials.<name>]`",
 }
 """Every ``[model]`` option the provider takes (``ModelProvider.options``)."""
 RESERVED_BODY_KEYS = frozenset({"model", "messages", "tools", "stream"})

@@ -106,9 +106,6 @@ def check_model_options(definition: AgentDefinition, host: PluginHost) -> None:
         (f"$.roles.{r}.model", s.model) for r, s in definition.roles.items() if s.model is not None
     ]:
         provider = providers.get(model.provider)
-        check = getattr(provider, "check", None)
-        if callable(check):
-            check(model, where)
         declared: Mapping[str, str] | None = getattr(provider, "options", None)
         key = unknown_option(model.options, declared) if declared is not None else None
         if key is not None and declared is not None:
@@ -120,6 +117,9 @@ def check_model_options(definition: AgentDefinition, host: PluginHost) -> None:
                 + f"; its options: {known}",
                 where=f"{where}.{key}",
             )
+        check = getattr(provider, "check", None)
+        if callable(check):
+            check(model, where)
 
 
 def compose_shape(

@@ -93,7 +93,8 @@ async def call_model(
                 left = time_left()
                 if left is not None and delay >= left:
                     why = f"waiting {delay:.1f} s more would overrun the agent's max_seconds"
-            await on_failure(FailedAttempt(attempt, error, seconds, None if why else delay))
+            retry_in = None if why is not None else delay
+            await on_failure(FailedAttempt(attempt, error, seconds, retry_in))
             if why is not None:
                 reason = f"{error.message} ({why})" if why else error.message
                 raise ModelGaveUp(reason, error) from None
