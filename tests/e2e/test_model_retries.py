@@ -1,7 +1,7 @@
 """A real model API fails the way real APIs do, on real processes (nats-server, ``apomesh
 serve``, an ``apomesh worker``) against the local OpenAI-compatible server: a session rides
 through a 429 with ``Retry-After``, a 503 and a timeout and completes, showing the wait while it
-waits and its token usage after; a 401 stops it with the provider's own message, and the
+waits and its token usage after (``max_tokens`` counts what the API counted); a 401 stops it with the provider's own message, and the
 operator resumes it once the key is fixed; a typo in ``[model]`` is refused at submit."""
 
 from __future__ import annotations
@@ -192,6 +192,22 @@ def test_a_401_stops_the_session_with_the_provider_message_and_the_operator_resu
     ended = wait_for(system.url, session_id, ("completed", "failed", "cancelled"))
     assert ended["status"] == "completed", ended
     assert len(model_api.requests) == 2
+
+
+def test_max_tokens_stops_the_agent_on_the_tokens_the_api_counted(
+    system: Mesh, model_api: FakeOpenAIServer
+) -> None:
+    model_api.clear()
+    model_api.replay(OPENAI.tool_call)  # 82 + 18 tokens: over the budget of 50
+    model_api.replay(OPENAI.final)
+    definition = {**agent(), "budget": {"max_tokens": 50}}
+    ended = wait_for(
+        system.url, start(system.url, definition), ("completed", "failed", "cancelled")
+    )
+    assert ended["status"] == "failed", ended
+    assert "max_tokens 50" in ended["reason"]
+    assert len(model_api.requests) == 1  # never asked again once the budget was spent
+    assert ended["usage"] == {"prompt_tokens": 82, "completion_tokens": 18, "model_calls": 1}
 
 
 @pytest.mark.parametrize(
