@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.fakes.openai_shapes import OPENAI, WRITE_ARGS
+from tests.fakes.openai_shapes import OLLAMA, OPENAI, WRITE_ARGS
 
 from apomesh.testing import Mesh
 
@@ -37,6 +37,10 @@ def system(tmp_path_factory: pytest.TempPathFactory, model_api: FakeOpenAIServer
         "[providers.openai.credentials.default]\n"
         f'base_url = "{model_api.base_url}"\n'
         'api_key_env = "MODEL_KEY"\n'
+        # The tutorial's credential (docs/providers.md), on the same local server.
+        "[providers.openai.credentials.local]\n"
+        f'base_url = "{model_api.base_url}"\n'
+        'api_key_env = ""\n'
     )
     server = NatsServer(single_node(base, name="nats"))
     server.start()
@@ -228,3 +232,49 @@ def test_a_typo_in_the_model_table_is_refused_at_submit(
     assert response.status_code == 400, response.text
     assert path in response.json()["message"]
     assert model_api.requests == []
+
+
+def tutorial_blocks() -> dict[str, str]:
+    """The TOML blocks of docs/providers.md's tutorial, by the file name its text gives them."""
+    import re
+
+    text = (Path(__file__).parents[2] / "docs" / "providers.md").read_text(encoding="utf-8")
+    tutorial = text[text.index("## 5. Tutorial") :]
+    blocks = re.findall(r"Save this as `([^`]+)`:\n\n```toml\n(.*?)```", tutorial, re.S)
+    return dict(blocks)
+
+
+def test_the_tutorial_agent_runs_end_to_end_on_replayed_ollama_answers(
+    system: Mesh, model_api: FakeOpenAIServer, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+    import tomllib
+
+    blocks = tutorial_blocks()
+    assert set(blocks) == {"apomesh.toml", "notes.toml"}
+    tutorial_config = tomllib.loads(blocks["apomesh.toml"])
+    assert tutorial_config["providers"]["openai"]["credentials"]["local"]["api_key_env"] == ""
+    definition = tmp_path / "notes.toml"
+    definition.write_text(blocks["notes.toml"])
+    model_api.clear()
+    model_api.replay(OLLAMA.tool_call)
+    model_api.replay(OLLAMA.final)
+
+    goal = "Write a haiku about the sea into sea.txt"
+    command = [sys.executable, "-m", "apomesh", "run", goal]
+    ran = subprocess.run(
+        [*command, "--definition", str(definition), "--url", system.url],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert ran.returncode == 0, ran.stderr
+    listed = httpx.get(f"{system.url}/v1/sessions", params={"q": "haiku"}).json()
+    rows = listed["sessions"] if isinstance(listed, dict) else listed
+    (row,) = rows
+    ended = wait_for(system.url, row["session_id"], ("completed", "failed", "cancelled"))
+    assert ended["status"] == "completed", ended
+    assert [r.body["model"] for r in model_api.requests] == ["qwen2.5:7b", "qwen2.5:7b"]
+    assert all("Authorization" not in r.headers for r in model_api.requests)
+    assert ended["usage"]["model_calls"] == 2
