@@ -1,9 +1,10 @@
 """The ``openai`` model provider: any OpenAI-compatible chat-completions endpoint, with tool calling.
 
-``[model]`` keys: ``model`` (required), and in ``options``: ``credential`` (the name of one of the
-worker's configured credentials, default ``default``), ``timeout`` in seconds (default 60). Every
-other option (``temperature``, ``top_p``, ``max_tokens``, ``seed`` ...) is passed through in the
-request body unchanged.
+``[model]`` keys: ``model`` (required), and the options the provider declares (``OPTIONS``, its
+``ModelProvider.options``: any other key is refused at submit): ``credential`` (the name of one
+of the worker's configured credentials, default ``default``), ``timeout`` in seconds (default
+60), ``extra_body`` (a table merged into the request body, for a server's own parameters), and
+the request parameters sent as given (``temperature``, ``top_p``, ``max_tokens``, ``seed`` ...).
 
 Where a call goes and which key it carries is the worker's choice, never the definition's: the
 provider is built with named ``Credential`` objects (``[providers.openai.credentials.<name>]`` in the
@@ -12,17 +13,22 @@ key), and a definition can only name one. A definition giving ``base_url`` or ``
 itself, or naming a credential the worker does not have, is refused with a ``DefinitionError``
 naming the key (``check`` is what the daemon runs when a session is created, and ``create`` runs it
 again on the worker). The key goes only to its credential's own ``base_url``; redirects are not
-followed; no ``Authorization`` header is sent when the variable is unset (local servers).
+followed; no ``Authorization`` header is sent when the variable is unset (local servers). Every
+model of one provider shares one pooled ``httpx.AsyncClient`` (kept-alive connections), closed by
+``aclose`` when the worker stops.
 
 Mapping: the agent's instructions become the system message; tool names are mapped to the API's
 allowed characters reversibly (``fs.read`` <-> ``fs__read``); tool-result messages answer the
 preceding assistant message's calls in order (ids are assigned here, positionally, because the
 conversation stores calls without ids). For ``purpose="plan"`` the system message asks for a JSON
 array of sub-tasks, and an answer that parses as one becomes ``plan``; any other answer without
-tool calls is ``final``. ``usage.total_tokens`` is reported as ``tokens``. HTTP errors and an
-unreachable endpoint raise ``ModelError`` with the status and, at most, the API's short error code
-(``rate_limit_exceeded``): the body of an error answer is never copied into the message, which ends
-up on the session's log.
+tool calls is ``final``. ``usage`` gives ``prompt_tokens``, ``completion_tokens`` and ``tokens``
+(``total_tokens``, else their sum). Answers are read as OpenAI, vLLM, Ollama and llama.cpp server
+write them (``content`` null, ``""`` or text parts; arguments as a JSON string or an object).
+HTTP errors and an unreachable endpoint raise ``ModelError`` (retryable for 429, 5xx, timeouts and
+connection errors; ``retry_after`` from ``Retry-After``) with the status, the API's short error
+code (``rate_limit_exceeded``) and its own message, made fit for the log by ``scrub`` (one short
+printable line, anything shaped like a key replaced): the runtime, not the provider, tries again.
 """
 
 from __future__ import annotations
