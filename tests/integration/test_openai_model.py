@@ -251,3 +251,20 @@ async def test_a_redirect_is_not_followed_with_the_key() -> None:
             redirector.shutdown()
             redirector.server_close()
         assert capture.requests == []
+
+
+def test_retry_after_is_read_as_seconds_milliseconds_or_a_date() -> None:
+    import email.utils
+    import time
+
+    import httpx
+
+    from apomesh.builtin.openai_model import retry_after
+
+    assert retry_after(httpx.Headers({"retry-after": "2"})) == 2.0
+    assert retry_after(httpx.Headers({"retry-after": "0.5"})) == 0.5
+    assert retry_after(httpx.Headers({"retry-after-ms": "1500", "retry-after": "9"})) == 1.5
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= (retry_after(httpx.Headers({"retry-after": later})) or 0) <= 31
+    assert retry_after(httpx.Headers({"retry-after": "soon"})) is None
+    assert retry_after(httpx.Headers({})) is None
