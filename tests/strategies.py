@@ -41,6 +41,7 @@ from apomesh.core.events import (
     Event,
     HitlAnswered,
     HitlPaused,
+    ModelRetrying,
     OperatorAction,
     Phase,
     PluginPin,
@@ -346,7 +347,19 @@ def example_events() -> list[Event]:
             batch="b-1",
         ),
         CoordinatorCheckpoint(position="fanout:2", state=b"\x00\x01\xfe\xff"),
-        AgentSnapshotted(agent="root/0", snapshot_id=7, source="node", step=4, size=2048),
+        AgentSnapshotted(
+            agent="root/0",
+            snapshot_id=7,
+            source="node",
+            step=4,
+            size=2048,
+            model_calls=1,
+            prompt_tokens=120,
+            completion_tokens=30,
+        ),
+        ModelRetrying(
+            agent="root/0", attempt=2, delay=1.5, reason="the endpoint answered 429", status=429
+        ),
         ToolCallIntent(
             agent="root/0",
             key=key,

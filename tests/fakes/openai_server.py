@@ -1,16 +1,20 @@
 """A local HTTP server speaking the OpenAI chat-completions protocol, for tests.
 
 ``FakeOpenAIServer`` listens on a free 127.0.0.1 port in a background thread, answers
-``POST /v1/chat/completions`` from a queue of canned replies (``reply`` / ``fail``) and records
-every request it receives. Like the real API it refuses (400) a conversation in which a tool
-message answers no pending assistant tool call, or a tool call is left unanswered, so a client
-that gets the tool-call ids wrong fails here too.
+``POST /v1/chat/completions`` from a queue of canned replies (``reply`` / ``fail`` / ``replay``
+of a recorded answer from ``tests.fakes.openai_shapes``, each with optional headers and a delay
+before it is sent, which a client with a shorter timeout sees as a timeout) and records every
+request it receives. Like the real API it refuses (400) a conversation in which a tool message
+answers no pending assistant tool call, or a tool call is left unanswered, so a client that gets
+the tool-call ids wrong fails here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -24,12 +28,16 @@ class RecordedRequest:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    client_port: int = 0
+    """The client's source port: requests over one kept-alive connection share it."""
 
 
 @dataclass(frozen=True)
 class CannedReply:
     status: int
     body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
 
 
 @dataclass
@@ -49,6 +57,7 @@ class FakeOpenAIServer(LocalHTTPServer):
         *,
         tool_calls: list[tuple[str, dict[str, Any]]] | None = None,
         total_tokens: int = 0,
+        delay: float = 0.0,
     ) -> None:
         """Queue a successful completion: text ``content`` and/or ``(function name, args)`` calls."""
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -82,14 +91,38 @@ class FakeOpenAIServer(LocalHTTPServer):
                 "total_tokens": total_tokens,
             },
         }
-        with self._lock:
-            self._replies.append(CannedReply(200, body))
+        self.replay(body, delay=delay)
 
-    def fail(self, status: int, message: str, *, kind: str = "server_error") -> None:
+    def fail(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "server_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         """Queue an error reply in the API's error shape."""
-        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+        self.replay(body, status=status, headers=headers)
+
+    def replay(
+        self,
+        body: dict[str, Any],
+        *,
+        status: int = 200,
+        headers: dict[str, str] | None = None,
+        delay: float = 0.0,
+    ) -> None:
+        """Queue ``body`` as it is (a recorded answer), after ``delay`` seconds."""
         with self._lock:
-            self._replies.append(CannedReply(status, body))
+            self._replies.append(CannedReply(status, body, dict(headers or {}), delay))
+
+    def clear(self) -> None:
+        """Forget the queued replies and the recorded requests."""
+        with self._lock:
+            self._replies.clear()
+            self.requests.clear()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -97,6 +130,8 @@ class FakeOpenAIServer(LocalHTTPServer):
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as a real API server
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length)
@@ -105,7 +140,11 @@ class FakeOpenAIServer(LocalHTTPServer):
                 except ValueError:
                     self._send(400, {"error": {"message": "body is not JSON"}})
                     return
-                fake._record(RecordedRequest(self.path, dict(self.headers.items()), body))
+                fake._record(
+                    RecordedRequest(
+                        self.path, dict(self.headers.items()), body, self.client_address[1]
+                    )
+                )
                 if self.path != "/v1/chat/completions":
                     self._send(404, {"error": {"message": f"no route {self.path}"}})
                     return
@@ -117,13 +156,20 @@ class FakeOpenAIServer(LocalHTTPServer):
                 if canned is None:
                     self._send(500, {"error": {"message": "the fake has no canned reply left"}})
                     return
-                self._send(canned.status, canned.body)
+                if canned.delay:
+                    time.sleep(canned.delay)
+                with contextlib.suppress(OSError):  # a client that timed out has gone
+                    self._send(canned.status, canned.body, canned.headers)
 
-            def _send(self, status: int, body: dict[str, Any]) -> None:
+            def _send(
+                self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+            ) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 

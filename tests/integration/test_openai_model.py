@@ -142,8 +142,26 @@ async def test_http_500_is_a_typed_retryable_error(server: FakeOpenAIServer) -> 
     assert caught.value.status == 500
     assert caught.value.retryable
     assert "500" in caught.value.message and "server_error" in caught.value.message
-    # The body of an error answer is never copied into the message (it lands on the log).
-    assert "the model is overloaded" not in caught.value.message
+    # The provider's own message is kept: it says what went wrong.
+    assert caught.value.message.endswith("the model is overloaded")
+
+
+async def test_the_provider_message_is_kept_short_and_scrubbed_of_keys(
+    server: FakeOpenAIServer,
+) -> None:
+    model = make_model(server.base_url)
+    leaky = (
+        "Incorrect API key provided: sk-test. You passed sk-proj-abcdefgh1234****WXYZ and"
+        " header Bearer abc.def.ghi\x1b[31m" + " and more" * 100
+    )
+    server.fail(401, leaky, kind="invalid_request_error")
+    with pytest.raises(ModelError) as caught:
+        await model.respond(request([Message(role="user", content="hi")]))
+    message = caught.value.message
+    assert "Incorrect API key provided" in message
+    for secret in ("sk-test", "sk-proj", "abcdefgh1234", "abc.def.ghi", "\x1b"):
+        assert secret not in message
+    assert len(message) < 400
 
 
 async def test_http_401_is_not_retryable(server: FakeOpenAIServer) -> None:
@@ -233,3 +251,20 @@ async def test_a_redirect_is_not_followed_with_the_key() -> None:
             redirector.shutdown()
             redirector.server_close()
         assert capture.requests == []
+
+
+def test_retry_after_is_read_as_seconds_milliseconds_or_a_date() -> None:
+    import email.utils
+    import time
+
+    import httpx
+
+    from apomesh.builtin.openai_model import retry_after
+
+    assert retry_after(httpx.Headers({"retry-after": "2"})) == 2.0
+    assert retry_after(httpx.Headers({"retry-after": "0.5"})) == 0.5
+    assert retry_after(httpx.Headers({"retry-after-ms": "1500", "retry-after": "9"})) == 1.5
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= (retry_after(httpx.Headers({"retry-after": later})) or 0) <= 31
+    assert retry_after(httpx.Headers({"retry-after": "soon"})) is None
+    assert retry_after(httpx.Headers({})) is None

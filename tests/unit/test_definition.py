@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from apomesh.builtin.openai_model import Credential
 from apomesh.core.definition import (
     AgentDefinition,
     Budget,
@@ -361,3 +362,72 @@ def test_a_definition_nested_deeper_than_the_limit_is_refused_naming_the_limit()
             parse_definition(too_deep)
     assert nesting_depth({"a": [1, {"b": []}]}) == 4
     assert nesting_depth("text") == 0
+
+
+# --- provider options -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "path", "hint"),
+    [
+        (
+            {"provider": "openai", "model": "m", "temprature": 0.2},
+            "$.model.temprature",
+            "temperature",
+        ),
+        ({"provider": "openai", "modle": "m"}, "$.model.modle", "model"),
+        ({"provider": "openai", "model": "m", "api_key_evn": "K"}, "$.model.api_key_evn", ""),
+        ({"provider": "openai", "model": "m", "options": {"top-p": 1}}, "$.model.top-p", "top_p"),
+        (
+            {"provider": "scripted", "turns": [{"final": "x"}], "temperature": 1},
+            "$.model.temperature",
+            "",
+        ),
+    ],
+)
+def test_an_option_the_provider_does_not_declare_is_refused_with_its_path(
+    model: dict[str, Any], path: str, hint: str
+) -> None:
+    from apomesh.plugins.manager import PluginHost
+    from apomesh.runtime.composition import check_model_options
+
+    host = PluginHost()
+    openai = host.model_providers()["openai"]
+    openai.use_credentials({"default": Credential(base_url="http://127.0.0.1:1/v1")})  # type: ignore[attr-defined]
+    definition = parse_definition(minimal(model=model))
+    with pytest.raises(DefinitionError) as caught:
+        check_model_options(definition, host)
+    assert caught.value.where == path
+    if hint:
+        assert f"did you mean `{hint}`" in caught.value.message
+    role = parse_definition(minimal(roles={"worker": {"model": model}}))
+    with pytest.raises(DefinitionError) as in_role:
+        check_model_options(role, host)
+    assert in_role.value.where == path.replace("$.model", "$.roles.worker.model")
+
+
+def test_declared_options_and_a_retry_table_are_taken() -> None:
+    from apomesh.plugins.manager import PluginHost
+    from apomesh.runtime.composition import check_model_options
+
+    host = PluginHost()
+    host.model_providers()["openai"].use_credentials(  # type: ignore[attr-defined]
+        {"default": Credential(base_url="http://127.0.0.1:1/v1")}
+    )
+    model = {
+        "provider": "openai",
+        "model": "m",
+        "temperature": 0.2,
+        "timeout": 5,
+        "extra_body": {"top_k": 20},
+        "retry": {"attempts": 3, "initial_delay": 0.5},
+    }
+    definition = parse_definition(minimal(model=model))
+    check_model_options(definition, host)
+    assert definition.model.retry.attempts == 3
+    with pytest.raises(DefinitionError) as caught:
+        parse_definition(minimal(model={**model, "retry": {"atempts": 3}}))
+    assert "atempts" in caught.value.message and "$.model.retry" in caught.value.message
+    with pytest.raises(DefinitionError) as negative:
+        parse_definition(minimal(model={**model, "retry": {"attempts": 0}}))
+    assert negative.value.where.endswith("$.model.retry.attempts")

@@ -73,7 +73,22 @@ def test_the_daemon_metrics_are_all_apomesh_names() -> None:
         "apomesh_control_requests_dropped_total",
         "apomesh_dispatches_refused_total",
         "apomesh_placement_waits_total",
+        "apomesh_model_calls_total",
+        "apomesh_model_call_seconds",
+        "apomesh_model_tokens_total",
     }
     assert 'apomesh_sessions{state="running"} 2' in text
     assert 'apomesh_resumes_total{path="worker_lost"} 1' in text
     assert metrics.append_seconds.count() == 1
+
+
+def test_a_model_call_is_counted_with_its_latency_and_tokens() -> None:
+    metrics = DaemonMetrics()
+    metrics.observe_model_call("openai", "m", 0.25, 12, 3, "ok")
+    metrics.observe_model_call("openai", "m", 1.5, 0, 0, "error")
+    text = metrics.render()
+    assert 'apomesh_model_calls_total{provider="openai",model="m",outcome="ok"} 1' in text
+    assert 'apomesh_model_calls_total{provider="openai",model="m",outcome="error"} 1' in text
+    assert 'apomesh_model_tokens_total{provider="openai",model="m",kind="prompt"} 12' in text
+    assert 'apomesh_model_tokens_total{provider="openai",model="m",kind="completion"} 3' in text
+    assert 'apomesh_model_call_seconds_count{provider="openai",model="m"} 2' in text

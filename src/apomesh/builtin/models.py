@@ -14,6 +14,7 @@ conversation. A spec that still names an unresolved ``script`` file is a ``Defin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -74,9 +75,10 @@ class ScriptedModel:
 
 
 class ScriptedProvider:
-    """The ``scripted`` provider."""
+    """The ``scripted`` provider: it takes no options (its turns are ``[model] turns``)."""
 
     name: str = "scripted"
+    options: Mapping[str, str] = {}
 
     def create(self, spec: ModelSpec) -> Model:
         if spec.turns is None and spec.script is not None:

@@ -1,9 +1,10 @@
 """The ``openai`` model provider: any OpenAI-compatible chat-completions endpoint, with tool calling.
 
-``[model]`` keys: ``model`` (required), and in ``options``: ``credential`` (the name of one of the
-worker's configured credentials, default ``default``), ``timeout`` in seconds (default 60). Every
-other option (``temperature``, ``top_p``, ``max_tokens``, ``seed`` ...) is passed through in the
-request body unchanged.
+``[model]`` keys: ``model`` (required), and the options the provider declares (``OPTIONS``, its
+``ModelProvider.options``: any other key is refused at submit): ``credential`` (the name of one
+of the worker's configured credentials, default ``default``), ``timeout`` in seconds (default
+60), ``extra_body`` (a table merged into the request body, for a server's own parameters), and
+the request parameters sent as given (``temperature``, ``top_p``, ``max_tokens``, ``seed`` ...).
 
 Where a call goes and which key it carries is the worker's choice, never the definition's: the
 provider is built with named ``Credential`` objects (``[providers.openai.credentials.<name>]`` in the
@@ -12,29 +13,38 @@ key), and a definition can only name one. A definition giving ``base_url`` or ``
 itself, or naming a credential the worker does not have, is refused with a ``DefinitionError``
 naming the key (``check`` is what the daemon runs when a session is created, and ``create`` runs it
 again on the worker). The key goes only to its credential's own ``base_url``; redirects are not
-followed; no ``Authorization`` header is sent when the variable is unset (local servers).
+followed; no ``Authorization`` header is sent when the variable is unset (local servers). Every
+model of one provider shares one pooled ``httpx.AsyncClient`` (kept-alive connections), closed by
+``aclose`` when the worker stops.
 
 Mapping: the agent's instructions become the system message; tool names are mapped to the API's
 allowed characters reversibly (``fs.read`` <-> ``fs__read``); tool-result messages answer the
 preceding assistant message's calls in order (ids are assigned here, positionally, because the
 conversation stores calls without ids). For ``purpose="plan"`` the system message asks for a JSON
 array of sub-tasks, and an answer that parses as one becomes ``plan``; any other answer without
-tool calls is ``final``. ``usage.total_tokens`` is reported as ``tokens``. HTTP errors and an
-unreachable endpoint raise ``ModelError`` with the status and, at most, the API's short error code
-(``rate_limit_exceeded``): the body of an error answer is never copied into the message, which ends
-up on the session's log.
+tool calls is ``final``. ``usage`` gives ``prompt_tokens``, ``completion_tokens`` and ``tokens``
+(``total_tokens``, else their sum). Answers are read as OpenAI, vLLM, Ollama and llama.cpp server
+write them (``content`` null, ``""`` or text parts; arguments as a JSON string or an object).
+HTTP errors and an unreachable endpoint raise ``ModelError`` (retryable for 429, 5xx, timeouts and
+connection errors; ``retry_after`` from ``Retry-After``) with the status, the API's short error
+code (``rate_limit_exceeded``) and its own message, made fit for the log by ``scrub`` (one short
+printable line, anything shaped like a key replaced): the runtime, not the provider, tries again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+import email.utils
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
 
 from apomesh.core.definition import ModelSpec, ToolCallSpec
 from apomesh.core.errors import DefinitionError
@@ -46,6 +56,33 @@ DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_CREDENTIAL = "default"
 DEFAULT_TIMEOUT = 60.0
 OWN_OPTIONS = frozenset({"credential", "timeout", "model"})
+OPTIONS: dict[str, str] = {
+    "credential": "the worker's configured credential (endpoint and key) to call, default `default`",
+    "timeout": "seconds one call may take before it is abandoned (and tried again), default 60",
+    "temperature": "sampling temperature, sent as is",
+    "top_p": "nucleus sampling, sent as is",
+    "max_tokens": "the most tokens one answer may have, sent as is",
+    "max_completion_tokens": "the newer name of `max_tokens`, sent as is",
+    "seed": "a sampling seed, sent as is",
+    "stop": "stop sequences, sent as is",
+    "presence_penalty": "sent as is",
+    "frequency_penalty": "sent as is",
+    "logit_bias": "sent as is",
+    "response_format": 'sent as is (e.g. {type = "json_object"})',
+    "tool_choice": "sent as is (`auto`, `required`, `none` or a function)",
+    "parallel_tool_calls": "sent as is",
+    "reasoning_effort": "sent as is (reasoning models)",
+    "user": "sent as is",
+    "extra_body": "a table merged into the request body: a server's own parameters (vLLM's"
+    " `top_k`, Ollama's `options`, ...)",
+    "model": "the model, when given in `options` rather than beside `provider`",
+    "base_url": "refused: endpoints are the worker's `[providers.openai.credentials.<name>]`",
+    "api_key_env": "refused: keys are the worker's `[providers.openai.credentials.<name>]`",
+}
+"""Every ``[model]`` option the provider takes (``ModelProvider.options``)."""
+RESERVED_BODY_KEYS = frozenset({"model", "messages", "tools", "stream"})
+"""Body keys apomesh sets itself, which ``extra_body`` may not replace."""
+POOL_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=16)
 WORKER_ONLY_OPTIONS = ("base_url", "api_key_env")
 """Options a definition may not give: they are the worker's configured credentials."""
 RESERVED_ENV_PREFIX = "APOMESH_"
@@ -196,7 +233,8 @@ def to_api_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class OpenAIModel:
-    """One configured chat-completions model."""
+    """One configured chat-completions model; its calls go through ``client`` (the provider's
+    pooled one, when given)."""
 
     def __init__(
         self,
@@ -206,15 +244,22 @@ class OpenAIModel:
         api_key: str | None,
         timeout: float,
         passthrough: dict[str, Any],
+        client: Callable[[], httpx.AsyncClient] | None = None,
     ) -> None:
         self.model = model
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
         self.timeout = timeout
         self.passthrough = passthrough
+        self._client = client or _ClientPool().client
 
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
-        body: dict[str, Any] = {**self.passthrough, "model": self.model}
+        extra = self.passthrough.get("extra_body") or {}
+        body: dict[str, Any] = {
+            **{k: v for k, v in self.passthrough.items() if k != "extra_body"},
+            **extra,
+            "model": self.model,
+        }
         body["messages"] = to_api_messages(request)
         if request.tools:
             body["tools"] = to_api_tools(request.tools)
@@ -225,11 +270,10 @@ class OpenAIModel:
         body = self.request_body(request)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            async with httpx.AsyncClient(timeout=self.timeout) as client:
-                # Never follow a redirect: the key goes to this endpoint and nowhere else.
-                reply = await client.post(
-                    self.url, json=body, headers=headers, follow_redirects=False
-                )
+            # Never follow a redirect: the key goes to this endpoint and nowhere else.
+            reply = await self._client().post(
+                self.url, json=body, headers=headers, timeout=self.timeout, follow_redirects=False
+            )
         except httpx.TimeoutException:
             raise ModelError(
                 f"no answer from {self.url} within {self.timeout:g} s",
@@ -244,28 +288,63 @@ class OpenAIModel:
             ) from None
         if reply.status_code >= 300:
             raise ModelError(
-                _error_message(reply), provider=PROVIDER_NAME, status=reply.status_code
+                error_message(reply, secret=self.api_key),
+                provider=PROVIDER_NAME,
+                status=reply.status_code,
+                retry_after=retry_after(reply.headers),
             )
-        try:
-            data = reply.json()
-            message = data["choices"][0]["message"]
-            content = message.get("content") or ""
-            raw_calls = message.get("tool_calls") or []
-            usage = data.get("usage") or {}
-            tokens = int(usage.get("total_tokens") or 0)
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise ModelError(
-                f"unexpected response shape ({type(exc).__name__}: {exc})", provider=PROVIDER_NAME
-            ) from None
-        memory = dict(request.memory)
-        if raw_calls:
-            calls = [_tool_call(raw, names) for raw in raw_calls]
-            return ModelResponse(text=content, tool_calls=calls, tokens=tokens, memory=memory)
-        if request.purpose == "plan":
-            plan = parse_plan(content)
-            if plan is not None:
-                return ModelResponse(text=content, plan=plan, tokens=tokens, memory=memory)
-        return ModelResponse(text=content, final=content, tokens=tokens, memory=memory)
+        return parse_completion(reply, request, names, secret=self.api_key)
+
+
+def parse_completion(
+    reply: httpx.Response, request: ModelRequest, names: dict[str, str], secret: str | None = None
+) -> ModelResponse:
+    """The ``ModelResponse`` of a successful (non-streaming) chat completion."""
+    try:
+        data = reply.json()
+    except ValueError:
+        raise ModelError("the answer is not JSON", provider=PROVIDER_NAME) from None
+    if isinstance(data, dict) and "choices" not in data and "error" in data:
+        # Some servers answer an error with status 200.
+        raise ModelError(error_message(reply, secret=secret), provider=PROVIDER_NAME)
+    try:
+        message = data["choices"][0]["message"]
+        content = _text(message.get("content"))
+        raw_calls = message.get("tool_calls") or []
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        completion_tokens = int(usage.get("completion_tokens") or 0)
+        tokens = int(usage.get("total_tokens") or 0) or prompt_tokens + completion_tokens
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise ModelError(
+            f"unexpected response shape ({type(exc).__name__}: {exc})", provider=PROVIDER_NAME
+        ) from None
+    answer = ModelResponse(
+        text=content,
+        tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        memory=dict(request.memory),
+    )
+    if raw_calls:
+        calls = [_tool_call(raw, names) for raw in raw_calls]
+        return msgspec.structs.replace(answer, tool_calls=calls)
+    if request.purpose == "plan":
+        plan = parse_plan(content)
+        if plan is not None:
+            return msgspec.structs.replace(answer, plan=plan)
+    return msgspec.structs.replace(answer, final=content)
+
+
+def _text(content: Any) -> str:
+    """A message's content: a string, null (a tool-call turn), or a list of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    raise TypeError(f"content is a {type(content).__name__}")
 
 
 def _tool_call(raw: Any, names: dict[str, str]) -> ToolCallSpec:
@@ -287,23 +366,102 @@ def _tool_call(raw: Any, names: dict[str, str]) -> ToolCallSpec:
     return ToolCallSpec(tool=names.get(api_name, api_name.replace("__", ".")), args=args)
 
 
-def _error_message(reply: httpx.Response) -> str:
-    """The status and, when the API gives one, its short error code: never the body, which a
-    hostile or confused endpoint could fill with anything (the message lands on the log)."""
-    code = None
+MAX_ERROR_MESSAGE = 300
+"""The longest provider message kept in a ``ModelError`` (it lands on the session's log)."""
+
+_KEY_LIKE = re.compile(
+    r"(sk-[A-Za-z0-9_*.-]{3,}|(?:Bearer|Basic)\s+\S+|[A-Za-z0-9_-]{32,}|key[-_][A-Za-z0-9_-]{8,})",
+    re.IGNORECASE,
+)
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e\u00a0-\uffff]+")
+
+
+def scrub(text: str, secret: str | None = None) -> str:
+    """``text`` made fit for the log: one line of printable characters, the call's own key and
+    anything shaped like a key or a bearer token replaced by ``***``, at most
+    ``MAX_ERROR_MESSAGE`` characters."""
+    if secret:
+        text = text.replace(secret, "***")
+    text = _KEY_LIKE.sub("***", text)
+    text = " ".join(_UNPRINTABLE.sub(" ", text).split())
+    if len(text) > MAX_ERROR_MESSAGE:
+        text = text[: MAX_ERROR_MESSAGE - 3].rstrip() + "..."
+    return text
+
+
+def error_message(reply: httpx.Response, secret: str | None = None) -> str:
+    """The status, the API's short error code when it gives one (``rate_limit_exceeded``) and
+    its own message, scrubbed (``scrub``). Understands the error shapes of OpenAI, vLLM,
+    Ollama and llama.cpp server: ``{"error": {"message", "type", "code"}}``, ``{"error": "..."}``
+    and ``{"object": "error", "message", "type"}``."""
     try:
         data = reply.json()
     except ValueError:
         data = None
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict):
+    error: Any = data.get("error", data) if isinstance(data, dict) else None
+    code = message = None
+    if isinstance(error, str):
+        message = error
+    elif isinstance(error, dict):
         for key in ("code", "type"):
             value = error.get(key)
             if isinstance(value, str) and _ERROR_CODE.match(value):
                 code = value
                 break
-    text = f"the endpoint answered {reply.status_code}"
-    return f"{text} ({code})" if code else text
+        if isinstance(error.get("message"), str):
+            message = error["message"]
+    text = f"the endpoint answered {reply.status_code}" + (f" ({code})" if code else "")
+    message = scrub(message, secret) if message else ""
+    return f"{text}: {message}" if message else text
+
+
+def retry_after(headers: httpx.Headers) -> float | None:
+    """The delay in seconds an answer asks for before the next call: ``retry-after-ms``, or
+    ``Retry-After`` as seconds or an HTTP date; None when it names none."""
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            return max(0.0, float(millis) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+
+
+class _ClientPool:
+    """One ``httpx.AsyncClient`` (a pool of kept-alive connections) for every model of a
+    provider in this process, made on first use and made again on another event loop (a client
+    belongs to the loop it first ran on)."""
+
+    def __init__(self) -> None:
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop or self._client.is_closed:
+            self._client = httpx.AsyncClient(
+                follow_redirects=False, timeout=DEFAULT_TIMEOUT, limits=POOL_LIMITS
+            )
+            self._loop = loop
+        return self._client
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._loop is asyncio.get_running_loop():
+            await client.aclose()
 
 
 class OpenAIProvider:
@@ -312,6 +470,7 @@ class OpenAIProvider:
     keys are read."""
 
     name: str = PROVIDER_NAME
+    options: Mapping[str, str] = OPTIONS
 
     def __init__(
         self,
@@ -319,8 +478,13 @@ class OpenAIProvider:
         environ: Mapping[str, str] | None = None,
     ) -> None:
         self._environ = environ
+        self._pool = _ClientPool()
         self.credentials: dict[str, Credential] = {}
         self.use_credentials(credentials or {})
+
+    async def aclose(self) -> None:
+        """Close the pooled HTTP client (a worker does at shutdown)."""
+        await self._pool.aclose()
 
     def use_credentials(self, credentials: Mapping[str, Credential]) -> None:
         """Replace the configured credentials (each is checked first)."""
@@ -353,6 +517,13 @@ class OpenAIProvider:
             raise DefinitionError(
                 "`timeout` must be a positive number of seconds", where=f"{where}.timeout"
             )
+        extra = options.get("extra_body", {})
+        if not isinstance(extra, dict):
+            raise DefinitionError("`extra_body` must be a table", where=f"{where}.extra_body")
+        for key in sorted(set(extra) & RESERVED_BODY_KEYS):
+            raise DefinitionError(
+                f"`{key}` is set by apomesh, not by `extra_body`", where=f"{where}.extra_body.{key}"
+            )
         return self.credentials[name]
 
     def create(self, spec: ModelSpec) -> Model:
@@ -366,4 +537,5 @@ class OpenAIProvider:
             api_key=key or None,
             timeout=float(options.get("timeout", DEFAULT_TIMEOUT)),
             passthrough={k: v for k, v in options.items() if k not in OWN_OPTIONS},
+            client=self._pool.client,
         )

@@ -8,6 +8,8 @@ it travels in ``SessionStarted`` and in each agent's birth event, so a resume ne
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -33,14 +35,29 @@ class ScriptTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens: int = 0
 
 
+class ModelRetry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How a model call that failed with a retryable error (a rate limit, a server error, a
+    timeout, an unreachable endpoint) is tried again (``[model.retry]``): at most ``attempts``
+    calls in all, waiting the API's ``Retry-After`` when it names one, else a jittered
+    exponential delay from ``initial_delay`` doubling up to ``max_delay`` seconds. The agent's
+    ``max_seconds`` bounds the waiting too: a wait that would overrun it is not started."""
+
+    attempts: int = 6
+    initial_delay: float = 1.0
+    max_delay: float = 30.0
+
+
 class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """Which model provider answers and how. Provider-specific keys stay in ``options``."""
+    """Which model provider answers and how. Provider-specific keys stay in ``options``; each
+    provider declares the ones it takes (``ModelProvider.options``) and any other is refused
+    when a session is created."""
 
     provider: str = "scripted"
     model: str = ""
     script: str | None = None  # a path, resolved to ``turns`` before a session pins it
     turns: list[ScriptTurn] | None = None
     options: dict[str, Any] = {}
+    retry: ModelRetry = ModelRetry()
 
 
 class Budget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -177,6 +194,8 @@ def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefi
 
 
 _MODEL_FIELDS = frozenset(ModelSpec.__struct_fields__)
+MODEL_KEYS: tuple[str, ...] = tuple(k for k in ModelSpec.__struct_fields__ if k != "options")
+"""The ``[model]`` keys every provider shares (the others are the provider's own options)."""
 
 
 def _lift_model_options(model: Any, where: str) -> Any:
@@ -211,6 +230,23 @@ def parse_script(data: Any, *, where: str = "model script") -> list[ScriptTurn]:
 def _check_script_shape(model: ModelSpec, where: str) -> None:
     for i, turn in enumerate(model.turns or []):
         _check_turn(turn, f"{where} turn {i}")
+    retry = model.retry
+    if retry.attempts < 1:
+        raise DefinitionError("`attempts` must be at least 1", where=f"{where}.retry.attempts")
+    for key in ("initial_delay", "max_delay"):
+        if getattr(retry, key) < 0:
+            raise DefinitionError(f"`{key}` must not be negative", where=f"{where}.retry.{key}")
+
+
+def unknown_option(options: dict[str, Any], declared: Mapping[str, str]) -> str | None:
+    """The first key of ``options`` (sorted) that ``declared`` does not name, or None."""
+    return next((key for key in sorted(options) if key not in declared), None)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The choice ``word`` is most likely a misspelling of, or None when none is close."""
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)
+    return found[0] if found else None
 
 
 def _check_turn(turn: ScriptTurn, where: str) -> None:

@@ -114,6 +114,24 @@ class AgentSnapshotted(_Event, frozen=True):
     source: str
     step: int
     size: int = 0
+    model_calls: int = 0
+    """The model calls this snapshot is the first to record (1 for a node or turn that asked the
+    model, 0 for one that replays a recorded turn), with their token usage below."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ModelRetrying(_Event, frozen=True):
+    """An agent's model call failed with an error worth trying again: the worker waits ``delay``
+    seconds (the API's ``Retry-After`` when it named one) before attempt ``attempt + 1``.
+    ``reason`` is the provider's short message. Logged only when a call fails, so a session shows
+    what it is waiting for; the agent's next snapshot or phase clears it."""
+
+    agent: AgentRef
+    attempt: int
+    delay: float
+    reason: str
+    status: int | None = None
 
 
 class ToolCallIntent(_Event, frozen=True):
@@ -238,6 +256,7 @@ Event = (
     | AgentLifecycle
     | CoordinatorCheckpoint
     | AgentSnapshotted
+    | ModelRetrying
     | ToolCallIntent
     | ToolCallRecorded
     | AsyncJobStarted
@@ -257,6 +276,7 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     AgentLifecycle,
     CoordinatorCheckpoint,
     AgentSnapshotted,
+    ModelRetrying,
     ToolCallIntent,
     ToolCallRecorded,
     AsyncJobStarted,

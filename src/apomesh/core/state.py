@@ -38,6 +38,7 @@ from apomesh.core.events import (
     CoordinatorCheckpoint,
     HitlAnswered,
     HitlPaused,
+    ModelRetrying,
     OperatorAction,
     PluginPin,
     SessionEnded,
@@ -95,6 +96,16 @@ class AgentView:
     answered_step: int = 0
     """``turn_step`` when the agent last answered (``planned`` or ``completed``): a recorded plan
     or final answer at or before it was taken as an answer, so it is never replayed."""
+    prompt_tokens: int = 0
+    """Prompt tokens of every model call its snapshots recorded."""
+    completion_tokens: int = 0
+    """Completion tokens of those calls."""
+    model_calls: int = 0
+    """How many model calls its snapshots recorded."""
+    retrying: ModelRetrying | None = None
+    """The failed model call it waits to try again, until its next snapshot or phase."""
+    retrying_ts: float = 0.0
+    """The log's timestamp of ``retrying``."""
 
     @property
     def terminal(self) -> bool:
@@ -441,6 +452,7 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
     if agent is None:
         raise _invalid(state, env, f"event names unknown agent {ev.agent!r}")
     agent.phase = ev.phase
+    agent.retrying = None
     if ev.worker is not None:
         agent.worker = ev.worker
     if ev.epoch is not None:
@@ -488,8 +500,20 @@ def _on_snapshot(state: SessionState, env: Envelope) -> None:
     agent.snapshot_id = ev.snapshot_id
     agent.snapshot_source = ev.source
     agent.step = ev.step
+    agent.retrying = None
+    agent.model_calls += ev.model_calls
+    agent.prompt_tokens += ev.prompt_tokens
+    agent.completion_tokens += ev.completion_tokens
     if ev.source == TURN_SOURCE:
         agent.turn_step = ev.step
+
+
+def _on_model_retrying(state: SessionState, env: Envelope) -> None:
+    ev = env.event
+    assert isinstance(ev, ModelRetrying)
+    agent = _agent(state, env, ev.agent)
+    agent.retrying = ev
+    agent.retrying_ts = env.ts
 
 
 def _on_intent(state: SessionState, env: Envelope) -> None:
@@ -644,6 +668,7 @@ _HANDLERS: dict[type, Any] = {
     AgentLifecycle: _on_lifecycle,
     CoordinatorCheckpoint: _on_checkpoint,
     AgentSnapshotted: _on_snapshot,
+    ModelRetrying: _on_model_retrying,
     ToolCallIntent: _on_intent,
     ToolCallRecorded: _on_recorded,
     AsyncJobStarted: _on_job_started,

@@ -46,6 +46,36 @@ class AgentSummary(msgspec.Struct, frozen=True, kw_only=True):
     batch: str | None = None
     version: str = ""
     """The version of the config the agent runs with now (its migrated one, if any)."""
+    usage: TokenUsage | None = None
+    """Token usage of the model calls its snapshots recorded (None before the first)."""
+    retrying: ModelRetryView | None = None
+    """The failed model call it waits to try again, while it waits."""
+
+
+class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """Tokens spent on model calls, as the providers reported them."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    model_calls: int = 0
+
+
+def token_usage(prompt_tokens: int, completion_tokens: int, model_calls: int) -> TokenUsage:
+    return TokenUsage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, model_calls=model_calls
+    )
+
+
+class ModelRetryView(msgspec.Struct, frozen=True, kw_only=True):
+    """A model call that failed and will be tried again: attempt ``attempt`` failed with
+    ``reason`` (HTTP ``status`` when there was one); the next one starts ``delay`` seconds after
+    ``at`` (the log's timestamp)."""
+
+    attempt: int
+    delay: float
+    reason: str
+    status: int | None = None
+    at: float = 0.0
 
 
 class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +120,8 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
     """``name@version`` of the published agent the session runs now (after any migration)."""
     owner: str | None = None
     """The id of the daemon that drives the session (holds its lease), when one does."""
+    usage: TokenUsage = TokenUsage()
+    """Token usage of every agent's recorded model calls together."""
 
     @property
     def terminal(self) -> bool:
@@ -304,6 +336,18 @@ def session_view(
             reason=agent.reason,
             batch=agent.batch,
             version=agent.current_config.version if agent.current_config is not None else "",
+            usage=token_usage(agent.prompt_tokens, agent.completion_tokens, agent.model_calls)
+            if agent.model_calls
+            else None,
+            retrying=ModelRetryView(
+                attempt=agent.retrying.attempt,
+                delay=agent.retrying.delay,
+                reason=agent.retrying.reason,
+                status=agent.retrying.status,
+                at=agent.retrying_ts,
+            )
+            if agent.retrying is not None
+            else None,
         )
         for agent in state.agents.values()
     ]
@@ -327,6 +371,11 @@ def session_view(
         resumes=state.resumes,
         reason=reason if reason is not None else ended_reason,
         agent=state.effective_shape.agent if state.effective_shape is not None else None,
+        usage=token_usage(
+            sum(a.prompt_tokens for a in state.agents.values()),
+            sum(a.completion_tokens for a in state.agents.values()),
+            sum(a.model_calls for a in state.agents.values()),
+        ),
     )
 
 

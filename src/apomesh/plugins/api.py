@@ -8,7 +8,7 @@ implemented by the runtime; plugins only call them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -178,9 +178,18 @@ class Model(Protocol):
 
 
 class ModelProvider(Protocol):
-    """Builds a ``Model`` from a ``ModelSpec``; ``name`` is what ``[model] provider`` names."""
+    """Builds a ``Model`` from a ``ModelSpec``; ``name`` is what ``[model] provider`` names.
+
+    ``options`` declares every key the provider takes in ``[model]`` beside ``provider``,
+    ``model``, ``script``, ``turns`` and ``retry`` (name -> one line saying what it does): a
+    definition giving any other key is refused when its session is created, naming the key and
+    the closest declared one. A provider without ``options`` (written before it existed) takes
+    any key. A provider may also have ``check(spec, where)``, run at the same time, to refuse
+    values (raise ``DefinitionError`` naming ``where``). ``Model.respond`` raises ``ModelError``
+    on a failed call; the runtime, not the provider, tries a ``retryable`` one again."""
 
     name: str
+    options: Mapping[str, str]
 
     def create(self, spec: ModelSpec) -> Model: ...
 

@@ -44,7 +44,9 @@ from apomesh.plugins.api import (
     Tool,
     describe_tool,
 )
+from apomesh.runtime.model_calls import FailedAttempt, ModelGaveUp, call_model
 from apomesh.runtime.protocol import (
+    MODEL_CALL_FAILED,
     AgentMemory,
     BudgetState,
     CallResult,
@@ -53,6 +55,8 @@ from apomesh.runtime.protocol import (
     JobStart,
     JournalBegin,
     JournalFinish,
+    ModelCall,
+    ModelCallFailed,
     NodeReport,
     RecordedTurn,
     Reply,
@@ -167,6 +171,10 @@ class TurnRecorder:
         if turn is not None:
             await _checked(self.send_report(turn))
 
+    def unsent_call(self) -> ModelCall | None:
+        """The model call of a turn that was never sent (its node reports it)."""
+        return self.waiting.model_call if self.waiting is not None else None
+
     def node_messages(self, pending: list[Message]) -> list[Message]:
         """What a node reports of its ``pending`` messages: those its turn's report did not carry
         (an unsent turn is dropped: the node records it)."""
@@ -272,6 +280,30 @@ async def run_agent(
         budget.seconds = memory.budget.seconds + (time.monotonic() - started)
         return msgspec.structs.replace(budget)
 
+    def time_left() -> float | None:
+        limit = run.config.budget.max_seconds
+        return None if limit is None else limit - spent().seconds
+
+    async def tell_failure(failed: FailedAttempt) -> None:
+        # Only a failed attempt costs this round trip: the daemon logs the wait, so the session
+        # shows it, and counts the failure.
+        await _checked(
+            send(
+                ModelCallFailed(
+                    worker_id,
+                    run.session_id,
+                    run.agent,
+                    run.epoch,
+                    step=step + 1,
+                    attempt=failed.attempt,
+                    reason=failed.error.message,
+                    seconds=failed.seconds,
+                    status=failed.error.status,
+                    retry_in=failed.retry_in,
+                )
+            )
+        )
+
     async def report(source: str, reset: bool = False, turn: RecordedTurn | None = None) -> None:
         nonlocal pending, finished
         await _checked(
@@ -282,6 +314,7 @@ async def run_agent(
                     run.agent,
                     run.epoch,
                     step=step,
+                    model_call=recorder.unsent_call(),
                     new_messages=recorder.node_messages(pending),
                     model=model_memory,
                     budget=spent(),
@@ -309,20 +342,33 @@ async def run_agent(
                     if pending:
                         await report("node")
                     return done("budget_exhausted", reason=exhausted)
-                response = await model.respond(
-                    ModelRequest(
-                        instructions=_instructions(run),
-                        messages=messages + pending,
-                        tools=schemas,
-                        memory=model_memory,
-                        task=run.task,
-                        task_index=run.task_index,
-                        purpose=run.purpose,
-                    )
+                request = ModelRequest(
+                    instructions=_instructions(run),
+                    messages=messages + pending,
+                    tools=schemas,
+                    memory=model_memory,
+                    task=run.task,
+                    task_index=run.task_index,
+                    purpose=run.purpose,
                 )
+                try:
+                    answer = await call_model(
+                        model,
+                        request,
+                        run.config.model.retry,
+                        time_left=time_left,
+                        on_failure=tell_failure,
+                    )
+                except ModelGaveUp as gave_up:
+                    if pending:
+                        await report("node")
+                    return done("waiting", reason=MODEL_CALL_FAILED + gave_up.reason)
+                response = answer.response
                 step += 1
                 budget.steps += 1
-                budget.tokens += response.tokens
+                budget.tokens += response.tokens or (
+                    response.prompt_tokens + response.completion_tokens
+                )
                 turn = RecordedTurn(step, response)
                 recorder.wait(
                     TurnReport(
@@ -337,6 +383,12 @@ async def run_agent(
                         budget=spent(),
                         prompt=prompt,
                         call_counts=dict(call_counts),
+                        model_call=ModelCall(
+                            answer.seconds,
+                            answer.attempts,
+                            response.prompt_tokens,
+                            response.completion_tokens,
+                        ),
                     )
                 )
             response = turn.response

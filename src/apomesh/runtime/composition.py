@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from apomesh.core.definition import (
+    MODEL_KEYS,
     AgentDefinition,
     PinnedSkill,
+    closest,
     parse_definition,
     parse_script,
     role_config,
+    unknown_option,
 )
 from apomesh.core.errors import DefinitionError
 from apomesh.core.events import SessionShape
@@ -91,14 +95,29 @@ def _names_skills(definition: AgentDefinition, role: str) -> bool:
 
 
 def check_model_options(definition: AgentDefinition, host: PluginHost) -> None:
-    """Let each model provider that can (a ``check(spec, where)`` method, as the ``openai`` one
-    has) refuse the options a definition gives it, such as a credential the daemon's config does
-    not have, before a session is started; the worker checks again when it builds the model."""
+    """Refuse, before a session is started, a ``[model]`` key its provider does not declare
+    (``ModelProvider.options``: a typo such as ``temprature`` fails here, naming its path and the
+    key it was likely meant to be, instead of reaching the API), and let each provider that can
+    (a ``check(spec, where)`` method, as the ``openai`` one has) refuse the values, such as a
+    credential the daemon's config does not have; the worker checks again when it builds the
+    model."""
     providers = host.model_providers()
     for where, model in [("$.model", definition.model)] + [
         (f"$.roles.{r}.model", s.model) for r, s in definition.roles.items() if s.model is not None
     ]:
-        check = getattr(providers.get(model.provider), "check", None)
+        provider = providers.get(model.provider)
+        declared: Mapping[str, str] | None = getattr(provider, "options", None)
+        key = unknown_option(model.options, declared) if declared is not None else None
+        if key is not None and declared is not None:
+            hint = closest(key, [*declared, *MODEL_KEYS])
+            known = ", ".join(sorted(declared)) or "none"
+            raise DefinitionError(
+                f"unknown key `{key}` for model provider {model.provider!r}"
+                + (f" (did you mean `{hint}`?)" if hint else "")
+                + f"; its options: {known}",
+                where=f"{where}.{key}",
+            )
+        check = getattr(provider, "check", None)
         if callable(check):
             check(model, where)
 

@@ -372,6 +372,40 @@ class DaemonMetrics:
             "apomesh_append_conflicts_total",
             "Sessions this daemon stopped driving because another writer appended to their log.",
         )
+        self.model_calls = r.counter(
+            "apomesh_model_calls_total",
+            "Model call attempts its workers reported, by provider, model and outcome (ok, or"
+            " error for an attempt that failed, whether or not it was tried again).",
+            ["provider", "model", "outcome"],
+        )
+        self.model_call_seconds = r.histogram(
+            "apomesh_model_call_seconds",
+            "Seconds one model call attempt took, by provider and model.",
+            ["provider", "model"],
+        )
+        self.model_tokens = r.counter(
+            "apomesh_model_tokens_total",
+            "Tokens the providers counted for the model calls, by provider, model and kind"
+            " (prompt, completion).",
+            ["provider", "model", "kind"],
+        )
+
+    def observe_model_call(
+        self,
+        provider: str,
+        model: str,
+        seconds: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        outcome: str,
+    ) -> None:
+        """One model call attempt a worker reported: its outcome, its latency and its tokens."""
+        self.model_calls.labels(provider, model, outcome).inc()
+        self.model_call_seconds.labels(provider, model).observe(seconds)
+        if prompt_tokens:
+            self.model_tokens.labels(provider, model, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self.model_tokens.labels(provider, model, "completion").inc(completion_tokens)
 
     def render(self) -> str:
         return self.registry.render()

@@ -53,6 +53,11 @@ VERB_HITL = "hitl"
 VERB_JOB = "job"
 VERB_DONE = "done"
 VERB_MEMORY = "memory"
+VERB_MODEL = "model"
+MODEL_CALL_FAILED = "held: the model call failed: "
+"""How the reason of a dispatch that ends on a failed model call begins (``Done`` ``waiting``):
+the session waits for an operator (``model_failed`` on the recoverable list) to resume it once
+the cause (a key, a quota, an outage) is dealt with."""
 CTL_PREFIX = "apomesh.ctl."
 CTL_BOUND_WILDCARD = "apomesh.ctl.*.*.*"
 """Every daemon's control subjects (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``)."""
@@ -237,6 +242,28 @@ class _Report(msgspec.Struct, tag=True):
     epoch: int
 
 
+class ModelCall(msgspec.Struct):
+    """A model call that answered: how long its last attempt took, after how many attempts, and
+    the tokens the provider counted. It rides on the first report that records its turn."""
+
+    seconds: float
+    attempts: int = 1
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ModelCallFailed(_Report):
+    """An attempt of a model call failed (only sent when one does): ``retry_in`` seconds until the
+    next attempt, or None when the call is given up (the dispatch's ``Done`` follows)."""
+
+    step: int
+    attempt: int
+    reason: str
+    seconds: float
+    status: int | None = None
+    retry_in: float | None = None
+
+
 class CallResult(msgspec.Struct):
     """The outcome of a journaled call, carried on the ``NodeReport`` of the node that made it
     instead of in its own ``JournalFinish`` (the node's last call only: the daemon appends its
@@ -263,6 +290,8 @@ class NodeReport(_Report):
     call_counts: dict[str, int] = {}
     results: list[CallResult] = []
     turn: RecordedTurn | None = None
+    model_call: ModelCall | None = None
+    """The model call of this node, when no ``TurnReport`` carried it."""
 
 
 class JournalBegin(_Report):
@@ -296,6 +325,7 @@ class TurnReport(_Report):
     prompt: str = ""
     call_counts: dict[str, int] = {}
     intent: JournalBegin | None = None
+    model_call: ModelCall | None = None
 
     source: ClassVar[str] = "turn"
     reset: ClassVar[bool] = False
@@ -340,7 +370,15 @@ class Done(_Report):
 
 
 Report = (
-    NodeReport | TurnReport | JournalBegin | JournalFinish | HitlAsk | JobStart | MemoryFetch | Done
+    NodeReport
+    | TurnReport
+    | JournalBegin
+    | JournalFinish
+    | HitlAsk
+    | JobStart
+    | MemoryFetch
+    | ModelCallFailed
+    | Done
 )
 
 

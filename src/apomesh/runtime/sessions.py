@@ -71,6 +71,7 @@ from apomesh.core.events import (
     Event,
     HitlAnswered,
     HitlPaused,
+    ModelRetrying,
     OperatorAction,
     SessionEnded,
     SessionRecovered,
@@ -97,12 +98,14 @@ from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import worker_pins
 from apomesh.runtime.protocol import (
     ENCODER,
+    MODEL_CALL_FAILED,
     Done,
     HitlAsk,
     JobStart,
     JournalBegin,
     JournalFinish,
     MemoryFetch,
+    ModelCallFailed,
     NodeReport,
     Reply,
     Report,
@@ -420,6 +423,8 @@ class SessionRuntime:
                 return await self._on_job(report)
             if isinstance(report, MemoryFetch):
                 return self._on_memory(slot, report)
+            if isinstance(report, ModelCallFailed):
+                return await self._on_model_failed(report)
             assert isinstance(report, Done)
             if not slot.future.done():
                 slot.future.set_result(report)
@@ -522,7 +527,15 @@ class SessionRuntime:
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
+        self._observe_answer(report)
         return Reply("ok")
+
+    def _observe_answer(self, report: NodeReport | TurnReport) -> None:
+        call = report.model_call
+        if call is not None:
+            self._observe_model_call(
+                report.agent, call.seconds, call.prompt_tokens, call.completion_tokens, "ok"
+            )
 
     @staticmethod
     def _pointer_events(
@@ -533,6 +546,7 @@ class SessionRuntime:
         events: list[Event] = []
         if not slot.running_logged:
             events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
+        call = report.model_call
         events.append(
             AgentSnapshotted(
                 report.agent,
@@ -540,9 +554,46 @@ class SessionRuntime:
                 source=report.source,
                 step=report.step,
                 size=written,
+                model_calls=1 if call is not None else 0,
+                prompt_tokens=call.prompt_tokens if call is not None else 0,
+                completion_tokens=call.completion_tokens if call is not None else 0,
             )
         )
         return events
+
+    def _observe_model_call(
+        self, agent: str, seconds: float, prompt: int, completion: int, outcome: str
+    ) -> None:
+        config = self.state.agents[agent].current_config
+        model = config.model if config is not None else None
+        self.deps.metrics.observe_model_call(
+            model.provider if model is not None else "",
+            model.model if model is not None else "",
+            seconds,
+            prompt,
+            completion,
+            outcome,
+        )
+
+    async def _on_model_failed(self, report: ModelCallFailed) -> Reply:
+        """A failed attempt of a model call: counted, and when it is tried again, logged
+        (``ModelRetrying``) so the session shows what the agent waits for. A retried report of
+        the same attempt logs nothing more."""
+        retrying = self.state.agents[report.agent].retrying
+        if retrying is not None and retrying.attempt == report.attempt:
+            return Reply("ok")
+        self._observe_model_call(report.agent, report.seconds, 0, 0, "error")
+        if report.retry_in is not None:
+            await self.append(
+                ModelRetrying(
+                    report.agent,
+                    attempt=report.attempt,
+                    delay=report.retry_in,
+                    reason=report.reason,
+                    status=report.status,
+                )
+            )
+        return Reply("ok")
 
     def _on_memory(self, slot: DispatchSlot, report: MemoryFetch) -> Reply:
         """A page of the working memory this dispatch did not carry."""
@@ -577,6 +628,7 @@ class SessionRuntime:
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
+        self._observe_answer(report)
         return Reply("ok")
 
     async def _on_journal_begin(self, slot: DispatchSlot, report: JournalBegin) -> Reply:
@@ -1274,9 +1326,11 @@ class SessionRuntime:
         except Held as held:
             log.warning("session %s held for an operator: %s", self.session_id, held)
             await self._stop_for_hold()
-            await self.deps.on_end(
-                self, Ending("stranded", reason=f"held for an operator: {held}", category="held")
-            )
+            reason, category = f"held for an operator: {held}", "held"
+            if str(held).startswith(MODEL_CALL_FAILED):
+                # The provider's own message says what the operator must fix before resuming.
+                reason, category = str(held).removeprefix("held: "), "model_failed"
+            await self.deps.on_end(self, Ending("stranded", reason=reason, category=category))
             return
         except Exception as exc:
             if self.state.terminal or self.conflict is not None:

@@ -47,6 +47,7 @@ from apomesh.runtime.protocol import (
     VERB_JOB,
     VERB_JOURNAL,
     VERB_MEMORY,
+    VERB_MODEL,
     VERB_NODE,
     VERB_REGISTER,
     VERB_TURN,
@@ -60,6 +61,7 @@ from apomesh.runtime.protocol import (
     JournalBegin,
     JournalFinish,
     MemoryFetch,
+    ModelCallFailed,
     NodeReport,
     Register,
     Reply,
@@ -83,6 +85,7 @@ _VERBS: dict[type, str] = {
     HitlAsk: VERB_HITL,
     JobStart: VERB_JOB,
     MemoryFetch: VERB_MEMORY,
+    ModelCallFailed: VERB_MODEL,
     Done: VERB_DONE,
 }
 
@@ -183,6 +186,12 @@ class Worker:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+        for provider in self.providers.values():
+            # A provider's pooled HTTP client (the ``openai`` one's); it is made again on use.
+            close = getattr(provider, "aclose", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    await close()
 
     # --- registration and heartbeat --------------------------------------------------------------
 
