@@ -248,6 +248,15 @@ class CallResult(msgspec.Struct):
     result: str
 
 
+class ToolTiming(msgspec.Struct, array_like=True):
+    """How long one tool call ran on the worker and whether it returned (``ok``) or raised
+    (``error``); carried on the next ``NodeReport`` for the daemon's metrics."""
+
+    tool: str
+    seconds: float
+    outcome: Literal["ok", "error"]
+
+
 class NodeReport(_Report):
     """A node boundary: what the node added to working memory, and why the snapshot is taken.
     ``turn`` is a recorded turn the snapshot still holds (the plan or final answer an agent ended
@@ -263,6 +272,7 @@ class NodeReport(_Report):
     call_counts: dict[str, int] = {}
     results: list[CallResult] = []
     turn: RecordedTurn | None = None
+    tool_timings: list[ToolTiming] = []
 
 
 class JournalBegin(_Report):
