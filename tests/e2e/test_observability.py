@@ -48,14 +48,15 @@ class Observed:
     view: dict[str, Any]
 
 
-def wait_until(check: Any, what: str) -> Any:
+def wait_until(check: Any, what: Any) -> Any:
+    """``check()`` once it is truthy; ``what()`` says what did not happen."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
         found = check()
         if found:
             return found
         time.sleep(0.1)
-    raise AssertionError(f"{what} within {TIMEOUT} s")
+    raise AssertionError(f"{what()} within {TIMEOUT} s")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,13 @@ def observed(
             'exporter = "otlp"\n'
             f'endpoint = "{receiver.endpoint}"\n'
         )
-        mesh = Mesh(nats_server, base, env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+        env = {
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            # A worker's first model call may hold its loop a moment (building its HTTP client).
+            "APOMESH_LIVENESS_HEARTBEAT_INTERVAL": "0.5",
+            "APOMESH_LIVENESS_MISSED_BEATS": "6",
+        }
+        mesh = Mesh(nats_server, base, env=env)
         mesh.daemon.extra_args = ("--config", str(config), "--log-format", "json")
         try:
             mesh.daemon.start()
@@ -96,7 +103,7 @@ def observed(
                 view: dict[str, Any] = httpx.get(f"{mesh.url}/v1/sessions/{session_id}").json()
                 return view if view["status"] in ("completed", "failed") else None
 
-            view = wait_until(ended, "the session did not end")
+            view = wait_until(ended, lambda: f"session {session_id} did not end")
             yield Observed(mesh, receiver, model_server, session_id, view)
         finally:
             mesh.close()
@@ -110,38 +117,42 @@ def test_the_session_completes_with_a_model_call_and_a_tool_call(observed: Obser
 
 
 def test_one_trace_spans_the_daemon_and_the_worker(observed: Observed) -> None:
-    def complete() -> list[ReceivedSpan] | None:
-        spans = observed.receiver.received()
-        names = [s.name for s in spans]
-        wanted = ["apomesh.session", "apomesh.dispatch", "execute_tool fs.write"]
-        if all(n in names for n in wanted) and names.count("chat fake-model") == 2:
-            return spans
-        return None
+    def outcome(span: ReceivedSpan) -> Any:
+        return span.attributes.get("apomesh.outcome")
 
-    spans = wait_until(complete, "the session's spans did not all arrive")
+    def complete() -> list[ReceivedSpan] | None:
+        # The worker ends its dispatch span last, after all of that dispatch's spans.
+        spans = observed.receiver.received()
+        names = {s.name for s in spans}
+        final = [s for s in spans if s.name == "apomesh.dispatch" and outcome(s) == "final"]
+        return spans if "apomesh.session" in names and final else None
+
+    spans = wait_until(
+        complete,
+        lambda: f"not every span arrived: {[s.name for s in observed.receiver.received()]}",
+    )
     assert {s.trace_id for s in spans} == {spans[0].trace_id}, "more than one trace"
     by_name: dict[str, list[ReceivedSpan]] = {}
     for span in spans:
         by_name.setdefault(span.name, []).append(span)
     (session,) = by_name["apomesh.session"]
     (agent,) = by_name["apomesh.agent"]
-    (dispatch,) = by_name["apomesh.dispatch"]
     assert session.service == agent.service == "apomesh-daemon"
     assert session.parent_id == ""  # the trace's root
     assert session.attributes["apomesh.session_id"] == observed.session_id
     assert session.attributes["apomesh.status"] == "completed"
     assert agent.parent_id == session.span_id
     assert "dispatched" in agent.events
-    # The worker's spans, in another process, hang under the daemon's agent span.
-    assert dispatch.service == "apomesh-worker"
-    assert dispatch.parent_id == agent.span_id
-    assert dispatch.attributes["apomesh.outcome"] == "final"
-    nodes = {s.span_id: s for s in by_name["apomesh.node"]}
-    assert all(n.parent_id == dispatch.span_id for n in nodes.values())
+    # The worker's spans, in another process, hang under the daemon's agent span (every
+    # dispatch of it: one, or more if a slow start made the daemon think the worker lost).
+    dispatches = by_name["apomesh.dispatch"]
+    assert {(d.service, d.parent_id) for d in dispatches} == {("apomesh-worker", agent.span_id)}
+    (final,) = [d for d in dispatches if outcome(d) == "final"]
+    nodes = {s.span_id: s for s in by_name["apomesh.node"] if s.parent_id == final.span_id}
     assert [n.attributes.get("apomesh.step") for n in nodes.values()].count(1) == 1
-    chats = by_name["chat fake-model"]
-    assert all(c.parent_id in nodes and c.service == "apomesh-worker" for c in chats)
-    assert sorted(c.attributes["gen_ai.usage.input_tokens"] for c in chats) == [15, 20]
+    chats = [c for c in by_name["chat fake-model"] if c.parent_id in nodes]
+    reasons = sorted(c.attributes["gen_ai.response.finish_reasons"][0] for c in chats)
+    assert reasons == ["stop", "tool_calls"]
     assert {c.attributes["gen_ai.provider.name"] for c in chats} == {"openai"}
     (tool,) = by_name["execute_tool fs.write"]
     assert tool.parent_id in nodes
