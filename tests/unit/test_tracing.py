@@ -5,6 +5,7 @@ tests/e2e/test_observability.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterator
@@ -140,3 +141,23 @@ def test_tracing_and_log_settings_are_checked(tmp_path: Any) -> None:
         load_config(None, env={"APOMESH_TRACING_ENDPOINT": "127.0.0.1:4318"})
     with pytest.raises(DefinitionError, match=r"tracing\.exporter"):
         load_config(None, env={"APOMESH_TRACING_EXPORTER": "jaeger"})
+
+
+async def test_a_failed_drive_is_an_error_and_a_cancelled_one_is_not(
+    exported: InMemorySpanExporter,
+) -> None:
+    async def fail() -> None:
+        raise RuntimeError("no answer")
+
+    async def cancelled() -> None:
+        raise asyncio.CancelledError
+
+    with pytest.raises(RuntimeError):
+        await tracing.traced(fail(), "apomesh.agent", {})
+    with pytest.raises(asyncio.CancelledError):
+        await tracing.traced(cancelled(), "apomesh.session", {})
+    spans = {span.name: span for span in exported.get_finished_spans()}
+    assert spans["apomesh.agent"].status.status_code is trace.StatusCode.ERROR
+    assert spans["apomesh.agent"].status.description == "RuntimeError: no answer"
+    assert spans["apomesh.session"].status.status_code is trace.StatusCode.UNSET
+    assert (spans["apomesh.session"].attributes or {})["apomesh.cancelled"] is True

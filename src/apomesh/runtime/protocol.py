@@ -260,7 +260,8 @@ class ToolTiming(msgspec.Struct, array_like=True):
 class NodeReport(_Report):
     """A node boundary: what the node added to working memory, and why the snapshot is taken.
     ``turn`` is a recorded turn the snapshot still holds (the plan or final answer an agent ended
-    with, at its ``affinity_release``); a node that completes a turn carries none."""
+    with, at its ``affinity_release``); a node that completes a turn carries none.
+    ``tool_timings`` are the tool runs since the last node report, for the daemon's metrics."""
 
     step: int
     new_messages: list[Message]

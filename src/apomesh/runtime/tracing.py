@@ -21,6 +21,7 @@ provider an embedding application installed. A worker follows the daemon's sampl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -118,8 +119,19 @@ async def traced(
     tracer = _tracer
     if tracer is None:
         return await awaitable
-    with tracer.start_as_current_span(name, attributes=dict(attributes)):
-        return await awaitable
+    with tracer.start_as_current_span(
+        name, attributes=dict(attributes), record_exception=False, set_status_on_exception=False
+    ) as span:
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            # Stopped from outside (a cancel, a shutdown, another writer): not a failure.
+            span.set_attribute("apomesh.cancelled", True)
+            raise
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
 
 
 def add_event(name: str, attributes: Mapping[str, str | int]) -> None:
