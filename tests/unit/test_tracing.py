@@ -74,7 +74,10 @@ async def test_a_dispatch_joins_the_trace_its_headers_carry(
     with dispatch.tool_call("fs.read") as call:
         call.ended("error")
     dispatch.end_node(1)
+    # Meanwhile the dispatch span is the current one: the worker's log lines name it.
+    inside = trace.get_current_span()
     dispatch.close("final")
+    assert trace.get_current_span() is not inside
     spans = {span.name: span for span in exported.get_finished_spans()}
     assert set(spans) == {
         "apomesh.agent",
@@ -84,6 +87,7 @@ async def test_a_dispatch_joins_the_trace_its_headers_carry(
         "execute_tool fs.read",
     }
     agent = spans["apomesh.agent"]
+    assert inside.get_span_context().span_id == spans["apomesh.dispatch"].context.span_id
     assert {s.context.trace_id for s in spans.values()} == {agent.context.trace_id}
 
     def parent(name: str) -> Any:

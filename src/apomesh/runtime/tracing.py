@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -160,7 +161,9 @@ def headers() -> dict[str, str] | None:
 
 class AgentTrace:
     """The spans of one dispatch on a worker: the dispatch span, a child of the daemon's agent
-    span, and under it one node span at a time with the model and tool calls of that node."""
+    span, and under it one node span at a time with the model and tool calls of that node. Made
+    and closed in the dispatch's task, whose current span the dispatch span is meanwhile (its log
+    lines name it)."""
 
     def __init__(
         self, tracer: trace.Tracer, parent: Context | None, attributes: dict[str, Any]
@@ -171,6 +174,7 @@ class AgentTrace:
             "apomesh.dispatch", context=parent, kind=SpanKind.CONSUMER, attributes=attributes
         )
         self._dispatch_context = trace.set_span_in_context(self._dispatch)
+        self._token = otel_context.attach(self._dispatch_context)
         self._node: Span | None = None
         self._node_context: Context | None = None
 
@@ -197,6 +201,7 @@ class AgentTrace:
         if outcome in ("failed", "error"):
             self._dispatch.set_status(Status(StatusCode.ERROR, outcome))
         self._dispatch.end()
+        otel_context.detach(self._token)
 
     def wrap_model(self, model: Model, spec: ModelSpec) -> Model:
         return _TracedModel(model, spec, self)
