@@ -53,7 +53,9 @@ def test_off_nothing_is_made_and_a_model_is_not_wrapped() -> None:
     tracing.configure(TracingConfig(), service="apomesh-daemon")
     assert not tracing.enabled()
     assert tracing.headers() is None
-    dispatch = tracing.agent_trace({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {})
+    dispatch = tracing.dispatch_trace(
+        {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, {}
+    )
     assert dispatch is tracing.NO_TRACE
     model = Answering()
     assert dispatch.wrap_model(model, ModelSpec()) is model
@@ -67,7 +69,7 @@ async def test_a_dispatch_joins_the_trace_its_headers_carry(
 
     headers = await tracing.traced(drive(), "apomesh.agent", {"apomesh.agent": "root"})
     assert headers is not None and "traceparent" in headers
-    dispatch = tracing.agent_trace(headers, {"apomesh.agent": "root"})
+    dispatch = tracing.dispatch_trace(headers, {"apomesh.agent": "root"})
     dispatch.start_node()
     model = dispatch.wrap_model(Answering(), ModelSpec(provider="openai", model="m1"))
     await model.respond(ModelRequest(instructions="", messages=[], tools=[], memory={}))

@@ -18,6 +18,9 @@ that output. So a model that answers differently every time still runs each effe
 A human question, an async job or an operator hold stalls the loop: the dispatch ends, and a later
 dispatch replays the recorded turn to the same stall, where the answer now waits (pause ids and
 journal keys are derived from the call, so nothing is asked or run twice).
+
+Each tool run is timed (a ``ToolTiming`` on the next node report, for the daemon's metrics); with
+tracing on, each node, model call and tool run is a span of the dispatch (``runtime.tracing``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """OpenTelemetry traces of sessions, through ``opentelemetry-api``; off unless configured.
 
-The spans of one session form one trace across the daemon and its workers:
+The spans of one session on one daemon form one trace across that daemon and its workers (a
+resume after a restart, or on a peer, starts another; ``apomesh.session_id`` finds them all):
 
 - ``apomesh.session`` (daemon): a session's coordinator loop, from its start (or resume) on this
   daemon to its end or stop;
@@ -159,7 +160,7 @@ def headers() -> dict[str, str] | None:
 # --- a worker's spans ----------------------------------------------------------------------------
 
 
-class AgentTrace:
+class TracedDispatch:
     """The spans of one dispatch on a worker: the dispatch span, a child of the daemon's agent
     span, and under it one node span at a time with the model and tool calls of that node. Made
     and closed in the dispatch's task, whose current span the dispatch span is meanwhile (its log
@@ -264,10 +265,10 @@ class _ModelCall:
 class _TracedModel:
     """A model whose every call is a ``chat`` span of the node it is made in."""
 
-    def __init__(self, model: Model, spec: ModelSpec, agent_trace: AgentTrace) -> None:
+    def __init__(self, model: Model, spec: ModelSpec, dispatch: TracedDispatch) -> None:
         self._model = model
         self._spec = spec
-        self._trace = agent_trace
+        self._trace = dispatch
 
     async def respond(self, request: ModelRequest) -> ModelResponse:
         with self._trace.model_call(self._spec) as call:
@@ -277,7 +278,7 @@ class _TracedModel:
 
 
 class NoTrace:
-    """``AgentTrace`` while tracing is off: every method does nothing."""
+    """``TracedDispatch`` while tracing is off: every method does nothing."""
 
     def start_node(self) -> None:
         pass
@@ -298,11 +299,11 @@ class NoTrace:
 _NO_TOOL_CALL = nullcontext(ToolCall(None))
 NO_TRACE = NoTrace()
 
-DispatchTrace = AgentTrace | NoTrace
+DispatchTrace = TracedDispatch | NoTrace
 """The spans of one dispatch on a worker, or none."""
 
 
-def agent_trace(
+def dispatch_trace(
     message_headers: Mapping[str, str] | None, attributes: dict[str, Any]
 ) -> DispatchTrace:
     """The trace of one dispatch, joined to the daemon's through ``message_headers``."""
@@ -310,4 +311,4 @@ def agent_trace(
     if tracer is None:
         return NO_TRACE
     parent = propagate.extract(dict(message_headers)) if message_headers else None
-    return AgentTrace(tracer, parent, attributes)
+    return TracedDispatch(tracer, parent, attributes)

@@ -336,7 +336,7 @@ class Worker:
         async def send(report: Report) -> Reply:
             return await self.send(report, run.daemon)
 
-        trace = tracing.agent_trace(
+        trace = tracing.dispatch_trace(
             headers,
             {
                 "apomesh.session_id": run.session_id,
