@@ -42,11 +42,22 @@ def _config(args: argparse.Namespace, overrides: dict[str, dict[str, Any]]) -> A
     return load_config(path, overrides=overrides)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _observe(config: Any, service: str) -> None:
+    """Log lines and traces of a long-running process, as its config says."""
+    from apomesh.runtime import tracing
+    from apomesh.runtime.logging_config import configure_logging
+
+    configure_logging(config.daemon.log_level, config.log.format)
+    tracing.configure(config.tracing, service=service)
+
+
+def _announce(config: Any, text: str) -> None:
+    """A line of ``serve`` or ``worker`` itself: printed, or with JSON logs one more log line (a
+    log shipper then reads JSON only)."""
+    if config.log.format == "json":
+        logging.getLogger("apomesh.cli").info("%s", text)
+    else:
+        console.print(text)
 
 
 # --- serve / worker / demo ---------------------------------------------------------------------------
@@ -62,9 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "daemon": {"data_dir": args.data, "workspace": args.workspace, "workers": args.workers},
         "http": {"listen": args.http},
         "plugins": {"tools": args.tools},
+        "log": {"format": args.log_format},
     }
     config = _config(args, overrides)
-    _setup_logging(config.daemon.log_level)
+    _observe(config, "apomesh-daemon")
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -73,15 +85,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         async with Node(config, http=serve_api) as node:
             assert node.daemon is not None
-            console.print(
+            _announce(
+                config,
                 f"apomesh {__version__} serving on {node.http_url} (NATS {redact_urls(node.urls)},"
-                f" data {config.daemon.data_path()}, {config.daemon.workers} local workers)"
+                f" data {config.daemon.data_path()}, {config.daemon.workers} local workers)",
             )
-            console.print(f"boot scan: {node.daemon.boot_report}")
+            _announce(config, f"boot scan: {node.daemon.boot_report}")
             await stop.wait()
-            console.print("shutting down")
+            _announce(config, "shutting down")
 
-    asyncio.run(serve())
+    from apomesh.runtime import tracing
+
+    try:
+        asyncio.run(serve())
+    finally:
+        tracing.shutdown()
     return 0
 
 
@@ -100,9 +118,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
             "nats": {"urls": args.nats.split(",") if args.nats else None},
             "workers": {"max_agents": args.max_agents},
             "plugins": {"tools": args.tools},
+            "log": {"format": args.log_format},
         },
     )
-    _setup_logging(config.daemon.log_level)
+    _observe(config, "apomesh-worker")
     if not config.nats.urls:
         err.print("a worker needs NATS: --nats URL, [nats] urls or APOMESH_NATS_URLS")
         return 2
@@ -147,15 +166,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
             daemon_gone_after=config.workers.daemon_gone_after,
         )
         await worker.start()
-        console.print(
+        _announce(
+            config,
             f"worker {worker.worker_id} on {redact_urls(config.nats.urls)}, workspace {workspace},"
-            f" {worker.max_agents} agents at most"
+            f" {worker.max_agents} agents at most",
         )
         await stop.wait()
         await worker.aclose()
         await nc.close()
 
-    asyncio.run(work())
+    from apomesh.runtime import tracing
+
+    try:
+        asyncio.run(work())
+    finally:
+        tracing.shutdown()
     return 0
 
 
@@ -604,6 +629,14 @@ def _remote(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="the local daemon's config file ([http] token, data_dir)")
 
 
+def _log_format_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help='log lines as text or one JSON object a line (default [log] format, "text")',
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apomesh", description="Durable agent sessions on NATS JetStream."
@@ -626,6 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
         " a ToolSet; repeatable; [plugins] tools)",
     )
     p.add_argument("--config", help="config file (see `apomesh config sample`)")
+    _log_format_option(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("worker", help="run a worker that connects to NATS")
@@ -655,6 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="config file (credentials, TLS); secrets also come from APOMESH_NATS_* variables,"
         " never from the command line",
     )
+    _log_format_option(p)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser(

@@ -165,10 +165,10 @@ def test_a_session_rides_through_a_429_a_503_and_a_timeout_and_completes(
 
     metrics = httpx.get(f"{system.url}/metrics").text
     labels = 'provider="openai",model="gpt-4o-mini"'
-    assert f'apomesh_model_calls_total{{{labels},outcome="ok"}} 2' in metrics
-    assert f'apomesh_model_calls_total{{{labels},outcome="error"}} 3' in metrics
-    assert f'apomesh_model_tokens_total{{{labels},kind="prompt"}} {prompt}' in metrics
-    assert f'apomesh_model_tokens_total{{{labels},kind="completion"}} {completion}' in metrics
+    assert f'apomesh_model_call_seconds_count{{{labels},outcome="ok"}} 2.0' in metrics
+    assert f'apomesh_model_call_seconds_count{{{labels},outcome="error"}} 3.0' in metrics
+    assert f'apomesh_model_tokens_total{{{labels},kind="prompt"}} {float(prompt)}' in metrics
+    assert f'apomesh_model_tokens_total{{{labels},kind="completion"}} {float(completion)}' in metrics
 
 
 def test_a_401_stops_the_session_with_the_provider_message_and_the_operator_resumes_it(

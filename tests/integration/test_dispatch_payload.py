@@ -39,7 +39,9 @@ class FakeNats:
     def __init__(self) -> None:
         self.sent: list[int] = []
 
-    async def request(self, subject: str, data: bytes, timeout: float) -> Any:
+    async def request(
+        self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> Any:
         self.sent.append(len(data))
 
         class Msg:

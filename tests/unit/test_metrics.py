@@ -1,94 +1,71 @@
-"""The metrics registry and its Prometheus text exposition."""
+"""The daemon's metrics on prometheus-client: names, labels and what one model call, tool call or
+session end adds."""
 
 from __future__ import annotations
 
-import pytest
+import platform
 
-from apomesh.runtime.metrics import DaemonMetrics, Registry
+from prometheus_client.parser import text_string_to_metric_families
 
-
-def test_counters_gauges_and_histograms_render_in_the_text_format() -> None:
-    registry = Registry()
-    requests = registry.counter("demo_requests_total", "Requests.\nBy path.", ["path"])
-    requests.labels('/a"b').inc()
-    requests.labels('/a"b').inc(2)
-    depth = registry.gauge("demo_depth", "Queue depth.")
-    depth.set(5)
-    depth.dec()
-    latency = registry.histogram("demo_seconds", "Latency.", buckets=[0.1, 1.0])
-    for value in (0.05, 0.5, 3.0):
-        latency.observe(value)
-    assert registry.render().splitlines() == [
-        "# HELP demo_requests_total Requests.\\nBy path.",
-        "# TYPE demo_requests_total counter",
-        'demo_requests_total{path="/a\\"b"} 3',
-        "# HELP demo_depth Queue depth.",
-        "# TYPE demo_depth gauge",
-        "demo_depth 4",
-        "# HELP demo_seconds Latency.",
-        "# TYPE demo_seconds histogram",
-        'demo_seconds_bucket{le="0.1"} 1',
-        'demo_seconds_bucket{le="1"} 2',
-        'demo_seconds_bucket{le="+Inf"} 3',
-        "demo_seconds_sum 3.55",
-        "demo_seconds_count 3",
-    ]
+from apomesh._version import __version__
+from apomesh.runtime.metrics import DaemonMetrics
 
 
-def test_misuse_is_refused() -> None:
-    registry = Registry()
-    counter = registry.counter("demo_total", "Demo.", ["kind"])
-    with pytest.raises(ValueError):
-        counter.inc()  # needs its label
-    with pytest.raises(ValueError):
-        counter.labels("a").inc(-1)
-    with pytest.raises(ValueError):
-        counter.labels("a", "b")
-    with pytest.raises(ValueError):
-        registry.gauge("demo_total", "Twice.")
-
-
-def test_the_daemon_metrics_are_all_apomesh_names() -> None:
-    metrics = DaemonMetrics()
-    metrics.sessions.replace({("running",): 2, ("recoverable",): 1})
-    metrics.resumes.labels("worker_lost").inc()
-    with metrics.append_seconds.time():
-        pass
-    text = metrics.render()
-    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
-    assert names == {
-        "apomesh_sessions",
-        "apomesh_agents",
-        "apomesh_events_appended_total",
-        "apomesh_append_seconds",
-        "apomesh_heartbeats_received_total",
-        "apomesh_workers_alive",
-        "apomesh_workers_lost_total",
-        "apomesh_resumes_total",
-        "apomesh_journal_hits_total",
-        "apomesh_recoverable_sessions",
-        "apomesh_fenced_reports_total",
-        "apomesh_snapshot_bytes_total",
-        "apomesh_append_conflicts_total",
-        "apomesh_control_requests_dropped_total",
-        "apomesh_dispatches_refused_total",
-        "apomesh_placement_waits_total",
-        "apomesh_model_calls_total",
-        "apomesh_model_call_seconds",
-        "apomesh_model_tokens_total",
+def samples(metrics: DaemonMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render())
+        for s in family.samples
     }
-    assert 'apomesh_sessions{state="running"} 2' in text
-    assert 'apomesh_resumes_total{path="worker_lost"} 1' in text
-    assert metrics.append_seconds.count() == 1
 
 
-def test_a_model_call_is_counted_with_its_latency_and_tokens() -> None:
+def test_a_model_call_counts_its_latency_outcome_and_tokens() -> None:
     metrics = DaemonMetrics()
-    metrics.observe_model_call("openai", "m", 0.25, 12, 3, "ok")
-    metrics.observe_model_call("openai", "m", 1.5, 0, 0, "error")
-    text = metrics.render()
-    assert 'apomesh_model_calls_total{provider="openai",model="m",outcome="ok"} 1' in text
-    assert 'apomesh_model_calls_total{provider="openai",model="m",outcome="error"} 1' in text
-    assert 'apomesh_model_tokens_total{provider="openai",model="m",kind="prompt"} 12' in text
-    assert 'apomesh_model_tokens_total{provider="openai",model="m",kind="completion"} 3' in text
-    assert 'apomesh_model_call_seconds_count{provider="openai",model="m"} 2' in text
+    metrics.observe_model_call("openai", "gpt-x", 0.7, 120, 30, "ok")
+    metrics.observe_model_call("openai", "gpt-x", 3.0, 100, 0, "rate_limited")
+    found = samples(metrics)
+    ok = (("model", "gpt-x"), ("outcome", "ok"), ("provider", "openai"))
+    limited = (("model", "gpt-x"), ("outcome", "rate_limited"), ("provider", "openai"))
+    assert found[("apomesh_model_call_seconds_count", ok)] == 1
+    assert found[("apomesh_model_call_seconds_sum", ok)] == 0.7
+    assert found[("apomesh_model_call_seconds_bucket", (("le", "1.0"), *ok))] == 1
+    assert found[("apomesh_model_call_seconds_count", limited)] == 1
+    tokens = "apomesh_model_tokens_total"
+    assert metrics.value(tokens, provider="openai", model="gpt-x", kind="prompt") == 220
+    assert metrics.value(tokens, provider="openai", model="gpt-x", kind="completion") == 30
+
+
+def test_tool_calls_and_session_ends_are_histograms_by_outcome() -> None:
+    metrics = DaemonMetrics()
+    metrics.observe_tool_call("fs.write", 0.002, "ok")
+    metrics.observe_tool_call("fs.write", 0.5, "error")
+    metrics.observe_session_end("completed", 42.0)
+    metrics.observe_session_end("failed", 3.0)
+    count = "apomesh_tool_call_seconds_count"
+    assert metrics.value(count, tool="fs.write", outcome="ok") == 1
+    assert metrics.value(count, tool="fs.write", outcome="error") == 1
+    assert metrics.value("apomesh_session_seconds_count", status="completed") == 1
+    assert metrics.value("apomesh_session_seconds_sum", status="completed") == 42.0
+    assert metrics.value("apomesh_session_seconds_count", status="cancelled") == 0
+
+
+def test_build_info_and_gauges_replaced_whole() -> None:
+    metrics = DaemonMetrics()
+    metrics.sessions.replace({("running",): 2, ("paused",): 1})
+    metrics.sessions.replace({("running",): 1})
+    found = samples(metrics)
+    assert found[("apomesh_sessions", (("state", "running"),))] == 1
+    assert ("apomesh_sessions", (("state", "paused"),)) not in found
+    build = (("python", platform.python_version()), ("version", __version__))
+    assert found[("apomesh_build_info", build)] == 1
+
+
+def test_every_metric_is_an_apomesh_name_and_two_daemons_do_not_share_values() -> None:
+    first, second = DaemonMetrics(), DaemonMetrics()
+    first.resumes.labels("worker_lost").inc()
+    text = first.render()
+    names = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert names and all(name.startswith("apomesh_") for name in names)
+    assert "_created" not in text
+    assert first.value("apomesh_resumes_total", path="worker_lost") == 1
+    assert second.value("apomesh_resumes_total", path="worker_lost") == 0

@@ -60,7 +60,9 @@ class FakeNats:
     async def publish(self, subject: str, data: bytes) -> None:
         self.published.append((subject, DISPATCH_DECODER.decode(data)))
 
-    async def request(self, subject: str, data: bytes, timeout: float) -> Any:
+    async def request(
+        self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> Any:
         message = DISPATCH_DECODER.decode(data)
         assert isinstance(message, Run)
         self.dispatched.append(message)
@@ -124,7 +126,7 @@ async def test_placement_leaves_room_for_other_daemons_agents() -> None:
         return calls > 2
 
     assert await workers.pick(CONFIG, stop=give_up) is None  # full: it waits, never over-places
-    assert workers.metrics.placement_waits.value() == 1
+    assert workers.metrics.value("apomesh_placement_waits_total") == 1
     workers.release("w1")
     assert workers.free_slots(info) == 1
 
@@ -139,7 +141,7 @@ async def test_a_worker_that_refuses_for_being_full_is_full_until_its_next_beat(
     # The dispatch named this daemon and incarnation.
     assert (nc.dispatched[0].daemon, nc.dispatched[0].incarnation) == ("daemon-a", "inc-2")
     assert workers.free_slots(workers.workers["w1"]) == 0
-    assert workers.metrics.dispatches_refused.value("full") == 1
+    assert workers.metrics.value("apomesh_dispatches_refused_total", reason="full") == 1
     await workers.beat(
         Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={"x/root": 1}, seq=1, max_agents=4)
     )

@@ -68,6 +68,8 @@ async def serve_api(service: DaemonService, config: Config) -> HttpEndpoint:
     # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local process could then
     # pose as any address and escape failed-token rate limiting.
     options: dict[str, Any] = {
+        # uvicorn's lines go through the process's own handler (text or JSON: [log] format).
+        "log_config": None,
         "log_level": "warning",
         "proxy_headers": bool(http.trusted_proxies),
         "forwarded_allow_ips": list(http.trusted_proxies),

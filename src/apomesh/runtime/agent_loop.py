@@ -18,6 +18,9 @@ that output. So a model that answers differently every time still runs each effe
 A human question, an async job or an operator hold stalls the loop: the dispatch ends, and a later
 dispatch replays the recorded turn to the same stall, where the answer now waits (pause ids and
 journal keys are derived from the call, so nothing is asked or run twice).
+
+Each tool run is timed (a ``ToolTiming`` on the next node report, for the daemon's metrics); with
+tracing on, each node, model call and tool run is a span of the dispatch (``runtime.tracing``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from apomesh.plugins.api import (
     ProbeResult,
     SupervisorPolicy,
     Tool,
+    ToolContext,
     describe_tool,
 )
 from apomesh.runtime.model_calls import FailedAttempt, ModelGaveUp, call_model
@@ -62,8 +66,10 @@ from apomesh.runtime.protocol import (
     Reply,
     Report,
     Run,
+    ToolTiming,
     TurnReport,
 )
+from apomesh.runtime.tracing import NO_TRACE, DispatchTrace
 
 Send = Callable[[Report], Awaitable[Reply]]
 
@@ -92,6 +98,14 @@ class LoopContext:
     """The key of the journaled call being run (``core.journal.idempotency_key``), else empty."""
     call_key: str = ""
     """The journal key of the side-effecting call running (or being probed) now."""
+    trace: DispatchTrace = NO_TRACE
+    """This dispatch's spans (``runtime.tracing``): a tool's run is one of its node's."""
+    tool_timings: list[ToolTiming] = field(default_factory=list)
+    """The tool runs since the last node report, which carries them to the daemon's metrics."""
+
+    def take_tool_timings(self) -> list[ToolTiming]:
+        timings, self.tool_timings = self.tool_timings, []
+        return timings
 
     @property
     def workspace(self) -> Path:
@@ -208,6 +222,31 @@ def _tool_schemas(tools: dict[str, Tool], names: list[str]) -> list[dict[str, An
     return [describe_tool(tools[n]) for n in names if n in tools]
 
 
+def _timed(tool: Tool) -> Tool:
+    """``tool`` with each run timed for the daemon's metrics (a ``ToolTiming`` left on the
+    dispatch's context; a run that stalls for a human leaves none) and traced."""
+    run = tool.run
+
+    async def timed_run(ctx: ToolContext, args: dict[str, Any]) -> str:
+        assert isinstance(ctx, LoopContext)
+        started = time.monotonic()
+        with ctx.trace.tool_call(tool.name) as call:
+            try:
+                result = await run(ctx, args)
+            except Stall:
+                call.ended("stalled")
+                raise
+            except Exception:
+                call.ended("error")
+                ctx.tool_timings.append(ToolTiming(tool.name, time.monotonic() - started, "error"))
+                raise
+            call.ended("ok")
+            ctx.tool_timings.append(ToolTiming(tool.name, time.monotonic() - started, "ok"))
+            return result
+
+    return msgspec.structs.replace(tool, run=timed_run)
+
+
 def _budget_exhausted(run: Run, budget: BudgetState) -> str | None:
     b = run.config.budget
     if b.max_steps is not None and budget.steps >= b.max_steps:
@@ -230,8 +269,10 @@ async def run_agent(
     providers: dict[str, ModelProvider],
     supervisors: list[SupervisorPolicy],
     send: Send,
+    trace: DispatchTrace = NO_TRACE,
 ) -> Done:
-    """Run one dispatch of an agent until it ends, stalls or is fenced (``Fenced`` propagates)."""
+    """Run one dispatch of an agent until it ends, stalls or is fenced (``Fenced`` propagates).
+    ``trace`` gets a span per node, model call and tool run."""
     memory = run.memory or AgentMemory()
     messages = list(memory.messages)
     model_memory = dict(memory.model)
@@ -250,7 +291,7 @@ async def run_agent(
         pending.append(Message(role="user", content=run.prompt))
         prompt = run.prompt
     recorder = TurnRecorder(send)
-    ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step)
+    ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step, trace=trace)
     provider = providers.get(run.config.model.provider)
 
     def done(outcome: Any, **kw: Any) -> Done:
@@ -267,11 +308,12 @@ async def run_agent(
                 "the pinned body does not match its digest", pin=f"skill {skill.name}"
             )
             return done("failed", reason=corrupt.message)
-    model: Model = provider.create(run.config.model)
+    model: Model = trace.wrap_model(provider.create(run.config.model), run.config.model)
     allowed = [n for n in run.config.tools]
     for skill in run.config.skills:
         allowed.extend(t for t in skill.tools if t not in allowed)
     schemas = _tool_schemas(tools, allowed)
+    tools = {name: _timed(tools[name]) for name in allowed if name in tools}
     started = time.monotonic()
 
     finished: list[CallResult] = []  # the node's last journaled call, reported with the node
@@ -324,6 +366,7 @@ async def run_agent(
                     call_counts=call_counts,
                     results=finished,
                     turn=turn,
+                    tool_timings=ctx.take_tool_timings(),
                 )
             )
         )
@@ -332,6 +375,7 @@ async def run_agent(
 
     try:
         while True:
+            trace.start_node()
             if replay is not None:
                 # Recorded before a crash cut it short: acted on again, never asked again.
                 turn, replay = replay, None
@@ -423,6 +467,7 @@ async def run_agent(
             source = "explicit" if ctx.explicit_checkpoint else "node"
             ctx.explicit_checkpoint = False
             await report(source)
+            trace.end_node(step)
             for policy in supervisors:
                 if policy.review(run.agent, step, messages[-12:]) == "reset":
                     await report("reset_point")

@@ -2,7 +2,7 @@
 
 ``Config`` is a tree of frozen ``msgspec`` structs, one per section of the TOML file
 (``[nats]``, ``[daemon]``, ``[http]``, ``[liveness]``, ``[snapshots]``, ``[limits]``, ``[plugins]``,
-``[workers]``, ``[providers]``, ``[store]``, ``[skills]``); ``Config()`` is the whole default configuration, and the sample file
+``[workers]``, ``[providers]``, ``[store]``, ``[skills]``, ``[log]``, ``[tracing]``); ``Config()`` is the whole default configuration, and the sample file
 ``apomesh config sample`` prints (``sample_config()``) shows every key at exactly that default.
 ``load_config`` layers, later winning: the TOML file, then environment variables
 ``APOMESH_<SECTION>_<KEY>`` (lists comma-separated, numbers and booleans parsed by the key's type),
@@ -242,6 +242,21 @@ class SkillsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Path(self.directory).expanduser().absolute() if self.directory else None
 
 
+class LogConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How ``serve`` and ``worker`` write their log lines (the level is ``[daemon] log_level``)."""
+
+    format: Literal["text", "json"] = "text"
+
+
+class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces of sessions (``runtime.tracing``): where spans go, if anywhere."""
+
+    exporter: Literal["off", "otlp", "console", "global"] = "off"
+    endpoint: str = ""
+    service_name: str = ""
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The whole daemon configuration; ``Config()`` is every default."""
 
@@ -256,6 +271,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     providers: ProvidersConfig = ProvidersConfig()
     store: StoreConfig = StoreConfig()
     skills: SkillsConfig = SkillsConfig()
+    log: LogConfig = LogConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def nats_store_path(self) -> Path:
         """Where the embedded nats-server keeps JetStream: ``embedded_store_dir`` or
@@ -277,6 +294,8 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "providers": ProvidersConfig,
     "store": StoreConfig,
     "skills": SkillsConfig,
+    "log": LogConfig,
+    "tracing": TracingConfig,
 }
 
 
@@ -472,6 +491,11 @@ def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], defa
                 sources,
                 default,
             )
+    endpoint = config.tracing.endpoint
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise _fail(
+            f"endpoint {endpoint!r} is not an http(s) URL", "tracing", "endpoint", sources, default
+        )
     for name, credential in config.providers.openai.credentials.items():
         where = (
             f"{sources.get(('providers', 'openai'), default)} $.providers.openai.credentials.{name}"

@@ -1,22 +1,28 @@
-"""A small metrics registry (counters, gauges, histograms, with labels) rendered in the Prometheus
-text exposition format, and ``DaemonMetrics``: the daemon's own metrics, all named ``apomesh_*``.
+"""``DaemonMetrics``: the daemon's Prometheus metrics, all named ``apomesh_*``, on
+``prometheus-client``, each daemon with its own registry that ``/metrics`` renders.
 
-Updates are thread-safe (the daemon touches some metrics from worker threads) and cheap: one lock
-and one dict lookup. A metric with labels is updated through ``labels(...)``, which returns the
-child for that label set; a metric without labels is updated directly.
+Call sites update a metric through its attribute (``metrics.resumes.labels("auto").inc()``), or
+through the ``observe_*`` methods for what one event touches several of: a model call (latency,
+tokens, outcome), a tool call (latency, outcome) and a session's end (duration, status). Updates
+are thread-safe (prometheus-client takes a lock per child). The ``_created`` series
+prometheus-client adds to every counter and histogram are switched off (process-wide): nothing
+reads them and they would double every counter's lines. docs/api.md lists every metric served; a
+test scrapes a real daemon to keep that list true.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from time import perf_counter
+import platform
+from collections.abc import Mapping
 
-LabelValues = tuple[str, ...]
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-DEFAULT_BUCKETS: tuple[float, ...] = (
+from apomesh._version import __version__
+
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+
+APPEND_BUCKETS: tuple[float, ...] = (
     0.0005,
     0.001,
     0.0025,
@@ -32,362 +38,168 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
     5.0,
     10.0,
 )
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
-
-
-def _labels_text(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-class _Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help
-        self.label_names = tuple(labels)
-        self._lock = threading.Lock()
-
-    def _key(self, values: Sequence[str]) -> LabelValues:
-        if len(values) != len(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(values)}")
-        return tuple(str(v) for v in values)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-
-    def samples(self) -> list[str]:
-        raise NotImplementedError
-
-
-class Counter(_Metric):
-    """A value that only goes up."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labels)
-        self._values: dict[LabelValues, float] = {} if labels else {(): 0.0}
-
-    def labels(self, *values: str) -> _CounterChild:
-        return _CounterChild(self, self._key(values))
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._inc((), amount)
-
-    def _inc(self, key: LabelValues, amount: float) -> None:
-        if amount < 0:
-            raise ValueError("a counter cannot go down")
-        if key == () and self.label_names:
-            raise ValueError(f"{self.name} needs labels {self.label_names}")
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, *values: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(values), 0.0)
-
-    def samples(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [f"{self.name}{_labels_text(self.label_names, k)} {_number(v)}" for k, v in items]
-
-
-class _CounterChild:
-    def __init__(self, parent: Counter, key: LabelValues) -> None:
-        self._parent = parent
-        self._key = key
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._parent._inc(self._key, amount)
-
-
-class Gauge(_Metric):
-    """A value that goes up and down, or is set."""
-
-    kind = "gauge"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labels)
-        self._values: dict[LabelValues, float] = {} if labels else {(): 0.0}
-
-    def labels(self, *values: str) -> _GaugeChild:
-        return _GaugeChild(self, self._key(values))
-
-    def set(self, value: float) -> None:
-        self._set(self._key(()), value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._add(self._key(()), amount)
-
-    def dec(self, amount: float = 1.0) -> None:
-        self._add(self._key(()), -amount)
-
-    def _set(self, key: LabelValues, value: float) -> None:
-        with self._lock:
-            self._values[key] = float(value)
-
-    def _add(self, key: LabelValues, amount: float) -> None:
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def replace(self, values: dict[LabelValues, float]) -> None:
-        """Set every labelled value at once (label sets not given disappear)."""
-        fresh = {self._key(k): float(v) for k, v in values.items()}
-        with self._lock:
-            self._values = fresh
-
-    def value(self, *values: str) -> float:
-        with self._lock:
-            return self._values.get(self._key(values), 0.0)
-
-    def samples(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return [f"{self.name}{_labels_text(self.label_names, k)} {_number(v)}" for k, v in items]
-
-
-class _GaugeChild:
-    def __init__(self, parent: Gauge, key: LabelValues) -> None:
-        self._parent = parent
-        self._key = key
-
-    def set(self, value: float) -> None:
-        self._parent._set(self._key, value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._parent._add(self._key, amount)
-
-    def dec(self, amount: float = 1.0) -> None:
-        self._parent._add(self._key, -amount)
-
-
-class _Series:
-    __slots__ = ("buckets", "count", "total")
-
-    def __init__(self, size: int) -> None:
-        self.buckets = [0] * size
-        self.count = 0
-        self.total = 0.0
-
-
-class Histogram(_Metric):
-    """Observations counted into cumulative buckets, with their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help: str,
-        labels: Sequence[str] = (),
-        buckets: Sequence[float] = DEFAULT_BUCKETS,
-    ) -> None:
-        super().__init__(name, help, labels)
-        bounds = sorted(float(b) for b in buckets)
-        if not bounds or bounds[-1] != math.inf:
-            bounds.append(math.inf)
-        self.bounds = tuple(bounds)
-        self._series: dict[LabelValues, _Series] = {} if labels else {(): _Series(len(self.bounds))}
-
-    def labels(self, *values: str) -> _HistogramChild:
-        return _HistogramChild(self, self._key(values))
-
-    def observe(self, value: float) -> None:
-        self._observe(self._key(()), value)
-
-    @contextmanager
-    def time(self) -> Iterator[None]:
-        """Observe the seconds the ``with`` block takes."""
-        started = perf_counter()
-        try:
-            yield
-        finally:
-            self.observe(perf_counter() - started)
-
-    def _observe(self, key: LabelValues, value: float) -> None:
-        with self._lock:
-            series = self._series.get(key)
-            if series is None:
-                series = self._series[key] = _Series(len(self.bounds))
-            for i, bound in enumerate(self.bounds):
-                if value <= bound:
-                    series.buckets[i] += 1
-                    break
-            series.count += 1
-            series.total += value
-
-    def count(self, *values: str) -> int:
-        with self._lock:
-            series = self._series.get(self._key(values))
-            return series.count if series is not None else 0
-
-    def samples(self) -> list[str]:
-        lines: list[str] = []
-        with self._lock:
-            items = sorted((k, list(s.buckets), s.count, s.total) for k, s in self._series.items())
-        for key, buckets, count, total in items:
-            cumulative = 0
-            for bound, n in zip(self.bounds, buckets, strict=True):
-                cumulative += n
-                le = f'le="{_number(bound)}"'
-                lines.append(
-                    f"{self.name}_bucket{_labels_text(self.label_names, key, le)} {cumulative}"
-                )
-            labels = _labels_text(self.label_names, key)
-            lines.append(f"{self.name}_sum{labels} {_number(total)}")
-            lines.append(f"{self.name}_count{labels} {count}")
-        return lines
-
-
-class _HistogramChild:
-    def __init__(self, parent: Histogram, key: LabelValues) -> None:
-        self._parent = parent
-        self._key = key
-
-    def observe(self, value: float) -> None:
-        self._parent._observe(self._key, value)
-
-
-class Registry:
-    """Metrics by name, rendered together."""
-
-    def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
-
-    def register(self, metric: _Metric) -> None:
-        if metric.name in self._metrics:
-            raise ValueError(f"metric {metric.name!r} is already registered")
-        self._metrics[metric.name] = metric
-
-    def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
-        metric = Counter(name, help, labels)
-        self.register(metric)
-        return metric
-
-    def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
-        metric = Gauge(name, help, labels)
-        self.register(metric)
-        return metric
-
-    def histogram(
-        self,
-        name: str,
-        help: str,
-        labels: Sequence[str] = (),
-        buckets: Sequence[float] = DEFAULT_BUCKETS,
-    ) -> Histogram:
-        metric = Histogram(name, help, labels, buckets)
-        self.register(metric)
-        return metric
-
-    def render(self) -> str:
-        """The Prometheus text exposition (format 0.0.4) of every metric."""
-        lines: list[str] = []
-        for metric in self._metrics.values():
-            lines.extend(metric.header())
-            lines.extend(metric.samples())
-        return "\n".join(lines) + "\n"
-
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Seconds of one append to the log: sub-millisecond on a local server, seconds when degraded."""
+
+MODEL_CALL_BUCKETS: tuple[float, ...] = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+"""Seconds of one model call: a local model's short answer to a long remote generation."""
+
+TOOL_CALL_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.5,
+    1.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+)
+"""Seconds of one tool call: a file read to a long-running command."""
+
+SESSION_BUCKETS: tuple[float, ...] = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
+"""Seconds from a session's start to its end (a paused session waits for a human: hours)."""
+
+
+class LabelledGauge(Gauge):
+    """A gauge whose whole labelled state is set at once (``replace``): the sessions and agents a
+    daemon holds are counted afresh at every scrape, and a label set not counted any more goes."""
+
+    def replace(self, values: Mapping[tuple[str, ...], float]) -> None:
+        self.clear()
+        for labels, value in values.items():
+            self.labels(*labels).set(value)
 
 
 class DaemonMetrics:
     """The daemon's metrics. The daemon creates one and updates it; ``/metrics`` renders it."""
 
-    def __init__(self, registry: Registry | None = None) -> None:
-        self.registry = registry if registry is not None else Registry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.sessions = r.gauge(
-            "apomesh_sessions", "Sessions the daemon holds, by status.", ["state"]
+        self.build = Info(
+            "apomesh_build", "The apomesh version and Python this daemon runs.", registry=r
         )
-        self.agents = r.gauge("apomesh_agents", "Agents of live sessions, by phase.", ["phase"])
-        self.events_appended = r.counter(
-            "apomesh_events_appended_total", "Events appended to the log, by kind.", ["kind"]
+        self.build.info({"version": __version__, "python": platform.python_version()})
+        self.sessions = LabelledGauge(
+            "apomesh_sessions", "Sessions the daemon holds, by status.", ["state"], registry=r
         )
-        self.append_seconds = r.histogram(
-            "apomesh_append_seconds", "Seconds one (batched) append to the log took."
+        self.agents = LabelledGauge(
+            "apomesh_agents", "Agents of live sessions, by phase.", ["phase"], registry=r
         )
-        self.heartbeats_received = r.counter(
-            "apomesh_heartbeats_received_total", "Worker heartbeats received."
+        self.session_seconds = Histogram(
+            "apomesh_session_seconds",
+            "Seconds from a session's start to its end, by how it ended (completed, failed,"
+            " cancelled); its count is the sessions ended.",
+            ["status"],
+            buckets=SESSION_BUCKETS,
+            registry=r,
         )
-        self.workers_alive = r.gauge("apomesh_workers_alive", "Workers currently considered alive.")
-        self.workers_lost = r.counter(
-            "apomesh_workers_lost_total", "Workers declared lost after missed heartbeats."
+        self.model_call_seconds = Histogram(
+            "apomesh_model_call_seconds",
+            "Seconds one model call took, by provider, model and outcome; its count is the calls.",
+            ["provider", "model", "outcome"],
+            buckets=MODEL_CALL_BUCKETS,
+            registry=r,
         )
-        self.resumes = r.counter(
+        self.model_tokens = Counter(
+            "apomesh_model_tokens_total",
+            "Tokens of model calls, by provider, model and kind (prompt, completion).",
+            ["provider", "model", "kind"],
+            registry=r,
+        )
+        self.tool_call_seconds = Histogram(
+            "apomesh_tool_call_seconds",
+            "Seconds one tool call ran on its worker, by tool and outcome (ok, error); its count"
+            " is the calls.",
+            ["tool", "outcome"],
+            buckets=TOOL_CALL_BUCKETS,
+            registry=r,
+        )
+        self.events_appended = Counter(
+            "apomesh_events_appended_total",
+            "Events appended to the log, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.append_seconds = Histogram(
+            "apomesh_append_seconds",
+            "Seconds one (batched) append to the log took.",
+            buckets=APPEND_BUCKETS,
+            registry=r,
+        )
+        self.heartbeats_received = Counter(
+            "apomesh_heartbeats_received_total", "Worker heartbeats received.", registry=r
+        )
+        self.workers_alive = Gauge(
+            "apomesh_workers_alive", "Workers currently considered alive.", registry=r
+        )
+        self.workers_lost = Counter(
+            "apomesh_workers_lost_total",
+            "Workers declared lost after missed heartbeats.",
+            registry=r,
+        )
+        self.resumes = Counter(
             "apomesh_resumes_total",
             "Agent and session resumes, by path (worker_lost, auto, operator).",
             ["path"],
+            registry=r,
         )
-        self.journal_hits = r.counter(
-            "apomesh_journal_hits_total", "Side-effecting tool calls served from the journal."
+        self.journal_hits = Counter(
+            "apomesh_journal_hits_total",
+            "Side-effecting tool calls served from the journal.",
+            registry=r,
         )
-        self.recoverable_sessions = r.gauge(
-            "apomesh_recoverable_sessions", "Sessions on the recoverable list."
+        self.recoverable_sessions = Gauge(
+            "apomesh_recoverable_sessions", "Sessions on the recoverable list.", registry=r
         )
-        self.fenced_reports = r.counter(
-            "apomesh_fenced_reports_total", "Worker reports rejected for a stale epoch or identity."
+        self.fenced_reports = Counter(
+            "apomesh_fenced_reports_total",
+            "Worker reports rejected for a stale epoch or identity.",
+            registry=r,
         )
-        self.snapshot_bytes = r.counter(
-            "apomesh_snapshot_bytes_total", "Bytes of snapshot records written to LMDB."
+        self.snapshot_bytes = Counter(
+            "apomesh_snapshot_bytes_total",
+            "Bytes of snapshot records written to LMDB.",
+            registry=r,
         )
-        self.dropped_requests = r.counter(
+        self.dropped_requests = Counter(
             "apomesh_control_requests_dropped_total",
             "Control requests dropped unanswered: not on a worker's bound subject, or with a reply"
             " subject outside that worker's own inbox.",
+            registry=r,
         )
-        self.dispatches_refused = r.counter(
+        self.dispatches_refused = Counter(
             "apomesh_dispatches_refused_total",
             "Dispatches a worker did not take, by reason: full (it ran as many agents as it may),"
             " refused (a stale epoch, an undecodable dispatch) or unanswered.",
             ["reason"],
+            registry=r,
         )
-        self.placement_waits = r.counter(
+        self.placement_waits = Counter(
             "apomesh_placement_waits_total",
             "Agents that waited for room because every worker able to run them was full.",
+            registry=r,
         )
-        self.append_conflicts = r.counter(
+        self.append_conflicts = Counter(
             "apomesh_append_conflicts_total",
             "Sessions this daemon stopped driving because another writer appended to their log.",
-        )
-        self.model_calls = r.counter(
-            "apomesh_model_calls_total",
-            "Model call attempts its workers reported, by provider, model and outcome (ok, or"
-            " error for an attempt that failed, whether or not it was tried again).",
-            ["provider", "model", "outcome"],
-        )
-        self.model_call_seconds = r.histogram(
-            "apomesh_model_call_seconds",
-            "Seconds one model call attempt took, by provider and model.",
-            ["provider", "model"],
-        )
-        self.model_tokens = r.counter(
-            "apomesh_model_tokens_total",
-            "Tokens the providers counted for the model calls, by provider, model and kind"
-            " (prompt, completion).",
-            ["provider", "model", "kind"],
+            registry=r,
         )
 
     def observe_model_call(
@@ -399,13 +211,30 @@ class DaemonMetrics:
         completion_tokens: int,
         outcome: str,
     ) -> None:
-        """One model call attempt a worker reported: its outcome, its latency and its tokens."""
-        self.model_calls.labels(provider, model, outcome).inc()
-        self.model_call_seconds.labels(provider, model).observe(seconds)
+        """One model call a worker made: how long it took, the tokens it used, how it ended
+        (``ok``, or the kind of error)."""
+        self.model_call_seconds.labels(provider, model, outcome).observe(seconds)
         if prompt_tokens:
             self.model_tokens.labels(provider, model, "prompt").inc(prompt_tokens)
         if completion_tokens:
             self.model_tokens.labels(provider, model, "completion").inc(completion_tokens)
 
+    def observe_tool_call(self, tool: str, seconds: float, outcome: str) -> None:
+        """One tool call a worker ran: how long it took and whether it returned (``ok``) or
+        failed (``error``)."""
+        self.tool_call_seconds.labels(tool, outcome).observe(seconds)
+
+    def observe_session_end(self, status: str, seconds: float) -> None:
+        """A session this daemon drove ended (``completed``, ``failed``, ``cancelled``) after
+        ``seconds`` since it started (on any daemon)."""
+        self.session_seconds.labels(status).observe(max(seconds, 0.0))
+
+    def value(self, name: str, **labels: str) -> float:
+        """The current value of one sample (``apomesh_resumes_total``, ``path="auto"``), 0 when
+        it has none yet."""
+        found = self.registry.get_sample_value(name, labels)
+        return found if found is not None else 0.0
+
     def render(self) -> str:
-        return self.registry.render()
+        """The Prometheus text exposition (format 0.0.4) of every metric."""
+        return prometheus_client.generate_latest(self.registry).decode("utf-8")

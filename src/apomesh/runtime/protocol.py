@@ -275,10 +275,20 @@ class CallResult(msgspec.Struct):
     result: str
 
 
+class ToolTiming(msgspec.Struct, array_like=True):
+    """How long one tool call ran on the worker and whether it returned (``ok``) or raised
+    (``error``); carried on the next ``NodeReport`` for the daemon's metrics."""
+
+    tool: str
+    seconds: float
+    outcome: Literal["ok", "error"]
+
+
 class NodeReport(_Report):
     """A node boundary: what the node added to working memory, and why the snapshot is taken.
     ``turn`` is a recorded turn the snapshot still holds (the plan or final answer an agent ended
-    with, at its ``affinity_release``); a node that completes a turn carries none."""
+    with, at its ``affinity_release``); a node that completes a turn carries none.
+    ``tool_timings`` are the tool runs since the last node report, for the daemon's metrics."""
 
     step: int
     new_messages: list[Message]
@@ -292,6 +302,7 @@ class NodeReport(_Report):
     turn: RecordedTurn | None = None
     model_call: ModelCall | None = None
     """The model call of this node, when no ``TurnReport`` carried it."""
+    tool_timings: list[ToolTiming] = []
 
 
 class JournalBegin(_Report):

@@ -222,6 +222,10 @@ class SessionRegistry:
             del self.live[session_id]
         self.changed()
         if ending.kind == "finished":
+            assert state.ended is not None
+            runtime.deps.metrics.observe_session_end(
+                state.ended.status, state.last_ts - state.started_ts
+            )
             await self.write_completed(state)
             self.stranded.pop(session_id, None)
             with contextlib.suppress(Exception):

@@ -93,6 +93,7 @@ from apomesh.plugins.api import (
     RootAnswer,
 )
 from apomesh.plugins.manager import PluginHost
+from apomesh.runtime import tracing
 from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import worker_pins
@@ -528,6 +529,8 @@ class SessionRuntime:
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
         self._observe_answer(report)
+        for timing in report.tool_timings:
+            self.deps.metrics.observe_tool_call(timing.tool, timing.seconds, timing.outcome)
         return Reply("ok")
 
     def _observe_answer(self, report: NodeReport | TurnReport) -> None:
@@ -1106,8 +1109,15 @@ class SessionRuntime:
         driver = asyncio.current_task()
         assert driver is not None
         self._drivers.add(driver)
+        agent = {
+            "apomesh.session_id": self.session_id,
+            "apomesh.agent": ref,
+            "apomesh.purpose": purpose,
+        }
         try:
-            await self._drive(ref, purpose=purpose, prompt=prompt, ask=ask)
+            await tracing.traced(
+                self._drive(ref, purpose=purpose, prompt=prompt, ask=ask), "apomesh.agent", agent
+            )
         finally:
             self._drivers.discard(driver)
 
@@ -1164,6 +1174,7 @@ class SessionRuntime:
                             epoch=epoch,
                         )
                     )
+                    tracing.add_event("resuming", {"reason": resume_reason, "apomesh.epoch": epoch})
                     if _path_label(resume_reason) == "worker_lost":
                         # Agents re-dispatched by a session's own recovery are counted with it.
                         self.deps.metrics.resumes.labels("worker_lost").inc()
@@ -1180,6 +1191,9 @@ class SessionRuntime:
                         ask=ask[0] if ask else None,
                         prompt_digest=ask[1] if ask else None,
                     )
+                )
+                tracing.add_event(
+                    "dispatched", {"apomesh.worker_id": worker_id, "apomesh.epoch": epoch}
                 )
                 dispatch = self.deps.workers.track(worker_id, self.session_id, ref, epoch)
                 slot = DispatchSlot(ref, epoch, worker_id, dispatch)
@@ -1290,7 +1304,11 @@ class SessionRuntime:
 
     def start(self, recovered: Literal["auto", "operator"] | None = None) -> None:
         self.recovered = recovered
-        self.task = asyncio.create_task(self._run(recovered), name=f"session-{self.session_id}")
+        session = {"apomesh.session_id": self.session_id, "apomesh.recovered": recovered or ""}
+        self.task = asyncio.create_task(
+            tracing.traced(self._run(recovered), "apomesh.session", session),
+            name=f"session-{self.session_id}",
+        )
 
     async def _run(self, recovered: Literal["auto", "operator"] | None) -> None:
         shape = self.shape
@@ -1344,6 +1362,7 @@ class SessionRuntime:
                     )
                 )
         finally:
+            tracing.set_attributes({"apomesh.status": self.state.status})
             if self.state.terminal:
                 await self.deps.on_end(self, Ending("finished"))
 

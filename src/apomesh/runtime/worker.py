@@ -33,6 +33,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.plugins.api import ModelProvider, SupervisorPolicy, Tool
+from apomesh.runtime import tracing
 from apomesh.runtime.agent_loop import run_agent
 from apomesh.runtime.protocol import (
     DEFAULT_DAEMON_GONE_AFTER,
@@ -326,7 +327,7 @@ class Worker:
         if old is not None:
             old.task.cancel()
         task = asyncio.create_task(
-            self._run(message), name=f"agent-{message.session_id}-{message.agent}"
+            self._run(message, msg.headers), name=f"agent-{message.session_id}-{message.agent}"
         )
         self.running[key] = RunningAgent(message.epoch, task, message.daemon, message.incarnation)
         log.info(
@@ -341,12 +342,23 @@ class Worker:
         )
         await _respond(msg, DispatchAck(True, beat_seq=self._seq))
 
-    async def _run(self, run: Run) -> None:
+    async def _run(self, run: Run, headers: dict[str, str] | None = None) -> None:
+        """Run one dispatch; ``headers`` are its NATS message's (the daemon's trace context)."""
         key = (run.session_id, run.agent)
 
         async def send(report: Report) -> Reply:
             return await self.send(report, run.daemon)
 
+        trace = tracing.dispatch_trace(
+            headers,
+            {
+                "apomesh.session_id": run.session_id,
+                "apomesh.agent": run.agent,
+                "apomesh.epoch": run.epoch,
+                "apomesh.worker_id": self.worker_id,
+            },
+        )
+        outcome = "abandoned"
         try:
             if run.memory_pages:
                 run = msgspec.structs.replace(run, memory=await self._fetch_memory(run, send))
@@ -358,7 +370,9 @@ class Worker:
                 providers=self.providers,
                 supervisors=self.supervisors,
                 send=send,
+                trace=trace,
             )
+            outcome = done.outcome
             await send(done)
         except DaemonGone as exc:
             log.warning("abandoning %s epoch %s: %s", key, run.epoch, exc)
@@ -366,10 +380,13 @@ class Worker:
                 # Listed no more in our beats: if it is only slow, it asks us to register again.
                 del self.daemons[run.daemon]
         except Fenced as exc:
+            outcome = "fenced"
             log.warning("dispatch %s epoch %s fenced off: %s", key, run.epoch, exc)
         except asyncio.CancelledError:
+            outcome = "cancelled"
             raise
         except Exception as exc:
+            outcome = "failed"
             log.exception("agent %s failed", key)
             with contextlib.suppress(Exception):
                 await send(
@@ -383,6 +400,7 @@ class Worker:
                     )
                 )
         finally:
+            trace.close(outcome)
             current = self.running.get(key)
             if current is not None and current.epoch == run.epoch:
                 self.running.pop(key, None)

@@ -31,6 +31,7 @@ from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import PayloadTooLarge
 from apomesh.core.events import PluginPin
 from apomesh.plugins.pins import worker_pin_problem
+from apomesh.runtime import tracing
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
@@ -372,7 +373,10 @@ class WorkerPool:
         if len(data) > limit:
             raise PayloadTooLarge(f"the dispatch of {run.session_id}/{run.agent}", len(data), limit)
         try:
-            msg = await self.nc.request(dispatch_subject(worker_id), data, timeout=5.0)
+            # The agent span's context rides along: the worker's spans join the session's trace.
+            msg = await self.nc.request(
+                dispatch_subject(worker_id), data, timeout=5.0, headers=tracing.headers()
+            )
             ack = DISPATCH_ACK_DECODER.decode(msg.data)
         except Exception as exc:  # an RPC failure is never proof of death; liveness decides that
             self.log.warning(
