@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.openai_shapes import OLLAMA, OPENAI, WRITE_ARGS
 
@@ -163,12 +164,20 @@ def test_a_session_rides_through_a_429_a_503_and_a_timeout_and_completes(
     assert retries[0]["delay"] == 2.0
     assert "within 0.5 s" in retries[2]["reason"]
 
-    metrics = httpx.get(f"{system.url}/metrics").text
-    labels = 'provider="openai",model="gpt-4o-mini"'
-    assert f'apomesh_model_call_seconds_count{{{labels},outcome="ok"}} 2.0' in metrics
-    assert f'apomesh_model_call_seconds_count{{{labels},outcome="error"}} 3.0' in metrics
-    assert f'apomesh_model_tokens_total{{{labels},kind="prompt"}} {float(prompt)}' in metrics
-    assert f'apomesh_model_tokens_total{{{labels},kind="completion"}} {float(completion)}' in metrics
+    metrics = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{system.url}/metrics").text)
+        for sample in family.samples
+    }
+    labels = (("model", "gpt-4o-mini"), ("provider", "openai"))
+
+    def sample(name: str, **extra: str) -> float | None:
+        return metrics.get((name, tuple(sorted((*labels, *extra.items())))))
+
+    assert sample("apomesh_model_call_seconds_count", outcome="ok") == 2
+    assert sample("apomesh_model_call_seconds_count", outcome="error") == 3
+    assert sample("apomesh_model_tokens_total", kind="prompt") == prompt
+    assert sample("apomesh_model_tokens_total", kind="completion") == completion
 
 
 def test_a_401_stops_the_session_with_the_provider_message_and_the_operator_resumes_it(
