@@ -631,6 +631,7 @@ function renderSession(sessionId) {
   let view = null;
   let confirming = false;
   let openAgent = null;
+  let talkStale = false;  // an event of the open agent arrived since its conversation was read
   const spans = new AgentSpans();
   const pauseAgents = new Map();  // pause id -> the agent that asked
   const kinds = new Set();
@@ -770,7 +771,7 @@ function renderSession(sessionId) {
     renderHitl();
     renderActions();
     renderBars();
-    loadConversation();
+    if (talkStale) { talkStale = false; loadConversation(); }
   }
 
   let refreshing = false;
@@ -831,6 +832,7 @@ function renderSession(sessionId) {
     if (env.kind === "HitlPaused") pauseAgents.set(e.pause_id, e.agent);
     const agent = e.agent || (env.kind === "HitlAnswered" ? pauseAgents.get(e.pause_id) : "") || "";
     spans.add(env);
+    if (openAgent && agent === openAgent) talkStale = true;
     addOption(kindFilter, kinds, env.kind);
     addOption(agentFilter, agentsSeen, agent);
     const resume = env.kind === "AgentResuming" || env.kind === "AgentResumed";
