@@ -8,7 +8,9 @@ would continue from, so since its last supervisor reset), plus the model turn re
 not yet completed by a node. The log adds what the messages cannot say: which calls were
 journaled (their idempotency key, the index and time of their intent and result), each
 question's pause and who answered it, calls whose intent is logged with no result, and the
-agent's end. A logged call is tied to a message's tool call by tool name and arguments, in order.
+agent's end. A logged call is tied to a message's tool call by tool name and arguments, in order;
+a logged call no message holds (cut short, or made before a supervisor reset started the
+conversation over) is listed after the messages, with its log index.
 ``conversation`` is pure; ``load_conversation`` reads the log and the store.
 """
 
