@@ -292,7 +292,7 @@ def conversation(
     ``envelopes`` and the ``memory`` its logged snapshot ``snapshot_id`` holds (None: none yet)."""
     agent = state.agents.get(ref)
     if agent is None:
-        raise NotFound(f"agent {ref!r} in session {state.session_id}")
+        raise NotFound(f"agent {ref[:80]!r} in session {state.session_id}")
     calls, pauses = _logged(envelopes, ref)
     unknown = [u for u in unknown_outcomes(state) if u.agent == ref]
     builder = _Builder(calls, pauses, {u.key for u in unknown})
@@ -356,7 +356,7 @@ async def load_conversation(
     state = fold(envelopes, session_id)
     agent = state.agents.get(ref)
     if agent is None:
-        raise NotFound(f"agent {ref!r} in session {session_id}")
+        raise NotFound(f"agent {ref[:80]!r} in session {session_id}")
     memory = None
     if agent.snapshot_id is not None:
         memory = await SnapshotStore(store).load(f"{session_id}/{ref}", agent.snapshot_id)
