@@ -278,11 +278,64 @@ def cmd_sessions(args: argparse.Namespace) -> int:
                 f"{record.index:>5} {record.kind} {json.dumps(record.event, default=str)[:160]}"
             )
         return 0
+    if args.action == "agent":
+        return _print_conversation(client, args)
     if args.action == "verify":
         report = client.verify_session(args.id)
         console.print_json(data=report)
         return 0 if report.get("ok") else 1
     return 2
+
+
+def _print_conversation(client: Any, args: argparse.Namespace) -> int:
+    """``sessions agent ID REF``: the agent's conversation as plain text (or JSON with
+    ``--output json``), printed as it is: nothing in it is read as markup."""
+    if not args.ref:
+        err.print("an agent ref is needed: apomesh sessions agent ID REF (e.g. root or root/0)")
+        return 2
+    talk = client.agent_conversation(args.id, args.ref)
+    if getattr(args, "output", None) == "json":
+        print(json.dumps(_builtins(talk), indent=2), flush=True)
+        return 0
+    agent = talk.agent
+    lines = [
+        f"agent {agent.ref} ({agent.name}{', role ' + agent.role if agent.role else ''}): "
+        f"{agent.phase}, epoch {agent.epoch}, resumes {agent.resumes}"
+    ]
+    if agent.reason:
+        lines.append(f"  why: {agent.reason}")
+    labels = {
+        "prompt": "prompt",
+        "model": "model",
+        "tool_call": "call",
+        "tool_result": "result",
+        "question": "asks",
+        "answer": "answer",
+        "unknown_outcome": "UNKNOWN",
+        "plan": "plan",
+        "output": "output",
+        "ended": "ended",
+    }
+    for entry in talk.entries:
+        where = f"#{entry.index} " if entry.index >= 0 else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S ", time.localtime(entry.at)) if entry.at else ""
+        head = f"{where}{when}{labels.get(entry.kind, entry.kind)}"
+        if entry.kind in ("tool_call", "unknown_outcome"):
+            head += f" {entry.tool} {json.dumps(entry.args, ensure_ascii=False)}"
+            if entry.key:
+                head += f" key {entry.key}"
+        elif entry.kind == "tool_result":
+            head += f" {entry.tool} {entry.outcome}"
+        elif entry.kind == "question" and entry.pause_id:
+            head += f" (pause {entry.pause_id})"
+        elif entry.kind == "answer" and entry.by:
+            head += f" by {entry.by}"
+        elif entry.kind == "ended":
+            head += f" {entry.outcome}"
+        text = entry.text.replace("\n", "\n    ")
+        lines.append(f"{head}: {text}" if text else head)
+    print("\n".join(lines), flush=True)
+    return 0
 
 
 def cmd_daemons(args: argparse.Namespace) -> int:
@@ -707,9 +760,12 @@ def build_parser() -> argparse.ArgumentParser:
     _remote(p)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("sessions", help="list, show, tail or verify sessions")
-    p.add_argument("action", choices=["list", "show", "tail", "verify"])
+    p = sub.add_parser(
+        "sessions", help="list, show, tail or verify sessions, or show an agent's conversation"
+    )
+    p.add_argument("action", choices=["list", "show", "tail", "verify", "agent"])
     p.add_argument("id", nargs="?")
+    p.add_argument("ref", nargs="?", help="with `agent`: the agent's ref (root, root/0, ...)")
     p.add_argument("--status")
     p.add_argument("--query")
     p.add_argument("--after", type=int, default=-1)

@@ -122,6 +122,31 @@ def test_a_resuming_agent_is_marked_until_it_resumed() -> None:
     assert resumed.agents[0].resumes == 1
 
 
+def test_a_resumed_agent_is_no_longer_resuming_once_its_new_dispatch_runs() -> None:
+    events = [
+        *started(),
+        AgentResuming(agent="root", reason="worker w1 lost", epoch=2),
+        AgentLifecycle(agent="root", phase="dispatched", worker="w2", epoch=2),
+    ]
+    assert session_view(fold(log_of(*events))).agents[0].resuming is True
+    running = AgentLifecycle(agent="root", phase="running", worker="w2")
+    view = session_view(fold(log_of(*events, running)))
+    assert (view.agents[0].resuming, view.agents[0].resumes) == (False, 1)
+
+
+def test_an_agent_shows_a_reason_only_while_its_phase_has_one() -> None:
+    paused = [
+        *started(),
+        AgentLifecycle(agent="root", phase="paused", reason="waiting for a human answer"),
+    ]
+    assert session_view(fold(log_of(*paused))).agents[0].reason == "waiting for a human answer"
+    for phase in ("running", "completed"):
+        later = AgentLifecycle(agent="root", phase=phase)
+        assert session_view(fold(log_of(*paused, later))).agents[0].reason is None
+    failed = AgentLifecycle(agent="root", phase="failed", reason="budget exhausted")
+    assert session_view(fold(log_of(*paused, failed))).agents[0].reason == "budget exhausted"
+
+
 def test_open_pauses_and_unknown_outcomes_are_listed() -> None:
     view = session_view(
         fold(

@@ -278,6 +278,10 @@ class _Api:
         view = await self.service.get_session(request.path_params["session_id"])
         return JSONResponse(view)
 
+    async def agent_conversation(self, request: Request, who: Identity) -> Response:
+        session_id, ref = request.path_params["session_id"], request.path_params["ref"]
+        return JSONResponse(await self.service.agent_conversation(session_id, ref))
+
     async def session_events(self, request: Request, who: Identity) -> Response:
         session_id = request.path_params["session_id"]
         try:
@@ -424,6 +428,13 @@ class _Api:
             STATIC_DIR / "index.html", media_type="text/html", headers=CONSOLE_HEADERS
         )
 
+    async def favicon(self, request: Request, who: Identity) -> Response:
+        return FileResponse(
+            STATIC_DIR / "favicon.ico",
+            media_type="image/x-icon",
+            headers={"Cache-Control": "public, max-age=86400"},
+        )
+
 
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -508,7 +519,7 @@ def create_app(
         handler: Handler = getattr(api, spec.operation)
         routes.append(
             Route(
-                spec.path,
+                spec.route_path,
                 endpoint=api.endpoint(spec, handler),
                 methods=[spec.method],
                 name=spec.operation,

@@ -18,6 +18,7 @@ import msgspec
 from apomesh._version import __version__
 from apomesh.api.tokens import Role
 from apomesh.core.views import (
+    AgentConversation,
     AgentRecordView,
     DaemonView,
     RecoverableFilter,
@@ -193,6 +194,16 @@ class RouteSpec:
     errors: tuple[int, ...] = ()
     tags: tuple[str, ...] = field(default_factory=tuple)
     request_optional: bool = False
+    greedy: tuple[str, ...] = ()
+    """Path parameters whose value may hold ``/`` (an agent ref such as ``root/0``)."""
+
+    @property
+    def route_path(self) -> str:
+        """The path as the router matches it: a greedy parameter takes the rest of the path."""
+        path = self.path
+        for name in self.greedy:
+            path = path.replace(f"{{{name}}}", f"{{{name}:path}}")
+        return path
 
 
 _SSE = Media(
@@ -203,6 +214,7 @@ _SSE = Media(
 _TEXT_METRICS = Media("text/plain; version=0.0.4", "Prometheus text exposition")
 _HTML = Media("text/html", "The operator console")
 _ASSET = Media("application/octet-stream", "A console asset (JavaScript, CSS)")
+_ICON = Media("image/x-icon", "The console's icon")
 
 ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec(
@@ -244,6 +256,18 @@ ROUTES: tuple[RouteSpec, ...] = (
         {200: SessionView},
         errors=(404, 409),
         tags=("sessions",),
+    ),
+    RouteSpec(
+        "GET",
+        "/v1/sessions/{session_id}/agents/{ref}",
+        "agent_conversation",
+        "One agent and its conversation: model text, tool calls with arguments and results, "
+        "human questions and answers, unknown outcomes (the ref may hold `/`, e.g. root/0)",
+        "read",
+        {200: AgentConversation},
+        errors=(404, 409),
+        tags=("sessions",),
+        greedy=("ref",),
     ),
     RouteSpec(
         "GET",
@@ -493,6 +517,15 @@ ROUTES: tuple[RouteSpec, ...] = (
         "The operator console (open; its API calls need a token)",
         None,
         {200: _HTML},
+        tags=("console",),
+    ),
+    RouteSpec(
+        "GET",
+        "/favicon.ico",
+        "favicon",
+        "The console's icon (open)",
+        None,
+        {200: _ICON},
         tags=("console",),
     ),
     RouteSpec(

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from apomesh.core.envelope import Envelope
 from apomesh.core.views import (
+    AgentConversation,
     AgentRecordView,
     DaemonView,
     RecoverableFilter,
@@ -71,6 +72,11 @@ class DaemonService(Protocol):
     async def get_session(self, session_id: str) -> SessionView:
         """The folded view. Raises ``NotFound``; a log that cannot be read whole raises its
         ``CodecError``/``FoldError``."""
+        ...
+
+    async def agent_conversation(self, session_id: str, ref: str) -> AgentConversation:
+        """Agent ``ref``'s conversation, rebuilt from its logged snapshot and the log.
+        Raises ``NotFound`` for an unknown session or agent."""
         ...
 
     async def read_events(self, session_id: str, after: int) -> list[Envelope]:

@@ -81,6 +81,8 @@ class AgentView:
     step: int = 0
     resumes: int = 0
     resuming: bool = False
+    """Between ``AgentResuming`` and the new dispatch's first report (its ``running``) or
+    ``AgentResumed``, whichever comes first."""
     born_index: int = 0
     batch: str | None = None
     purpose: str | None = None
@@ -453,6 +455,8 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
         raise _invalid(state, env, f"event names unknown agent {ev.agent!r}")
     agent.phase = ev.phase
     agent.retrying = None
+    if ev.phase == "running":
+        agent.resuming = False  # the resumed dispatch reported: it runs again
     if ev.worker is not None:
         agent.worker = ev.worker
     if ev.epoch is not None:

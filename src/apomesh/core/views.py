@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from apomesh.core.events import PluginPin
-from apomesh.core.state import SessionState
+from apomesh.core.state import AgentView, SessionState
 
 SESSION_STATUSES: tuple[str, ...] = (
     "running",
@@ -126,6 +126,60 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+CONVERSATION_KINDS: tuple[str, ...] = (
+    "prompt",
+    "model",
+    "tool_call",
+    "tool_result",
+    "question",
+    "answer",
+    "unknown_outcome",
+    "plan",
+    "output",
+    "ended",
+)
+"""Every ``ConversationEntry.kind``: what the agent was asked (``prompt``), what the model said
+(``model``: its text; ``plan``/``output``: its answer), the tools it called and what they
+answered, the questions it put to a human and their answers, a side effect whose outcome is
+unknown, and how the agent ended (``ended``: failed, cancelled, out of budget, with the reason)."""
+
+
+class ConversationEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One step of an agent's conversation, in the order the agent lived it.
+
+    ``index``/``at`` are the log index and time of the event that records it, when one does
+    (model text lives in snapshots only and has neither). ``call_id`` ties a tool result to its
+    call; ``key`` is a journaled call's idempotency key (side effects and async jobs only)."""
+
+    kind: str
+    text: str = ""
+    tool: str = ""
+    args: dict[str, Any] | None = None
+    call_id: str = ""
+    key: str = ""
+    outcome: str = ""
+    """A tool result's ``ok``, ``error`` or ``unknown``; a journaled call with no result yet:
+    ``pending``."""
+    pause_id: str = ""
+    by: str = ""
+    index: int = -1
+    at: float = 0.0
+
+
+class AgentConversation(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /v1/sessions/{id}/agents/{ref}``: one agent and its conversation, rebuilt from the
+    agent's latest logged snapshot (the messages) and the session's log (tool calls' journal,
+    human questions and answers, unknown outcomes, how it ended)."""
+
+    session_id: str
+    agent: AgentSummary
+    instructions: str = ""
+    entries: list[ConversationEntry] = []
+    unknown_outcomes: list[UnknownOutcomeView] = []
+    snapshot_id: int | None = None
+    """The snapshot the messages come from (None: the agent has none yet)."""
 
 
 class DaemonView(msgspec.Struct, frozen=True, kw_only=True):
@@ -314,43 +368,50 @@ class AgentRecordView(msgspec.Struct, frozen=True, kw_only=True):
     plugins: list[PluginPin] = []
 
 
+REASON_PHASES: frozenset[str] = frozenset({"paused", "waiting", "failed", "cancelled"})
+"""The phases whose reason an agent summary shows: why it stopped or waits. A reason an agent
+gave earlier (the human answer it waited for) is not shown once it runs again or completes."""
+
+
+def agent_summary(agent: AgentView) -> AgentSummary:
+    """The summary of one agent of a folded session."""
+    return AgentSummary(
+        ref=agent.ref,
+        parent=agent.parent,
+        name=agent.config.name if agent.config is not None else agent.ref,
+        role=agent.config.role if agent.config is not None else "",
+        phase=agent.phase,
+        task=agent.task,
+        worker=agent.worker,
+        epoch=agent.epoch,
+        resumes=agent.resumes,
+        resuming=agent.resuming,
+        output=agent.output,
+        reason=agent.reason if agent.phase in REASON_PHASES else None,
+        batch=agent.batch,
+        version=agent.current_config.version if agent.current_config is not None else "",
+        usage=token_usage(agent.prompt_tokens, agent.completion_tokens, agent.model_calls)
+        if agent.model_calls
+        else None,
+        retrying=ModelRetryView(
+            attempt=agent.retrying.attempt,
+            delay=agent.retrying.delay,
+            reason=agent.retrying.reason,
+            status=agent.retrying.status,
+            at=agent.retrying_ts,
+        )
+        if agent.retrying is not None
+        else None,
+    )
+
+
 def session_view(
     state: SessionState, status: str | None = None, reason: str | None = None
 ) -> SessionView:
     """The view of a folded session. ``status``/``reason`` override the fold's (the daemon passes
     ``recoverable`` and why); otherwise the status is the fold's and the reason the terminal one."""
     ended_reason = state.ended.reason if state.ended is not None else None
-    agents = [
-        AgentSummary(
-            ref=agent.ref,
-            parent=agent.parent,
-            name=agent.config.name if agent.config is not None else agent.ref,
-            role=agent.config.role if agent.config is not None else "",
-            phase=agent.phase,
-            task=agent.task,
-            worker=agent.worker,
-            epoch=agent.epoch,
-            resumes=agent.resumes,
-            resuming=agent.resuming,
-            output=agent.output,
-            reason=agent.reason,
-            batch=agent.batch,
-            version=agent.current_config.version if agent.current_config is not None else "",
-            usage=token_usage(agent.prompt_tokens, agent.completion_tokens, agent.model_calls)
-            if agent.model_calls
-            else None,
-            retrying=ModelRetryView(
-                attempt=agent.retrying.attempt,
-                delay=agent.retrying.delay,
-                reason=agent.retrying.reason,
-                status=agent.retrying.status,
-                at=agent.retrying_ts,
-            )
-            if agent.retrying is not None
-            else None,
-        )
-        for agent in state.agents.values()
-    ]
+    agents = [agent_summary(agent) for agent in state.agents.values()]
     return SessionView(
         session_id=state.session_id,
         status=status if status is not None else state.status,

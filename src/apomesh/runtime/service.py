@@ -53,6 +53,7 @@ from apomesh.core.events import (
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
+    AgentConversation,
     AgentRecordView,
     DaemonView,
     PinDiff,
@@ -73,6 +74,7 @@ from apomesh.plugins.pins import check_pins
 from apomesh.runtime.catalog import Catalog, skill_names
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.conversation import load_conversation
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import (
     AGENT_PIN,
@@ -271,6 +273,9 @@ class Service:
         if view.terminal:
             return view
         return msgspec.structs.replace(view, owner=await self.registry.lease_owner(session_id))
+
+    async def agent_conversation(self, session_id: str, ref: str) -> AgentConversation:
+        return await load_conversation(self.log, self.store, session_id, ref)
 
     async def _check_owned_here(self, session_id: str) -> None:
         """Refuse a write for a session another daemon owns: its lease names that daemon, or

@@ -5,8 +5,10 @@ live in ``apomesh.core.views`` and are re-exported here."""
 from __future__ import annotations
 
 from apomesh.core.views import (
+    AgentConversation,
     AgentRecordView,
     AgentSummary,
+    ConversationEntry,
     RecoverableView,
     SessionSummary,
     SessionView,
@@ -33,12 +35,14 @@ from apomesh.sdk.client import (
 
 __all__ = [
     "DEFAULT_URL",
+    "AgentConversation",
     "AgentRecordView",
     "AgentSummary",
     "ApiError",
     "Client",
     "ConfirmationRequired",
     "ConflictError",
+    "ConversationEntry",
     "EventRecord",
     "ForbiddenError",
     "InvalidRequestError",

@@ -26,6 +26,7 @@ import msgspec
 
 from apomesh._version import __version__
 from apomesh.core.views import (
+    AgentConversation,
     AgentRecordView,
     DaemonView,
     RecoverableFilter,
@@ -355,6 +356,13 @@ class Client:
     async def get_session(self, session_id: str) -> SessionView:
         return await self._get(f"/v1/sessions/{quote(session_id, safe='')}", SessionView)
 
+    async def agent_conversation(self, session_id: str, ref: str) -> AgentConversation:
+        """Agent ``ref`` of a session (``root``, ``root/0``, ...) and its conversation: what it
+        was asked, the model's text, its tool calls with arguments and results, the questions
+        it asked a human and their answers, side effects whose outcome is unknown."""
+        path = f"/v1/sessions/{quote(session_id, safe='')}/agents/{quote(ref, safe='/')}"
+        return await self._get(path, AgentConversation)
+
     async def list_sessions(
         self, status: str | None = None, query: str | None = None, limit: int = 100
     ) -> list[SessionSummary]:
@@ -605,6 +613,9 @@ class SyncClient:
 
     def get_session(self, session_id: str) -> SessionView:
         return self._run(self._client.get_session(session_id))
+
+    def agent_conversation(self, session_id: str, ref: str) -> AgentConversation:
+        return self._run(self._client.agent_conversation(session_id, ref))
 
     def list_sessions(
         self, status: str | None = None, query: str | None = None, limit: int = 100

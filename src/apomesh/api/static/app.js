@@ -10,25 +10,33 @@
 //   layout     nav-sessions, nav-recoverable, nav-workers, nav-daemons, recoverable-count, conn-status
 //              (data-state: ok|offline|unauthorized), token-button, notice, view
 //   token      token-dialog, token-input, token-submit, token-cancel, token-clear, token-error
-//   sessions   sessions-page, session-filter-status (select), session-search (input),
-//              sessions-table, session-row (data-session-id, data-status), session-link,
-//              sessions-empty, page-error
+//   sessions   sessions-page, session-filter-status (select), session-search (input: goal or id),
+//              session-filter-date (input type=date: updated on or after), sessions-table,
+//              session-row (data-session-id, data-status), session-link, sessions-empty, page-error
 //   session    session-page (data-session-id), session-id, session-status (data-status),
 //              session-goal, session-output, session-reason, session-facts, stream-state
 //              (data-state: connecting|live|reconnecting|ended), session-cancel,
-//              cancel-confirm-yes, cancel-confirm-no,
+//              cancel-confirm-yes, cancel-confirm-no, session-resume (a recoverable session) and
+//              its resume-preview (as on the recoverable page),
 //              hitl-list, hitl-pause (data-pause-id), hitl-question, hitl-answer-input,
 //              hitl-answer-submit, hitl-error,
 //              unknown-outcomes, unknown-outcome,
-//              agent-tree, agent-node (data-agent-ref, data-phase, data-resuming="true|false"),
-//              agent-phase, agent-resuming-badge, agent-resumes,
-//              timeline, timeline-item (data-kind, data-index; class "resume" for
-//              AgentResuming/AgentResumed)
-//   recovery   recoverable-page, recoverable-table, recoverable-row (data-session-id),
-//              recoverable-resume, recoverable-empty, resume-preview (data-session-id),
-//              preview-reason, preview-unknown-outcome, preview-no-unknown, preview-pin-diff,
-//              preview-no-pins, resume-migrate-pins (checkbox), resume-confirm, resume-back,
-//              resume-error
+//              agent-tree, agent-node (data-agent-ref, data-phase: the log's, data-shown: what
+//              the badge says, "stopped" for a live agent of a recoverable session,
+//              data-resuming="true|false"), agent-phase, agent-open (shows its conversation),
+//              agent-resuming-badge, agent-resumes,
+//              agent-timeline, agent-bar (data-agent-ref, data-phase, data-resumes),
+//              agent-bar-resume, agent-timeline-span,
+//              conversation-panel, conversation (data-agent-ref), conversation-entry (data-kind,
+//              data-outcome), conversation-args, conversation-text,
+//              timeline, timeline-filter-kind, timeline-filter-agent (selects), timeline-count,
+//              timeline-item (data-kind, data-index, data-agent, data-open; class "resume" for
+//              AgentResuming/AgentResumed; a click opens its payload), timeline-payload
+//   recovery   recoverable-page, recoverable-search, recoverable-table, recoverable-row
+//              (data-session-id), recoverable-resume, recoverable-empty, resume-preview
+//              (data-session-id), preview-reason, preview-unknown-outcome, preview-no-unknown,
+//              preview-pin-diff, preview-no-pins, resume-migrate-pins (checkbox), resume-confirm,
+//              resume-back, resume-error
 //   workers    workers-page, workers-table, worker-row (data-worker-id, data-alive),
 //              worker-heartbeat, workers-empty
 //   daemons    daemons-page, daemons-table, daemon-row (data-daemon-id, data-state,
@@ -267,7 +275,14 @@ function showError(container, error) {
 
 // Sessions list ----------------------------------------------------------------------------
 
-const listFilter = { status: "", query: "" };
+const listFilter = { status: "", query: "", since: "" };
+
+// The start of a local calendar day ("2026-12-02") in unix seconds, or 0 for none.
+function dayStart(date) {
+  if (!date) return 0;
+  const [y, m, d] = date.split("-").map(Number);
+  return new Date(y, m - 1, d).getTime() / 1000;
+}
 
 function renderSessions() {
   const current = startPage();
@@ -277,6 +292,8 @@ function renderSessions() {
     STATUSES.map((s) => h("option", { value: s, selected: s === listFilter.status }, s)));
   const search = h("input", { id: "session-search", testid: "session-search", type: "search",
     placeholder: "Search goal or id", value: listFilter.query, "aria-label": "Search sessions" });
+  const since = h("input", { id: "session-filter-date", testid: "session-filter-date", type: "date",
+    value: listFilter.since, "aria-label": "Updated on or after" });
   const body = h("tbody");
   const table = h("table", { id: "sessions-table", testid: "sessions-table", class: "grid" },
     h("thead", {}, h("tr", {}, ["Session", "Status", "Goal", "Events", "Side effects", "Updated"]
@@ -285,7 +302,9 @@ function renderSessions() {
   const errors = h("div");
   $("view").replaceChildren(h("section", { id: "sessions-page", testid: "sessions-page" },
     h("h1", {}, "Sessions"),
-    h("div", { class: "toolbar" }, status, search), errors, table, empty));
+    h("div", { class: "toolbar" }, status, search,
+      h("label", { class: "inline", for: "session-filter-date" }, "updated since"), since),
+    errors, table, empty));
 
   async function load() {
     const params = new URLSearchParams({ limit: "200" });
@@ -295,7 +314,9 @@ function renderSessions() {
       const data = await api("GET", `/v1/sessions?${params}`);
       if (page !== current) return;
       errors.replaceChildren();
-      body.replaceChildren(...data.sessions.map((s) => h("tr",
+      const from = dayStart(listFilter.since);
+      const shown = data.sessions.filter((s) => s.updated_at >= from);
+      body.replaceChildren(...shown.map((s) => h("tr",
         { testid: "session-row", data: { sessionId: s.session_id, status: s.status } },
         h("td", {}, h("a", { href: `#/sessions/${encodeURIComponent(s.session_id)}`,
           testid: "session-link", class: "mono" }, s.session_id)),
@@ -304,12 +325,13 @@ function renderSessions() {
         h("td", { class: "num" }, s.last_index + 1),
         h("td", { class: "num" }, s.side_effects),
         h("td", {}, formatTime(s.updated_at)))));
-      empty.hidden = data.sessions.length > 0;
+      empty.hidden = shown.length > 0;
     } catch (error) {
       if (page === current) showError(errors, error);
     }
   }
   status.addEventListener("change", () => { listFilter.status = status.value; load(); });
+  since.addEventListener("change", () => { listFilter.since = since.value; load(); });
   let debounce = null;
   search.addEventListener("input", () => {
     clearTimeout(debounce);
@@ -350,7 +372,17 @@ function describe(env) {
   }
 }
 
-function agentTree(agents) {
+const TERMINAL_PHASES = ["completed", "failed", "cancelled"];
+const REASON_PHASES = ["paused", "waiting", "failed", "cancelled"];
+
+// The phase an agent is shown with: the log's, except that nothing runs in a session waiting on
+// the recoverable list (its agents are "stopped" until an operator resumes it).
+function shownPhase(agent, sessionStatus) {
+  if (sessionStatus === "recoverable" && !TERMINAL_PHASES.includes(agent.phase)) return "stopped";
+  return agent.phase;
+}
+
+function agentTree(agents, sessionStatus, onOpen) {
   const children = new Map();
   for (const agent of agents) {
     const key = agent.parent || "";
@@ -361,25 +393,194 @@ function agentTree(agents) {
   const roots = agents.filter((a) => !a.parent || !known.has(a.parent));
   const node = (agent) => {
     const kids = children.get(agent.ref) || [];
-    return h("li", { testid: "agent-node", class: agent.resuming ? "agent resuming" : "agent",
-      data: { agentRef: agent.ref, phase: agent.phase, resuming: String(agent.resuming) } },
+    const phase = shownPhase(agent, sessionStatus);
+    const stopped = phase === "stopped";
+    const resuming = agent.resuming && !stopped;
+    return h("li", { testid: "agent-node", class: resuming ? "agent resuming" : "agent",
+      data: { agentRef: agent.ref, phase: agent.phase, shown: phase, resuming: String(resuming) } },
       h("div", { class: "agent-line" },
-        h("span", { class: `badge phase-${agent.phase}`, testid: "agent-phase" }, agent.phase),
-        h("span", { class: "agent-name" }, agent.name),
+        h("span", { class: `badge phase-${phase}`, testid: "agent-phase",
+          title: stopped ? `${agent.phase} when the session stopped; it runs again once resumed` : null }, phase),
+        h("button", { type: "button", class: "link agent-name", testid: "agent-open",
+          title: "Show this agent's conversation", onclick: () => onOpen(agent.ref) }, agent.name),
         h("code", { class: "agent-ref" }, agent.ref),
-        agent.resuming ? h("span", { class: "badge resuming", testid: "agent-resuming-badge" }, "resuming") : null,
+        resuming ? h("span", { class: "badge resuming", testid: "agent-resuming-badge" }, "resuming") : null,
         agent.resumes ? h("span", { class: "resumes", testid: "agent-resumes",
           title: "times this agent was resumed" }, `resumes: ${agent.resumes}`) : null),
       agent.worker ? h("div", { class: "agent-meta" },
-        `on ${agent.worker} · epoch ${agent.epoch}`) : null,
+        `${stopped || TERMINAL_PHASES.includes(agent.phase) ? "was on" : "on"} ${agent.worker} · epoch ${agent.epoch}`) : null,
       agent.task ? h("div", { class: "agent-task" }, h("span", { class: "label" }, "task"), agent.task) : null,
       agent.output && agent.phase === "completed"
         ? h("div", { class: "agent-output" }, h("span", { class: "label" }, "output"), agent.output) : null,
-      agent.reason ? h("div", { class: `agent-reason reason-${agent.phase}` },
+      agent.reason && REASON_PHASES.includes(agent.phase) ? h("div", { class: `agent-reason reason-${agent.phase}` },
         h("span", { class: "label" }, "why"), agent.reason) : null,
       kids.length ? h("ul", {}, kids.map(node)) : null);
   };
   return roots.map(node);
+}
+
+// What the log says of each agent over time, for the agent timeline: its phases with their start
+// times, when it was resumed and why, and when it ended.
+class AgentSpans {
+  constructor() { this.agents = new Map(); this.start = 0; this.last = 0; this.ended = 0; this.outages = []; this.resumedFrom = 0; }
+
+  add(env) {
+    const e = env.event || {};
+    if (!this.start) this.start = env.ts;
+    // A recovered session was stopped from its last event before the operator resumed it (or
+    // the daemon recovered it) until its recovery.
+    if (env.kind === "OperatorAction" && e.action === "resume" && !this.resumedFrom) this.resumedFrom = this.last;
+    if (env.kind === "SessionRecovered" && this.last) {
+      this.outages.push({ from: this.resumedFrom || this.last, to: env.ts });
+      this.resumedFrom = 0;
+    }
+    this.last = Math.max(this.last, env.ts);
+    if (env.kind === "SessionEnded") this.ended = env.ts;
+    if (env.kind === "AgentLifecycle") {
+      if (e.phase === "born") {
+        this.agents.set(e.agent, { ref: e.agent, phases: [], resumes: [], end: 0 });
+      }
+      const span = this.agents.get(e.agent);
+      if (!span) return;
+      span.phases.push({ phase: e.phase, from: env.ts });
+      span.end = TERMINAL_PHASES.includes(e.phase) ? env.ts : 0;
+    } else if (env.kind === "AgentResuming") {
+      const span = this.agents.get(e.agent);
+      if (span) span.resumes.push({ at: env.ts, reason: e.reason, epoch: e.epoch });
+    }
+  }
+}
+
+function formatSeconds(seconds) {
+  if (seconds < 90) return `${seconds.toFixed(1)} s`;
+  if (seconds < 5400) return `${(seconds / 60).toFixed(1)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+function agentTimeline(spans, sessionStatus, live) {
+  if (!spans.agents.size) return [h("p", { class: "muted" }, "No agent yet.")];
+  const t0 = spans.start;
+  const t1 = Math.max(spans.ended || (live ? Date.now() / 1000 : spans.last), t0 + 0.001);
+  const pos = (t) => `${(100 * (Math.min(Math.max(t, t0), t1) - t0) / (t1 - t0)).toFixed(3)}%`;
+  const rows = [...spans.agents.values()].map((span) => {
+    const track = h("div", { class: "track" });
+    const segment = (phase, from, until, title) => {
+      const seg = h("div", { class: `seg phase-${phase}`, title, data: { from: String(from), until: String(until) } });
+      seg.style.left = pos(from);
+      seg.style.width = `calc(${pos(Math.max(until, from))} - ${pos(from)})`;
+      seg.style.minWidth = "2px";
+      track.append(seg);
+    };
+    // An agent still open when its session stopped (on the recoverable list) is shown in its
+    // last phase up to the session's last event, then "stopped".
+    const stoppedAt = !span.end && sessionStatus === "recoverable" ? spans.last : 0;
+    span.phases.forEach((p, i) => {
+      const lastPhase = i + 1 === span.phases.length;
+      const until = lastPhase ? (span.end || stoppedAt || t1) : span.phases[i + 1].from;
+      if (until <= p.from && !lastPhase) return;
+      segment(p.phase, p.from, until, `${p.phase} from ${formatTime(p.from)}`);
+    });
+    if (stoppedAt) segment("stopped", stoppedAt, t1, `stopped since ${formatTime(stoppedAt)}`);
+    const born = span.phases.length ? span.phases[0].from : t1;
+    for (const outage of spans.outages) {
+      if (born <= outage.from && (!span.end || span.end > outage.from)) {
+        segment("stopped", outage.from, outage.to, `stopped from ${formatTime(outage.from)} until recovered`);
+      }
+    }
+    for (const r of span.resumes) {
+      const mark = h("div", { class: "resume-mark", testid: "agent-bar-resume",
+        title: `resumed at ${formatTime(r.at)}: ${r.reason} (epoch ${r.epoch})` });
+      mark.style.left = pos(r.at);
+      track.append(mark);
+    }
+    const last = span.phases.length ? span.phases[span.phases.length - 1].phase : "born";
+    return h("div", { class: "bar-row", testid: "agent-bar",
+      data: { agentRef: span.ref, phase: last, resumes: String(span.resumes.length) } },
+      h("code", { class: "bar-label", title: span.ref }, span.ref), track);
+  });
+  return [
+    h("div", { class: "bars" }, rows),
+    h("div", { class: "axis muted" }, h("span", {}, new Date(t0 * 1000).toLocaleTimeString()),
+      h("span", { testid: "agent-timeline-span" }, formatSeconds(t1 - t0)),
+      h("span", {}, new Date(t1 * 1000).toLocaleTimeString())),
+    h("div", { class: "legend muted" }, ["dispatched", "running", "planned", "paused", "waiting", "completed",
+      "failed", "stopped"].map((p) => h("span", {}, h("i", { class: `swatch phase-${p}` }), p)),
+      h("span", {}, h("i", { class: "swatch resume-swatch" }), "resumed")),
+  ];
+}
+
+const ENTRY_LABELS = {
+  prompt: "prompt", model: "model", tool_call: "tool call", tool_result: "result",
+  question: "asks a human", answer: "answer", unknown_outcome: "outcome unknown",
+  plan: "plan", output: "output", ended: "ended",
+};
+
+function conversationEntry(entry) {
+  const where = entry.index >= 0 && entry.index !== undefined
+    ? h("span", { class: "muted where" }, `#${entry.index} · ${new Date(entry.at * 1000).toLocaleTimeString()}`) : null;
+  let label = ENTRY_LABELS[entry.kind] || entry.kind;
+  if (entry.kind === "tool_result") label += ` · ${entry.outcome}`;
+  if (entry.kind === "answer" && entry.by) label += ` by ${entry.by}`;
+  if (entry.kind === "ended") label += ` · ${entry.outcome}`;
+  const body = [];
+  if (entry.tool) body.push(h("code", { class: "tool" }, entry.tool));
+  if (entry.args) body.push(h("pre", { class: "args", testid: "conversation-args" }, JSON.stringify(entry.args, null, 2)));
+  if (entry.text) body.push(h("pre", { class: "text", testid: "conversation-text" }, entry.text));
+  if (entry.key) body.push(h("div", { class: "muted key" }, "key ", h("code", {}, entry.key)));
+  return h("li", { testid: "conversation-entry", class: `entry entry-${entry.kind} outcome-${entry.outcome || "none"}`,
+    data: { kind: entry.kind, outcome: entry.outcome || "" } },
+    h("div", { class: "entry-head" }, h("span", { class: "entry-kind" }, label), where), body);
+}
+
+// The preview an operator sees before resuming a recoverable session, and its confirm button.
+function resumePreview(container, sessionId, data, onResumed) {
+  const migrate = h("input", { type: "checkbox", id: "resume-migrate-pins", testid: "resume-migrate-pins" });
+  const error = h("p", { class: "error", testid: "resume-error" });
+  const confirm = h("button", { type: "button", class: "danger", testid: "resume-confirm" }, "Resume session");
+  const pins = data.pin_diff || [];
+  confirm.addEventListener("click", async () => {
+    const migrate_pins = {};
+    if (migrate.checked) {
+      for (const diff of pins) if (diff.new) migrate_pins[diff.name] = diff.new;
+    }
+    confirm.disabled = true;
+    try {
+      await api("POST", `/v1/sessions/${encodeURIComponent(sessionId)}/resume`,
+        { migrate_pins, confirm: true });
+      notice(`Resume of ${sessionId} accepted.`);
+      onResumed();
+    } catch (err) {
+      error.textContent = err.message;
+      confirm.disabled = false;
+    }
+  });
+  container.dataset.sessionId = sessionId;
+  container.replaceChildren(
+    h("h2", {}, "Resume ", h("code", {}, sessionId), "?"),
+    h("p", { testid: "preview-reason" }, `Stranded because: ${data.reason}`),
+    h("h3", {}, "Side effects with unknown outcome"),
+    data.unknown_outcomes.length
+      ? h("ul", { class: "unknown" }, data.unknown_outcomes.map((u) => h("li", { testid: "preview-unknown-outcome" },
+        h("code", {}, u.tool), ` by ${u.agent} `, h("code", { class: "args" }, JSON.stringify(u.args)),
+        h("span", { class: "muted" }, " key "), h("code", { class: "muted" }, u.key))))
+      : h("p", { testid: "preview-no-unknown", class: "muted" }, "None: no side effect is in doubt."),
+    h("p", { class: "muted" }, "A side effect in doubt is never re-run silently: its tool's " +
+      "policy decides (fail, hold for an operator, or re-run when idempotent)."),
+    h("h3", {}, "Plugin pin differences"),
+    pins.length
+      ? h("div", {},
+        h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "Plugin"),
+          h("th", {}, "Pinned"), h("th", {}, "Installed"))),
+        h("tbody", {}, pins.map((p) => h("tr", { testid: "preview-pin-diff", data: { plugin: p.name } },
+          h("td", {}, p.name), h("td", {}, p.old), h("td", {}, p.new || "not installed"))))),
+        h("label", { class: "check" }, migrate, " Migrate these pins to the installed versions"))
+      : h("p", { testid: "preview-no-pins", class: "muted" }, "None: every pinned plugin is installed as pinned."),
+    h("div", { class: "buttons" },
+      h("button", { type: "button", class: "quiet", testid: "resume-back",
+        onclick: () => { container.hidden = true; } }, "Back"), " ", confirm),
+    error);
+  container.hidden = false;
+  container.scrollIntoView({ block: "nearest" });
 }
 
 function renderSession(sessionId) {
@@ -396,9 +597,20 @@ function renderSession(sessionId) {
   const outputLabel = h("h2", { class: "output-label", hidden: true }, "Output");
   const reason = h("p", { id: "session-reason", testid: "session-reason", class: "reason", hidden: true });
   const actions = h("div", { class: "actions" });
+  const preview = h("section", { testid: "resume-preview", class: "preview", hidden: true });
   const hitl = h("div", { id: "hitl-list", testid: "hitl-list", class: "hitl-list" });
   const unknown = h("div", { id: "unknown-outcomes", testid: "unknown-outcomes" });
   const tree = h("ul", { id: "agent-tree", testid: "agent-tree", class: "tree" });
+  const bars = h("div", { id: "agent-timeline", testid: "agent-timeline", class: "agent-timeline" });
+  const talkTitle = h("h2", {}, "Conversation");
+  const talk = h("div", { id: "conversation", testid: "conversation", class: "conversation" },
+    h("p", { class: "muted" }, "Pick an agent in the tree to read what it was asked, what the " +
+      "model said, the tools it called and what they answered."));
+  const kindFilter = h("select", { testid: "timeline-filter-kind", "aria-label": "Filter events by kind" },
+    h("option", { value: "" }, "all kinds"));
+  const agentFilter = h("select", { testid: "timeline-filter-agent", "aria-label": "Filter events by agent" },
+    h("option", { value: "" }, "all agents"));
+  const shownCount = h("span", { class: "muted", testid: "timeline-count" });
   const timeline = h("ol", { id: "timeline", testid: "timeline", class: "timeline" });
   const errors = h("div");
 
@@ -407,17 +619,34 @@ function renderSession(sessionId) {
     h("a", { href: "#/sessions", class: "back" }, "← Sessions"),
     h("h1", {}, "Session ", h("code", { id: "session-id", testid: "session-id" }, sessionId), " ",
       status, " ", streamState),
-    errors, goal, reason, outputLabel, output, facts, actions, hitl, unknown,
+    errors, goal, reason, outputLabel, output, facts, actions, preview, hitl, unknown,
     h("div", { class: "columns" },
       h("section", { class: "panel" }, h("h2", {}, "Agents"), tree),
-      h("section", { class: "panel" }, h("h2", {}, "Timeline"), timeline))));
+      h("section", { class: "panel" }, h("h2", {}, "Agent timeline"), bars)),
+    h("div", { class: "columns" },
+      h("section", { class: "panel", testid: "conversation-panel" }, talkTitle, talk),
+      h("section", { class: "panel" }, h("h2", {}, "Timeline"),
+        h("div", { class: "toolbar" }, kindFilter, agentFilter, shownCount), timeline))));
 
   let view = null;
   let confirming = false;
+  let openAgent = null;
+  let talkStale = false;  // an event of the open agent arrived since its conversation was read
+  const spans = new AgentSpans();
+  const pauseAgents = new Map();  // pause id -> the agent that asked
+  const kinds = new Set();
+  const agentsSeen = new Set();
+  const live = () => view && !["completed", "failed", "cancelled"].includes(view.status);
 
   function renderActions() {
-    const live = view && !["completed", "failed", "cancelled"].includes(view.status);
-    if (!live) { actions.replaceChildren(); return; }
+    if (!live()) { actions.replaceChildren(); preview.hidden = true; return; }
+    const buttons = [];
+    if (view.status === "recoverable") {
+      buttons.push(h("button", { type: "button", testid: "session-resume", onclick: showPreview },
+        "Resume…"), " ");
+    } else {
+      preview.hidden = true;
+    }
     if (confirming) {
       actions.replaceChildren(h("span", { class: "confirm" }, "Cancel this session for good? ",
         h("button", { type: "button", class: "danger", testid: "cancel-confirm-yes", onclick: async () => {
@@ -433,8 +662,47 @@ function renderSession(sessionId) {
           onclick: () => { confirming = false; renderActions(); } }, "No")));
       return;
     }
-    actions.replaceChildren(h("button", { type: "button", class: "danger-outline", testid: "session-cancel",
+    buttons.push(h("button", { type: "button", class: "danger-outline", testid: "session-cancel",
       onclick: () => { confirming = true; renderActions(); } }, "Cancel session…"));
+    actions.replaceChildren(...buttons);
+  }
+
+  async function showPreview() {
+    let data;
+    try {
+      data = await api("GET", `/v1/recoverable/${encodeURIComponent(sessionId)}`);
+    } catch (error) {
+      notice(error.message, "error");
+      return;
+    }
+    if (page !== current) return;
+    resumePreview(preview, sessionId, data, () => { preview.hidden = true; refresh(); });
+  }
+
+  async function loadConversation() {
+    if (!openAgent) return;
+    const ref = openAgent;
+    try {
+      const data = await api("GET",
+        `/v1/sessions/${encodeURIComponent(sessionId)}/agents/${ref.split("/").map(encodeURIComponent).join("/")}`);
+      if (page !== current || openAgent !== ref) return;
+      talkTitle.replaceChildren("Conversation of ", h("code", {}, ref));
+      talk.dataset.agentRef = ref;
+      talk.replaceChildren(...[
+        data.instructions ? h("details", { class: "instructions" }, h("summary", {}, "instructions"),
+          h("pre", {}, data.instructions)) : null,
+        data.entries.length
+          ? h("ol", { class: "entries" }, data.entries.map(conversationEntry))
+          : h("p", { class: "muted" }, "Nothing recorded yet."),
+      ].filter(Boolean));
+    } catch (error) {
+      if (page === current) showError(talk, error);
+    }
+  }
+
+  function openConversation(ref) {
+    openAgent = ref;
+    loadConversation();
   }
 
   function renderHitl() {
@@ -472,6 +740,10 @@ function renderSession(sessionId) {
     hitl.hidden = view.hitl_pending.length === 0;
   }
 
+  function renderBars() {
+    if (view) bars.replaceChildren(...agentTimeline(spans, view.status, live()));
+  }
+
   function renderView() {
     status.replaceChildren(badge(view.status));
     status.dataset.status = view.status;
@@ -490,7 +762,7 @@ function renderSession(sessionId) {
       fact("Recoveries", String(view.recoveries)),
       fact("Started", formatTime(view.started_at)),
       fact("Updated", formatTime(view.updated_at)));
-    tree.replaceChildren(...agentTree(view.agents));
+    tree.replaceChildren(...agentTree(view.agents, view.status, openConversation));
     unknown.replaceChildren(...(view.unknown_outcomes.length ? [
       h("h2", {}, "Side effects with unknown outcome"),
       h("ul", { class: "unknown" }, view.unknown_outcomes.map((u) => h("li", { testid: "unknown-outcome" },
@@ -498,6 +770,8 @@ function renderSession(sessionId) {
     ] : []));
     renderHitl();
     renderActions();
+    renderBars();
+    if (talkStale) { talkStale = false; loadConversation(); }
   }
 
   let refreshing = false;
@@ -510,6 +784,8 @@ function renderSession(sessionId) {
         again = false;
         const fresh = await api("GET", `/v1/sessions/${encodeURIComponent(sessionId)}`);
         if (page !== current) return;
+        // Onto or off the recoverable list: the count in the header follows at once.
+        if (view && (view.status === "recoverable") !== (fresh.status === "recoverable")) pollRecoverableCount();
         view = fresh;
         errors.replaceChildren();
         renderView();
@@ -528,17 +804,65 @@ function renderSession(sessionId) {
   }
   current.cleanup.push(() => clearTimeout(pending));
 
+  function matches(item) {
+    return (!kindFilter.value || item.dataset.kind === kindFilter.value)
+      && (!agentFilter.value || item.dataset.agent === agentFilter.value);
+  }
+
+  function applyFilter() {
+    let shown = 0;
+    for (const item of timeline.children) {
+      item.hidden = !matches(item);
+      if (!item.hidden) shown += 1;
+    }
+    shownCount.textContent = kindFilter.value || agentFilter.value
+      ? `${shown} of ${timeline.children.length} events` : `${timeline.children.length} events`;
+  }
+  kindFilter.addEventListener("change", applyFilter);
+  agentFilter.addEventListener("change", applyFilter);
+
+  function addOption(select, seen, value) {
+    if (!value || seen.has(value)) return;
+    seen.add(value);
+    select.append(h("option", { value }, value));
+  }
+
   function addEvent(env) {
+    const e = env.event || {};
+    if (env.kind === "HitlPaused") pauseAgents.set(e.pause_id, e.agent);
+    const agent = e.agent || (env.kind === "HitlAnswered" ? pauseAgents.get(e.pause_id) : "") || "";
+    spans.add(env);
+    if (openAgent && agent === openAgent) talkStale = true;
+    addOption(kindFilter, kinds, env.kind);
+    addOption(agentFilter, agentsSeen, agent);
     const resume = env.kind === "AgentResuming" || env.kind === "AgentResumed";
     // Follow the newest event, unless the operator scrolled up to read older ones.
     const following = timeline.scrollTop + timeline.clientHeight >= timeline.scrollHeight - 24;
-    timeline.append(h("li", { testid: "timeline-item", class: resume ? "resume" : "",
-      data: { kind: env.kind, index: String(env.index) } },
+    const item = h("li", { testid: "timeline-item", class: resume ? "resume" : "", tabindex: 0,
+      role: "button", "aria-expanded": "false", title: "Show this event's payload",
+      data: { kind: env.kind, index: String(env.index), agent } },
       h("span", { class: "idx" }, `#${env.index}`),
       h("time", {}, new Date(env.ts * 1000).toLocaleTimeString()),
       h("span", { class: `kind kind-${env.kind}` }, env.kind),
-      h("span", { class: "what" }, describe(env))));
+      h("span", { class: "what" }, describe(env)));
+    const toggle = () => {
+      const shown = item.querySelector(".payload");
+      if (shown) { shown.remove(); item.setAttribute("aria-expanded", "false"); item.dataset.open = "false"; return; }
+      item.append(h("pre", { class: "payload", testid: "timeline-payload" },
+        JSON.stringify({ index: env.index, ts: env.ts, time: new Date(env.ts * 1000).toISOString(),
+          event_id: env.event_id, kind: env.kind, event: env.event }, null, 2)));
+      item.setAttribute("aria-expanded", "true");
+      item.dataset.open = "true";
+    };
+    item.addEventListener("click", (ev) => {
+      if (ev.target.closest(".payload")) return;  // selecting text in the payload keeps it open
+      toggle();
+    });
+    item.addEventListener("keydown", (ev) => { if (ev.key === "Enter" || ev.key === " ") { ev.preventDefault(); toggle(); } });
+    item.hidden = !matches(item);
+    timeline.append(item);
     while (timeline.children.length > TIMELINE_MAX) timeline.firstElementChild.remove();
+    applyFilter();
     if (following) timeline.scrollTop = timeline.scrollHeight;
     refreshSoon();
   }
@@ -553,9 +877,9 @@ function renderSession(sessionId) {
   }
   // A session's status can change without an event (stranded on the recoverable list, resumed
   // by another operator): look again now and then while it has not ended.
-  every(current, POLL_MS * 2, () => {
-    if (view && !["completed", "failed", "cancelled"].includes(view.status)) refreshSoon();
-  });
+  every(current, POLL_MS * 2, () => { if (live()) refreshSoon(); });
+  // The bars of running agents grow with the clock.
+  every(current, 1000, () => { if (live() && view.status !== "recoverable") renderBars(); });
 
   refresh().then(() => {
     if (page !== current) return;
@@ -566,17 +890,22 @@ function renderSession(sessionId) {
 
 // Recoverable sessions ---------------------------------------------------------------------
 
+const recoverableFilter = { query: "" };
+
 function renderRecoverable() {
   const current = startPage();
   const body = h("tbody");
   const empty = h("p", { testid: "recoverable-empty", class: "empty", hidden: true },
     "No session is waiting for an operator.");
+  const search = h("input", { testid: "recoverable-search", type: "search", value: recoverableFilter.query,
+    placeholder: "Search goal, id, reason or category", "aria-label": "Search recoverable sessions" });
   const preview = h("section", { id: "resume-preview", testid: "resume-preview", class: "preview", hidden: true });
   const errors = h("div");
   $("view").replaceChildren(h("section", { id: "recoverable-page", testid: "recoverable-page" },
     h("h1", {}, "Recoverable sessions"),
     h("p", { class: "muted" }, "Sessions the daemon would not resume on its own. Check what " +
       "resuming faces before you confirm."),
+    h("div", { class: "toolbar" }, search),
     errors,
     h("table", { id: "recoverable-table", testid: "recoverable-table", class: "grid" },
       h("thead", {}, h("tr", {}, ["Session", "Goal", "Reason", "Category", "Side effects",
@@ -588,7 +917,10 @@ function renderRecoverable() {
       const data = await api("GET", "/v1/recoverable");
       if (page !== current) return;
       errors.replaceChildren();
-      body.replaceChildren(...data.sessions.map((r) => h("tr",
+      const words = recoverableFilter.query.toLowerCase();
+      const shown = data.sessions.filter((r) => !words || [r.session_id, r.goal, r.reason, r.category]
+        .some((text) => (text || "").toLowerCase().includes(words)));
+      body.replaceChildren(...shown.map((r) => h("tr",
         { testid: "recoverable-row", data: { sessionId: r.session_id } },
         h("td", {}, h("a", { href: `#/sessions/${encodeURIComponent(r.session_id)}`, class: "mono" },
           r.session_id)),
@@ -599,7 +931,7 @@ function renderRecoverable() {
         h("td", {}, formatTime(r.last_event_at)),
         h("td", {}, h("button", { type: "button", testid: "recoverable-resume",
           onclick: () => showPreview(r.session_id) }, "Resume…")))));
-      empty.hidden = data.sessions.length > 0;
+      empty.hidden = shown.length > 0;
       updateRecoverableCount(data.sessions.length);
     } catch (error) {
       if (page === current) showError(errors, error);
@@ -615,55 +947,17 @@ function renderRecoverable() {
       return;
     }
     if (page !== current) return;
-    const migrate = h("input", { type: "checkbox", id: "resume-migrate-pins", testid: "resume-migrate-pins" });
-    const error = h("p", { class: "error", testid: "resume-error" });
-    const confirm = h("button", { type: "button", class: "danger", testid: "resume-confirm" }, "Resume session");
-    const pins = data.pin_diff || [];
-    confirm.addEventListener("click", async () => {
-      const migrate_pins = {};
-      if (migrate.checked) {
-        for (const diff of pins) if (diff.new) migrate_pins[diff.name] = diff.new;
-      }
-      confirm.disabled = true;
-      try {
-        await api("POST", `/v1/sessions/${encodeURIComponent(sessionId)}/resume`,
-          { migrate_pins, confirm: true });
-        notice(`Resume of ${sessionId} accepted.`);
-        location.hash = `#/sessions/${encodeURIComponent(sessionId)}`;
-      } catch (err) {
-        error.textContent = err.message;
-        confirm.disabled = false;
-      }
+    resumePreview(preview, sessionId, data, () => {
+      location.hash = `#/sessions/${encodeURIComponent(sessionId)}`;
     });
-    preview.dataset.sessionId = sessionId;
-    preview.replaceChildren(
-      h("h2", {}, "Resume ", h("code", {}, sessionId), "?"),
-      h("p", { testid: "preview-reason" }, `Stranded because: ${data.reason}`),
-      h("h3", {}, "Side effects with unknown outcome"),
-      data.unknown_outcomes.length
-        ? h("ul", { class: "unknown" }, data.unknown_outcomes.map((u) => h("li", { testid: "preview-unknown-outcome" },
-          h("code", {}, u.tool), ` by ${u.agent} `, h("code", { class: "args" }, JSON.stringify(u.args)),
-          h("span", { class: "muted" }, ` key ${u.key.slice(0, 12)}…`))))
-        : h("p", { testid: "preview-no-unknown", class: "muted" }, "None: no side effect is in doubt."),
-      h("p", { class: "muted" }, "A side effect in doubt is never re-run silently: its tool's " +
-        "policy decides (fail, hold for an operator, or re-run when idempotent)."),
-      h("h3", {}, "Plugin pin differences"),
-      pins.length
-        ? h("div", {},
-          h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "Plugin"),
-            h("th", {}, "Pinned"), h("th", {}, "Installed"))),
-          h("tbody", {}, pins.map((p) => h("tr", { testid: "preview-pin-diff", data: { plugin: p.name } },
-            h("td", {}, p.name), h("td", {}, p.old), h("td", {}, p.new || "not installed"))))),
-          h("label", { class: "check" }, migrate, " Migrate these pins to the installed versions"))
-        : h("p", { testid: "preview-no-pins", class: "muted" }, "None: every pinned plugin is installed as pinned."),
-      h("div", { class: "buttons" },
-        h("button", { type: "button", class: "quiet", testid: "resume-back",
-          onclick: () => { preview.hidden = true; } }, "Back"), " ", confirm),
-      error);
-    preview.hidden = false;
-    preview.scrollIntoView({ block: "nearest" });
   }
 
+  let debounce = null;
+  search.addEventListener("input", () => {
+    clearTimeout(debounce);
+    debounce = setTimeout(() => { recoverableFilter.query = search.value.trim(); load(); }, 200);
+  });
+  current.cleanup.push(() => clearTimeout(debounce));
   load();
   every(current, POLL_MS * 2, load);
 }
