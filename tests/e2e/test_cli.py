@@ -308,7 +308,7 @@ def test_sessions_list_show_and_tail(cli_mesh: Mesh) -> None:
     assert only_failed.returncode == 0
     assert session_id not in only_failed.stdout
 
-    shown = apomesh("sessions", "show", session_id, "--url", cli_mesh.url)
+    shown = apomesh("sessions", "show", session_id, "--output", "json", "--url", cli_mesh.url)
     assert shown.returncode == 0, shown.stderr
     view = json.loads(shown.stdout)
     assert view["session_id"] == session_id
