@@ -38,9 +38,9 @@ from rich.text import Text
 from apomesh._version import __version__
 from apomesh.core.errors import ApomeshError
 
-# No markup and no highlighting: what the daemon sends is data, printed as it is.
-console = Console(markup=False, highlight=False)
-err = Console(stderr=True, markup=False, highlight=False)
+# No markup, no highlighting, no wrapping of lines: what the daemon sends is data, printed as it is.
+console = Console(markup=False, highlight=False, soft_wrap=True)
+err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 DEFAULT_URL = "http://127.0.0.1:8750"
 
@@ -204,16 +204,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(f"session {session_id}")
     if not args.follow:
         return 0
-    return _follow(client, session_id, _answer_prefix(args))
+    return _follow(client, session_id, _answer_options(args))
 
 
-def _answer_prefix(args: argparse.Namespace) -> str:
-    """``apomesh hitl answer``, with the ``--url`` this command was given when it is not the
-    default, so the command shown to answer a pause works as it is pasted."""
-    command = "apomesh hitl answer"
+def _answer_options(args: argparse.Namespace) -> str:
+    """The ``--url`` this command was given, when it is not the default, for the command shown to
+    answer a pause: it works as it is pasted."""
     if args.url != os.environ.get("APOMESH_URL", DEFAULT_URL):
-        command += f" --url {shlex.quote(args.url)}"
-    return command
+        return f" --url {shlex.quote(args.url)}"
+    return ""
 
 
 def _agent_line(agent: Any) -> str:
@@ -231,22 +230,24 @@ def _agent_line(agent: Any) -> str:
     return line
 
 
-def _pause_lines(view: Any, answer: str) -> list[str]:
-    """What each open pause asks and the exact command that answers it."""
+def _pause_lines(view: Any, options: str = "") -> list[str]:
+    """What each open pause asks and the exact command that answers it (``options``: what the
+    command needs after its arguments, such as ``--url``)."""
     lines: list[str] = []
     for pause in view.hitl_pending:
         lines.append(f"{pause.agent} asks ({pause.pause_id}): {pause.question}")
         lines.append(
-            f"  answer with: {answer} {view.session_id} {shlex.quote(pause.pause_id)} 'ANSWER'"
+            f"  answer with: apomesh hitl answer {view.session_id}"
+            f" {shlex.quote(pause.pause_id)} 'ANSWER'{options}"
         )
     return lines
 
 
-def _follow(client: Any, session_id: str, answer: str) -> int:
+def _follow(client: Any, session_id: str, options: str) -> int:
     """Show the session until it ends: a live tree on a terminal; in a pipe, one line per
     change, each written as it happens."""
     if console.is_terminal:
-        _follow_live(client, session_id, answer)
+        _follow_live(client, session_id, options)
     else:
         printed: set[str] = set()
 
@@ -254,7 +255,7 @@ def _follow(client: Any, session_id: str, answer: str) -> int:
             view = client.get_session(session_id)
             lines = [f"{view.session_id} {view.status} — {view.goal}"]
             lines += [_agent_line(agent) for agent in view.agents]
-            lines += _pause_lines(view, answer)
+            lines += _pause_lines(view, options)
             for line in lines:
                 if line not in printed:
                     printed.add(line)
@@ -270,7 +271,7 @@ def _follow(client: Any, session_id: str, answer: str) -> int:
     return 0 if view.status == "completed" else 1
 
 
-def _follow_live(client: Any, session_id: str, answer: str) -> None:
+def _follow_live(client: Any, session_id: str, options: str) -> None:
     from rich.console import Group
     from rich.live import Live
     from rich.tree import Tree
@@ -285,7 +286,7 @@ def _follow_live(client: Any, session_id: str, answer: str) -> None:
             style = "yellow" if agent.waiting_for else "cyan"
             parent = nodes.get(agent.parent or "", tree)
             nodes[agent.ref] = parent.add(Text(_agent_line(agent), style=style))
-        pauses = [Text(line, style="magenta") for line in _pause_lines(view, answer)]
+        pauses = [Text(line, style="magenta") for line in _pause_lines(view, options)]
         return Group(tree, *pauses)
 
     with Live(render(), console=console, refresh_per_second=4) as live:
@@ -422,7 +423,7 @@ def _print_session(view: Any) -> None:
                 ("outcome unknown: ", "yellow"), f"{u.agent} {u.tool} {json.dumps(u.args)}"
             )
         )
-    for line in _pause_lines(view, "apomesh hitl answer"):
+    for line in _pause_lines(view):
         console.print(line)
 
 
@@ -794,20 +795,23 @@ ID_COLUMNS = ("session", "worker", "daemon", "id", "pause")
 
 
 def _table(*columns: str, ids: Sequence[str] = ID_COLUMNS) -> Table:
+    """A table whose cells wrap (folding a word longer than the column) but never lose a
+    character, and whose id columns never wrap."""
     table = Table()
     for name in columns:
-        table.add_column(name, no_wrap=name in ids)
+        table.add_column(name, no_wrap=name in ids, overflow="fold")
     return table
 
 
 def _print_table(table: Table) -> None:
-    """Print a table as wide as its id columns need, even past the terminal's width or in a
-    pipe (rich's 80 columns): the other columns wrap, an id never does."""
+    """Print a table so that no id is ever cut: on a terminal at least as wide as its id columns
+    need (past the terminal's width if it must; the other columns wrap), in a pipe at its natural
+    width, one row a line whatever ``COLUMNS`` says (rich would take 80)."""
     from rich.measure import Measurement
 
-    needed = Measurement.get(console, console.options.update_width(1 << 16), table).minimum
+    size = Measurement.get(console, console.options.update_width(1 << 16), table)
     width = console.width
-    console.width = max(width, needed)
+    console.width = max(width, size.minimum) if console.is_terminal else size.maximum
     try:
         console.print(table)
     finally:
