@@ -278,22 +278,29 @@ def _follow_live(client: Any, session_id: str, options: str) -> None:
 
     def render() -> Group:
         view = client.get_session(session_id)
-        tree = Tree(
-            Text.assemble((view.session_id, "bold"), f" {view.status} — ", view.goal),
-        )
+        label = Text.assemble((view.session_id, "bold"), f" {view.status} — ", view.goal)
+        label.overflow = "fold"  # the whole goal, over as many lines as it takes
+        tree = Tree(label)
         nodes: dict[str, Any] = {}
         for agent in view.agents:
             style = "yellow" if agent.waiting_for else "cyan"
             parent = nodes.get(agent.parent or "", tree)
-            nodes[agent.ref] = parent.add(Text(_agent_line(agent), style=style))
-        pauses = [Text(line, style="magenta") for line in _pause_lines(view, options)]
+            nodes[agent.ref] = parent.add(Text(_agent_line(agent), style=style, overflow="fold"))
+        pauses = [
+            Text(line, style="magenta", overflow="fold") for line in _pause_lines(view, options)
+        ]
         return Group(tree, *pauses)
 
-    with Live(render(), console=console, refresh_per_second=4) as live:
-        for record in client.events(session_id):
-            live.update(render())
-            if record.kind == "SessionEnded":
-                break
+    # A live region is redrawn in place: its lines wrap at the terminal's width instead.
+    console.soft_wrap = False
+    try:
+        with Live(render(), console=console, refresh_per_second=4) as live:
+            for record in client.events(session_id):
+                live.update(render())
+                if record.kind == "SessionEnded":
+                    break
+    finally:
+        console.soft_wrap = True
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
@@ -349,18 +356,20 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     if args.action == "cancel":
         view = client.get_session(args.id)
         console.print(f"{view.session_id} {view.status} — {view.goal}")
-        if not _confirmed(args, "cancel this session?", "cancel a session"):
-            return 2 if not args.yes and not sys.stdin.isatty() else 1
+        if (refused := _refused(args, "cancel this session?", "cancel a session")) is not None:
+            return refused
         client.cancel(args.id)
         console.print(f"cancelled {args.id}")
         return 0
     if args.action == "purge":
         view = client.get_session(args.id)
         console.print(f"{view.session_id} {view.status} — {view.goal}")
-        if not _confirmed(
-            args, "purge this session (its events and records, for good)?", "purge a session"
-        ):
-            return 2 if not args.yes and not sys.stdin.isatty() else 1
+        if (
+            refused := _refused(
+                args, "purge this session (its events and records, for good)?", "purge a session"
+            )
+        ) is not None:
+            return refused
         client.purge_session(args.id)
         console.print(f"purged {args.id}")
         return 0
@@ -379,8 +388,8 @@ def _purge_ended(client: Any, args: argparse.Namespace) -> int:
         _error(f"--ended-before: {exc}")
         return 2
     question = f"purge every session that ended more than {args.ended_before} ago, for good?"
-    if not _confirmed(args, question, "purge sessions"):
-        return 2 if not args.yes and not sys.stdin.isatty() else 1
+    if (refused := _refused(args, question, "purge sessions")) is not None:
+        return refused
     purged = client.purge_ended(seconds)
     if args.output == "json":
         _print_json(purged)
@@ -530,10 +539,12 @@ def _resume_all(client: Any, args: argparse.Namespace) -> int:
                     f"{d.name}: {d.old} -> {d.new or 'not installed'}",
                 )
             )
-    if not _confirmed(
-        args, f"resume these {len(chosen)} sessions?", f"resume {len(chosen)} sessions"
-    ):
-        return 2 if not args.yes and not sys.stdin.isatty() else 1
+    if (
+        refused := _refused(
+            args, f"resume these {len(chosen)} sessions?", f"resume {len(chosen)} sessions"
+        )
+    ) is not None:
+        return refused
     outcomes = client.resume_matching(
         category=which.category,
         reason=which.reason,
@@ -621,8 +632,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         else:
             old = next((d.old for d in preview.pin_diff if d.name == name), "?")
         console.print(f"migrating pin {name}: {old} -> {version}")
-    if not _confirmed(args, "resume?", "resume a session"):
-        return 2 if not args.yes and not sys.stdin.isatty() else 1
+    if (refused := _refused(args, "resume?", "resume a session")) is not None:
+        return refused
     client.resume(args.id, migrate_pins=migrate or None, confirm=True)
     console.print(f"resumed {args.id}")
     return 0
@@ -823,15 +834,17 @@ def _print_json(data: Any) -> None:
     print(json.dumps(_builtins(data), indent=2, ensure_ascii=False, default=str))
 
 
-def _confirmed(args: argparse.Namespace, question: str, what: str) -> bool:
-    """Whether to go on: yes with ``--yes``; else the answer to ``question`` on a terminal.
-    Without a terminal to ask (a script, a pipe) it refuses, saying how to confirm."""
+def _refused(args: argparse.Namespace, question: str, what: str) -> int | None:
+    """None to go on: with ``--yes``, or when the answer to ``question`` on a terminal is yes;
+    else the exit code: 1 when the answer is no, 2 when there is no terminal to ask (a script, a
+    pipe), saying how to confirm instead."""
     if args.yes:
-        return True
+        return None
     if not sys.stdin.isatty():
         err.print(f"refusing to {what} without a terminal to ask: pass --yes to confirm")
-        return False
-    return console.input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+        return 2
+    answer = console.input(f"{question} [y/N] ").strip().lower()
+    return None if answer in ("y", "yes") else 1
 
 
 def _error(message: str, code: str | None = None) -> None:

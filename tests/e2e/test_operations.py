@@ -159,6 +159,9 @@ def test_purge_removes_ended_sessions_and_the_boot_scan_counts_what_is_left(mesh
         assert bulk.returncode == 0, bulk.stderr
         assert f"purged {by_age}" in bulk.stdout and paused not in bulk.stdout
         assert by_age in before and by_age not in ended_ids(client)
+        # The key of a purged session went with it: the same request starts a new session.
+        again = client.start_session("exactly once", idempotency_key="order-17")
+        assert again not in before and client.wait(again, timeout=60).status == "completed"
 
         # The daemon's own sweep at boot ([retention] ended_after), before the scan counts.
         done = client.start_session("purge at boot")

@@ -3,7 +3,8 @@ ended longer ago than ``[retention] ended_after`` (the daemon's sweep at boot an
 ``apomesh sessions purge --ended-before``).
 
 A purge removes everything the daemon keeps of a session: its subject on the log stream, its
-snapshots, conversation segments, definitions and journal records, and last its completed-session
+snapshots, conversation segments, definitions and journal records, the ``Idempotency-Key`` records
+that answer it (a retry after the purge starts a new session), and last its completed-session
 record. The completed record goes last on purpose: a purge cut short (a crash, a lost connection)
 leaves it behind, so the session is still listed as ended and the next sweep or the operator's
 next purge finishes the job; purging what is already gone is a no-op. Only an ended session
@@ -16,11 +17,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import msgspec
+
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core.errors import CommandRefused, NotFound
 from apomesh.core.ports import EventLog
 from apomesh.core.state import fold
-from apomesh.runtime.registry import CompletedRecord, SessionRegistry
+from apomesh.runtime.registry import (
+    IDEMPOTENCY_DB,
+    CompletedRecord,
+    IdempotencyRecord,
+    SessionRegistry,
+)
 
 log = logging.getLogger("apomesh.daemon")
 
@@ -70,17 +78,28 @@ class Retention:
     async def purge(self, session_id: str) -> None:
         """Remove an ended session's log subject and every record of it."""
         await self.ended_at(session_id)
-        await self._remove(session_id)
+        await self._remove([session_id])
 
-    async def _remove(self, session_id: str) -> None:
-        await self.log_adapter.delete_session(session_id)
-        deletes: list[tuple[str, str]] = []
-        for db in SESSION_DATABASES:
-            deletes.extend((db, key) for key, _ in await self.store.scan(db, f"{session_id}/"))
-        deletes.append(("completed", session_id))
-        await self.store.write_batch([], deletes)
-        self._forget(session_id)
-        log.info("purged session %s (%d records)", session_id, len(deletes))
+    async def _remove(self, session_ids: list[str]) -> None:
+        keys = await self._idempotency_keys(set(session_ids))
+        for session_id in session_ids:
+            await self.log_adapter.delete_session(session_id)
+            deletes = [(IDEMPOTENCY_DB, key) for key in keys.get(session_id, ())]
+            for db in SESSION_DATABASES:
+                deletes.extend((db, key) for key, _ in await self.store.scan(db, f"{session_id}/"))
+            deletes.append(("completed", session_id))
+            await self.store.write_batch([], deletes)
+            self._forget(session_id)
+            log.info("purged session %s (%d records)", session_id, len(deletes))
+
+    async def _idempotency_keys(self, session_ids: set[str]) -> dict[str, list[str]]:
+        """The ``Idempotency-Key`` records that answer these sessions, by session."""
+        keys: dict[str, list[str]] = {}
+        for key, value in await self.store.scan(IDEMPOTENCY_DB, ""):
+            record = msgspec.msgpack.decode(value, type=IdempotencyRecord)
+            if record.session_id in session_ids:
+                keys.setdefault(record.session_id, []).append(key)
+        return keys
 
     async def expired(self, ended_before: float) -> list[CompletedRecord]:
         """The ended sessions whose completed record says they ended before ``ended_before``
@@ -96,8 +115,6 @@ class Retention:
 
     async def sweep(self, ended_before: float) -> list[str]:
         """Purge every session that ended before ``ended_before``; returns their ids."""
-        purged: list[str] = []
-        for record in await self.expired(ended_before):
-            await self._remove(record.session_id)
-            purged.append(record.session_id)
+        purged = [record.session_id for record in await self.expired(ended_before)]
+        await self._remove(purged)
         return purged

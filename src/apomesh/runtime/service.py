@@ -88,23 +88,19 @@ from apomesh.runtime.pinning import (
     published_agent,
 )
 from apomesh.runtime.presence import Presence
-from apomesh.runtime.registry import Recoverable, SessionRegistry
+from apomesh.runtime.registry import (
+    IDEMPOTENCY_DB,
+    IdempotencyRecord,
+    Recoverable,
+    SessionRegistry,
+)
 from apomesh.runtime.retention import Retention
 from apomesh.runtime.sessions import Ending
 from apomesh.runtime.tails import SessionTails
 from apomesh.runtime.workers import WorkerPool
 
-IDEMPOTENCY_DB = "idempotency"
-"""The store database of ``Idempotency-Key`` -> the session its first request started."""
-
 NEEDS_A_WORKER = frozenset({"born", "dispatched", "running"})
 """Agent phases in which an agent runs on (or waits for) a worker."""
-
-
-class IdempotencyRecord(msgspec.Struct, frozen=True):
-    session_id: str
-    request: str
-    """SHA-256 of the request's goal, agent and definition."""
 
 
 class KeyedLocks:
@@ -698,11 +694,15 @@ class Service:
         its own (no live worker, agents waiting for a capable worker), each reason in
         ``problems``; ``down`` when NATS is not connected (``ok`` false, HTTP 503)."""
         connected = self.nc.is_connected
-        alive = len(self.workers.alive_ids())
+        live_workers = set(self.workers.alive_ids())
+        alive = len(live_workers)
         waiting = sum(
             1
             for runtime in self.registry.live.values()
-            if any(a.waiting_for for a in self._placed(session_view(runtime.state).agents))
+            if any(
+                agent.phase in NEEDS_A_WORKER and agent.worker not in live_workers
+                for agent in runtime.state.agents.values()
+            )
         )
         problems: list[str] = []
         if not connected:
