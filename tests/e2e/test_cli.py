@@ -673,3 +673,43 @@ def test_sessions_cancel_refuses_without_a_terminal_and_cancels_with_yes(
         cancelled = narrow("sessions", "cancel", session_id, "--yes", "--url", cli_mesh.url)
         assert cancelled.returncode == 0, cancelled.stderr
         assert client.wait(session_id, timeout=30).status == "cancelled"
+
+
+def test_a_table_on_a_narrow_terminal_keeps_every_id_whole(cli_mesh: Mesh) -> None:
+    """On a terminal 40 columns wide the table grows past the width rather than cut an id."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    with SyncClient(cli_mesh.url) as client:
+        session_id = client.start_session("seen on a terminal")
+        client.wait(session_id, timeout=60)
+    main, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 40, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "APOMESH_URL")}
+    shown = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apomesh",
+            "sessions",
+            "list",
+            "--query",
+            "terminal",
+            "--url",
+            cli_mesh.url,
+        ],
+        stdout=terminal,
+        stderr=terminal,
+        stdin=subprocess.DEVNULL,
+        env={**env, "TERM": "xterm"},
+    )
+    os.close(terminal)
+    output = b""
+    with contextlib.suppress(OSError):  # the terminal closes when the command exits
+        while chunk := os.read(main, 65536):
+            output += chunk
+    os.close(main)
+    assert shown.wait(60) == 0, output
+    assert session_id in output.decode(errors="replace")
