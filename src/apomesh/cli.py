@@ -402,25 +402,24 @@ def _purge_ended(client: Any, args: argparse.Namespace) -> int:
 
 def _print_session(view: Any) -> None:
     """``sessions show`` for people: the session, then its agents as a table."""
-    console.print(f"session     {view.session_id}")
-    console.print(f"status      {view.status}")
-    console.print(f"goal        {view.goal}")
-    if view.agent:
-        console.print(f"agent       {view.agent}")
-    if view.coordination:
-        console.print(f"coordination {view.coordination}")
-    console.print(f"started     {_when(view.started_at, ago=True)}")
-    console.print(f"updated     {_when(view.updated_at, ago=True)}")
-    console.print(f"events      {view.last_index + 1}")
-    console.print(f"side effects {view.side_effects}")
-    if view.owner:
-        console.print(f"daemon      {view.owner}")
-    if view.recoveries or view.resumes:
-        console.print(f"recoveries  {view.recoveries}, resumes {view.resumes}")
-    if view.output is not None:
-        console.print(f"output      {view.output}")
-    if view.reason:
-        console.print(f"reason      {view.reason}")
+    fields: list[tuple[str, str | None]] = [
+        ("session", view.session_id),
+        ("status", view.status),
+        ("goal", view.goal),
+        ("agent", view.agent),
+        ("coordination", view.coordination or None),
+        ("started", _when(view.started_at, ago=True)),
+        ("updated", _when(view.updated_at, ago=True)),
+        ("events", str(view.last_index + 1)),
+        ("side effects", str(view.side_effects)),
+        ("daemon", view.owner),
+        ("recoveries", f"{view.recoveries}, resumes {view.resumes}" if view.recoveries else None),
+        ("output", view.output),
+        ("reason", view.reason),
+    ]
+    for label, value in fields:
+        if value is not None:
+            console.print(f"{label:<13}{value}")
     table = _table("agent", "role", "phase", "worker", "resumes", "task")
     for a in view.agents:
         phase = f"waiting for {a.waiting_for}" if a.waiting_for else a.phase

@@ -1,6 +1,11 @@
 """The ``apomesh`` command line as a user runs it: real ``apomesh`` processes against a real daemon,
 its workers and nats-server. Help and usage errors, bad agent definitions refused with the field
-named, ``run --follow`` showing the live tree, and ``sessions list|show|tail``.
+named, ``run --follow`` showing the live tree, and ``sessions list|show|tail``; and what people and
+scripts rely on: data printed verbatim (no markup read into goals or questions), ids whole in a
+narrow pipe and on a narrow terminal, ``--output json`` on every listing, human times, events never
+cut, ``--limit`` and cursors, ``workers list``, ``hitl list``, ``run --follow`` in a pipe showing a
+pause's question and the command that answers it as it happens, and ``sessions cancel`` refusing
+without a terminal to ask.
 """
 
 from __future__ import annotations
@@ -486,10 +491,10 @@ def test_data_prints_verbatim_and_ids_whole_in_a_narrow_pipe(cli_mesh: Mesh) -> 
 
     shown = narrow("sessions", "show", session_id, "--url", cli_mesh.url)
     assert shown.returncode == 0, shown.stderr
-    assert f"goal        {MARKUP_GOAL}" in shown.stdout
-    assert f"output      done: {MARKUP_GOAL}" in shown.stdout
+    assert f"goal         {MARKUP_GOAL}" in shown.stdout
+    assert f"output       done: {MARKUP_GOAL}" in shown.stdout
     # Human times, not unix seconds.
-    assert re.search(r"started     \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(\d+[smhd] ago\)", shown.stdout)
+    assert re.search(r"started      \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(\d+[smhd] ago\)", shown.stdout)
     assert not re.search(r"\b1\d{9}\.\d+", shown.stdout)
 
 
