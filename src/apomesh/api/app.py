@@ -268,10 +268,12 @@ class _Api:
             raise BadRequest("invalid_body", "give either `agent` or `definition`, not both")
         agent = _agent_choice(body.agent) if body.agent is not None else None
         key = request.headers.get("idempotency-key")
-        if key is not None and not (0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isprintable()):
+        if key is not None and not (
+            0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isascii() and key.isprintable()
+        ):
             raise BadRequest(
                 "invalid_header",
-                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable characters",
+                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
             )
         # A retry with the same key is answered as the first request was: 201, the same id.
         session_id = await self.service.create_session(

@@ -6,7 +6,9 @@ reads. A use case that changes a session does it through the session's single wr
 (``SessionRuntime.decide``), opened through the registry; it never touches a writer's internals.
 Session creation validates the request against the configured limits, resolves the
 agent (a sealed published bundle, or an inline definition whose skills are resolved now and frozen),
-composes the pinned shape and makes ``SessionStarted`` durable before answering. So does moving a
+composes the pinned shape and makes ``SessionStarted`` durable before answering; with an
+``Idempotency-Key`` the key is stored first (``idempotency`` records), so a retry, here or after a
+restart, answers the same session. An ended session is purged through ``runtime.retention``. So does moving a
 stranded session to another published version of its agent (``migrate_pins`` key ``agent``): the
 version's sealed bundle is read once, at the operator's request, and composed into the shape the
 migration records.
