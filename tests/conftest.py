@@ -1,12 +1,58 @@
 """Fixtures shared by every test directory: the async backend anyio's pytest plugin runs on, and a
-real headless Chromium page for the console tests (a page fails its test if the console raises)."""
+real headless Chromium page for the console tests (a page fails its test if the console raises).
+
+When the tests collected need the browser and Debian's chromium is not installed, the run
+provisions it before any test starts: as root it installs the package with apt-get; otherwise it
+stops at once with the exact command to run (a browser is never downloaded, and a console test is
+never skipped)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+BROWSER_FIXTURES = frozenset({"browser", "page"})
+INSTALL_CHROMIUM = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
+    if any(BROWSER_FIXTURES & set(getattr(item, "fixturenames", ())) for item in items):
+        provide_chromium()
+
+
+def provide_chromium() -> None:
+    """Make sure the browser the console tests launch is there (see the module docstring)."""
+    from tests.browser import CHROMIUM
+
+    if Path(CHROMIUM).exists():
+        return
+    command = " ".join(INSTALL_CHROMIUM)
+    if os.geteuid() != 0:
+        pytest.exit(
+            f"the console tests need Debian's chromium at {CHROMIUM}, which is missing;"
+            f" install it with:  sudo {command}",
+            returncode=4,
+        )
+    if shutil.which("apt-get") is None:
+        pytest.exit(f"{CHROMIUM} is missing and there is no apt-get to install it", returncode=4)
+    installed = subprocess.run(
+        INSTALL_CHROMIUM,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        capture_output=True,
+        text=True,
+    )
+    if installed.returncode != 0 or not Path(CHROMIUM).exists():
+        pytest.exit(
+            f"`{command}` did not provide {CHROMIUM} (exit {installed.returncode}):"
+            f" {installed.stderr.strip()[-2000:]}",
+            returncode=4,
+        )
 
 
 @pytest.fixture

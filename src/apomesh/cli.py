@@ -6,31 +6,41 @@ through the SDK; without a token, when the URL is a loopback address, they use t
 (``[http] token``, else the ``<data_dir>/http.token`` it wrote at its first start; ``--data`` /
 ``--config`` find it), so they work against a local ``apomesh serve`` with no flags. Credentials for NATS come from the config file or ``APOMESH_NATS_*`` variables,
 never from the command line.
+
+Output is for people and scripts alike: data (goals, reasons, questions, tool arguments) is printed
+verbatim, never read as rich markup; tables never wrap or cut an id, whatever the width or in a
+pipe; every listing and ``show`` take ``--output json``; times are local dates, not unix seconds.
+A command that needs a confirmation asks on a terminal and, when stdin is not one, refuses unless
+``--yes`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from apomesh._version import __version__
 from apomesh.core.errors import ApomeshError
 
-console = Console()
-err = Console(stderr=True)
+# No markup, no highlighting, no wrapping of lines: what the daemon sends is data, printed as it is.
+console = Console(markup=False, highlight=False, soft_wrap=True)
+err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 DEFAULT_URL = "http://127.0.0.1:8750"
 
@@ -134,7 +144,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         try:
             check_worker_id(worker_id)
         except ValueError as exc:
-            err.print(f"[red]error[/]: {exc}; give a usable one with --id")
+            _error(f"{exc}; give a usable one with --id")
             return 2
     else:
         worker_id = new_worker_id(name)
@@ -188,7 +198,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from apomesh.demo import run_demo
 
     logging.basicConfig(level=logging.ERROR)
-    return asyncio.run(run_demo(console))
+    # The demo styles its own fixed text with markup.
+    return asyncio.run(run_demo(Console()))
 
 
 # --- commands that talk to a daemon -----------------------------------------------------------------
@@ -211,79 +222,186 @@ def cmd_run(args: argparse.Namespace) -> int:
     from apomesh.builtin.agents import DEFAULT_AGENT
 
     client = _client(args)
+    key = args.idempotency_key
     if args.agent:
-        session_id = client.start_session(args.goal, agent=args.agent)
+        session_id = client.start_session(args.goal, agent=args.agent, idempotency_key=key)
     else:
         definition = _load_definition(args.definition) if args.definition else DEFAULT_AGENT
-        session_id = client.start_session(args.goal, definition=definition)
+        session_id = client.start_session(args.goal, definition=definition, idempotency_key=key)
     console.print(f"session {session_id}")
     if not args.follow:
         return 0
-    return _follow(client, session_id)
+    return _follow(client, session_id, _answer_options(args))
 
 
-def _follow(client: Any, session_id: str) -> int:
+def _answer_options(args: argparse.Namespace) -> str:
+    """The ``--url`` this command was given, when it is not the default, for the command shown to
+    answer a pause: it works as it is pasted."""
+    if args.url != os.environ.get("APOMESH_URL", DEFAULT_URL):
+        return f" --url {shlex.quote(args.url)}"
+    return ""
+
+
+def _agent_line(agent: Any) -> str:
+    """One agent of the spawn tree: ``root/0 running on w1 (resumed x1)``."""
+    if agent.waiting_for:
+        line = f"{agent.ref} waiting for {agent.waiting_for}"
+    else:
+        line = f"{agent.ref} {agent.phase}"
+        if agent.worker:
+            line += f" on {agent.worker}"
+    if agent.resuming:
+        line += " (resuming)"
+    elif agent.resumes:
+        line += f" (resumed x{agent.resumes})"
+    return line
+
+
+def _pause_lines(view: Any, options: str = "") -> list[str]:
+    """What each open pause asks and the exact command that answers it (``options``: what the
+    command needs after its arguments, such as ``--url``)."""
+    lines: list[str] = []
+    for pause in view.hitl_pending:
+        lines.append(f"{pause.agent} asks ({pause.pause_id}): {pause.question}")
+        lines.append(
+            f"  answer with: apomesh hitl answer {view.session_id}"
+            f" {shlex.quote(pause.pause_id)} 'ANSWER'{options}"
+        )
+    return lines
+
+
+def _follow(client: Any, session_id: str, options: str) -> int:
+    """Show the session until it ends: a live tree on a terminal; in a pipe, one line per
+    change, each written as it happens."""
+    if console.is_terminal:
+        _follow_live(client, session_id, options)
+    else:
+        printed: set[str] = set()
+
+        def show() -> None:
+            view = client.get_session(session_id)
+            lines = [f"{view.session_id} {view.status} — {view.goal}"]
+            lines += [_agent_line(agent) for agent in view.agents]
+            lines += _pause_lines(view, options)
+            for line in lines:
+                if line not in printed:
+                    printed.add(line)
+                    print(line, flush=True)
+
+        show()
+        for record in client.events(session_id):
+            show()
+            if record.kind == "SessionEnded":
+                break
+    view = client.get_session(session_id)
+    print(f"{view.status}: {view.output or view.reason or ''}", flush=True)
+    return 0 if view.status == "completed" else 1
+
+
+def _follow_live(client: Any, session_id: str, options: str) -> None:
+    from rich.console import Group
     from rich.live import Live
     from rich.tree import Tree
 
-    def render() -> Tree:
+    def render() -> Group:
         view = client.get_session(session_id)
-        tree = Tree(f"[bold]{view.session_id}[/] {view.status} — {view.goal}")
+        label = Text.assemble((view.session_id, "bold"), f" {view.status} — ", view.goal)
+        label.overflow = "fold"  # the whole goal, over as many lines as it takes
+        tree = Tree(label)
         nodes: dict[str, Any] = {}
         for agent in view.agents:
-            label = f"{agent.ref} [cyan]{agent.phase}[/]"
-            if agent.worker:
-                label += f" on {agent.worker}"
-            if agent.resuming:
-                label += " [yellow](resuming)[/]"
-            elif agent.resumes:
-                label += f" [green](resumed x{agent.resumes})[/]"
+            style = "yellow" if agent.waiting_for else "cyan"
             parent = nodes.get(agent.parent or "", tree)
-            nodes[agent.ref] = parent.add(label)
-        return tree
+            nodes[agent.ref] = parent.add(Text(_agent_line(agent), style=style, overflow="fold"))
+        pauses = [
+            Text(line, style="magenta", overflow="fold") for line in _pause_lines(view, options)
+        ]
+        return Group(tree, *pauses)
 
-    with Live(render(), console=console, refresh_per_second=4) as live:
-        for record in client.events(session_id):
-            live.update(render())
-            if record.kind == "SessionEnded":
-                break
-    if not console.is_terminal:
-        # rich ends the last frame with a newline only on a terminal; a pipe needs its own.
-        console.line()
-    view = client.get_session(session_id)
-    console.print(f"{view.status}: {view.output or view.reason or ''}")
-    return 0 if view.status == "completed" else 1
+    # A live region is redrawn in place: its lines wrap at the terminal's width instead.
+    console.soft_wrap = False
+    try:
+        with Live(render(), console=console, refresh_per_second=4) as live:
+            for record in client.events(session_id):
+                live.update(render())
+                if record.kind == "SessionEnded":
+                    break
+    finally:
+        console.soft_wrap = True
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "list":
-        table = Table("session", "status", "goal", "events", "side effects")
-        for s in client.list_sessions(status=args.status, query=args.query):
-            table.add_row(
-                s.session_id, s.status, s.goal, str(s.last_index + 1), str(s.side_effects)
-            )
-        console.print(table)
+        page = client.list_sessions(
+            status=args.status, query=args.query, limit=args.limit, cursor=args.cursor
+        )
+        if args.output == "json":
+            _print_json(list(page))
+        else:
+            table = _table("session", "status", "goal", "events", "side effects", "updated")
+            for s in page:
+                table.add_row(
+                    s.session_id,
+                    s.status,
+                    s.goal,
+                    str(s.last_index + 1),
+                    str(s.side_effects),
+                    _when(s.updated_at),
+                )
+            _print_table(table)
+        if page.next_cursor:
+            err.print(f"more sessions: add --cursor {page.next_cursor}")
         return 0
+    if args.action == "purge" and not args.id:
+        return _purge_ended(client, args)
     if not args.id:
         err.print("a session id is needed")
         return 2
     if args.action == "show":
         view = client.get_session(args.id)
-        console.print_json(data=_builtins(view))
+        if args.output == "json":
+            _print_json(view)
+        else:
+            _print_session(view)
         return 0
     if args.action == "tail":
+        # Every event whole, one per line, written as it comes: no wrapping, no cutting.
         for record in client.events(args.id, after=args.after):
-            console.print(
-                f"{record.index:>5} {record.kind} {json.dumps(record.event, default=str)[:160]}"
-            )
+            if args.output == "json":
+                print(json.dumps(_builtins(record), default=str), flush=True)
+            else:
+                print(
+                    f"{record.index:>5} {record.kind} {json.dumps(record.event, default=str)}",
+                    flush=True,
+                )
         return 0
     if args.action == "agent":
         return _print_conversation(client, args)
     if args.action == "verify":
         report = client.verify_session(args.id)
-        console.print_json(data=report)
+        _print_json(report)
         return 0 if report.get("ok") else 1
+    if args.action == "cancel":
+        view = client.get_session(args.id)
+        console.print(f"{view.session_id} {view.status} — {view.goal}")
+        if (refused := _refused(args, "cancel this session?", "cancel a session")) is not None:
+            return refused
+        client.cancel(args.id)
+        console.print(f"cancelled {args.id}")
+        return 0
+    if args.action == "purge":
+        view = client.get_session(args.id)
+        console.print(f"{view.session_id} {view.status} — {view.goal}")
+        if (
+            refused := _refused(
+                args, "purge this session (its events and records, for good)?", "purge a session"
+            )
+        ) is not None:
+            return refused
+        client.purge_session(args.id)
+        console.print(f"purged {args.id}")
+        return 0
     return 2
 
 
@@ -338,16 +456,96 @@ def _print_conversation(client: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_daemons(args: argparse.Namespace) -> int:
-    import time
+def _purge_ended(client: Any, args: argparse.Namespace) -> int:
+    from apomesh.runtime.config import parse_duration
 
+    if not args.ended_before:
+        err.print("give a session id, or --ended-before DURATION (30d, 12h) to purge by age")
+        return 2
+    try:
+        seconds = parse_duration(args.ended_before)
+    except ValueError as exc:
+        _error(f"--ended-before: {exc}")
+        return 2
+    question = f"purge every session that ended more than {args.ended_before} ago, for good?"
+    if (refused := _refused(args, question, "purge sessions")) is not None:
+        return refused
+    purged = client.purge_ended(seconds)
+    if args.output == "json":
+        _print_json(purged)
+    else:
+        for session_id in purged:
+            console.print(f"purged {session_id}")
+        console.print(f"{len(purged)} sessions purged")
+    return 0
+
+
+def _print_session(view: Any) -> None:
+    """``sessions show`` for people: the session, then its agents as a table."""
+    fields: list[tuple[str, str | None]] = [
+        ("session", view.session_id),
+        ("status", view.status),
+        ("goal", view.goal),
+        ("agent", view.agent),
+        ("coordination", view.coordination or None),
+        ("started", _when(view.started_at, ago=True)),
+        ("updated", _when(view.updated_at, ago=True)),
+        ("events", str(view.last_index + 1)),
+        ("side effects", str(view.side_effects)),
+        ("daemon", view.owner),
+        ("recoveries", f"{view.recoveries}, resumes {view.resumes}" if view.recoveries else None),
+        ("output", view.output),
+        ("reason", view.reason),
+    ]
+    for label, value in fields:
+        if value is not None:
+            console.print(f"{label:<13}{value}")
+    table = _table("agent", "role", "phase", "worker", "resumes", "task")
+    for a in view.agents:
+        phase = f"waiting for {a.waiting_for}" if a.waiting_for else a.phase
+        table.add_row(a.ref, a.role or a.name, phase, a.worker or "-", str(a.resumes), a.task or "")
+    _print_table(table)
+    for u in view.unknown_outcomes:
+        console.print(
+            Text.assemble(
+                ("outcome unknown: ", "yellow"), f"{u.agent} {u.tool} {json.dumps(u.args)}"
+            )
+        )
+    for line in _pause_lines(view):
+        console.print(line)
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    workers = _client(args).list_workers(limit=args.limit)
+    if args.output == "json":
+        _print_json(list(workers))
+        return 0
+    table = _table("worker", "name", "alive", "agents", "last heartbeat", "providers", "tools")
+    for w in workers:
+        running = f"{len(w.agents)}/{w.max_agents}" if w.max_agents else str(len(w.agents))
+        table.add_row(
+            w.id,
+            w.name,
+            "yes" if w.alive else "lost",
+            running,
+            _when(w.last_heartbeat, ago=True),
+            ", ".join(w.providers),
+            ", ".join(w.tools),
+        )
+    _print_table(table)
+    return 0
+
+
+def cmd_daemons(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "list":
         daemons = client.list_daemons()
-        if args.json:
-            print(json.dumps(_builtins(daemons)))
+        if args.json or args.output == "json":
+            _print_json(daemons)
             return 0
-        table = Table("daemon", "host", "state", "sessions", "stranded", "load", "lease age", "url")
+        table = _table(
+            "daemon", "host", "state", "sessions", "stranded", "load", "lease age", "url"
+        )
         for d in daemons:
             table.add_row(
                 d.id + (" (this)" if d.this else ""),
@@ -359,7 +557,7 @@ def cmd_daemons(args: argparse.Namespace) -> int:
                 f"{d.lease_age:.1f}s",
                 d.url,
             )
-        console.print(table)
+        _print_table(table)
         return 0
     if not args.id:
         err.print("a daemon id is needed")
@@ -408,23 +606,24 @@ def _resume_all(client: Any, args: argparse.Namespace) -> int:
         console.print(f"{r.session_id}  {r.goal!r}  {r.category}: {r.reason}")
         for u in r.unknown_outcomes:
             console.print(
-                f"  [yellow]outcome unknown (not run again):[/] {u.agent} {u.tool} {json.dumps(u.args)}"
+                Text.assemble(
+                    ("  outcome unknown (not run again): ", "yellow"),
+                    f"{u.agent} {u.tool} {json.dumps(u.args)}",
+                )
             )
         for d in r.pin_diff:
             console.print(
-                f"  [yellow]pin differs:[/] {d.name}: {d.old} -> {d.new or 'not installed'}"
+                Text.assemble(
+                    ("  pin differs: ", "yellow"),
+                    f"{d.name}: {d.old} -> {d.new or 'not installed'}",
+                )
             )
-    if not args.yes:
-        if not sys.stdin.isatty():
-            err.print(
-                f"refusing to resume {len(chosen)} sessions without a terminal to ask; pass --yes"
-            )
-            return 2
-        if console.input(f"resume these {len(chosen)} sessions? [y/N] ").strip().lower() not in (
-            "y",
-            "yes",
-        ):
-            return 1
+    if (
+        refused := _refused(
+            args, f"resume these {len(chosen)} sessions?", f"resume {len(chosen)} sessions"
+        )
+    ) is not None:
+        return refused
     outcomes = client.resume_matching(
         category=which.category,
         reason=which.reason,
@@ -442,8 +641,12 @@ def _resume_all(client: Any, args: argparse.Namespace) -> int:
 def cmd_recover(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "list":
-        table = Table("session", "goal", "category", "reason", "side effects", "last event")
-        for r in client.list_recoverable():
+        rows = client.list_recoverable(limit=args.limit)
+        if args.output == "json":
+            _print_json(list(rows))
+            return 0
+        table = _table("session", "goal", "category", "reason", "side effects", "last event")
+        for r in rows:
             table.add_row(
                 r.session_id,
                 r.goal,
@@ -452,7 +655,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
                 str(r.side_effects),
                 _when(r.last_event_at),
             )
-        console.print(table)
+        _print_table(table)
         return 0
     if args.all:
         return _resume_all(client, args)
@@ -470,19 +673,20 @@ def cmd_recover(args: argparse.Namespace) -> int:
             return 2
         migrate[name.strip()] = version.strip()
     preview = client.recovery_preview(args.id, migrate_pins=migrate or None)
+    console.print(f"{preview.session_id}  {preview.goal!r}  {preview.category}: {preview.reason}")
     if preview.unknown_outcomes:
         console.print(
-            "[yellow]side effects whose outcome is unknown (they will not be run again):[/]"
+            "side effects whose outcome is unknown (they will not be run again):", style="yellow"
         )
         for u in preview.unknown_outcomes:
             console.print(f"  {u.agent} {u.tool} {json.dumps(u.args)}")
     if preview.pin_diff:
-        console.print("[yellow]pins that differ from what is installed:[/]")
+        console.print("pins that differ from what is installed:", style="yellow")
         for d in preview.pin_diff:
             console.print(f"  {d.name}: {d.old} -> {d.new or 'not installed'}")
     agent = preview.agent_diff
     if agent is not None:
-        console.print(f"[yellow]moving the agent {agent.old} -> {agent.new}:[/]")
+        console.print(f"moving the agent {agent.old} -> {agent.new}:", style="yellow")
         console.print(f"  definition digest {agent.old_digest[:12]} -> {agent.new_digest[:12]}")
         for skill in agent.skills:
             old_digest, new_digest = (skill.old or "none")[:12], (skill.new or "none")[:12]
@@ -499,7 +703,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
         if agent.roles:
             console.print(f"  configs that change: {', '.join(agent.roles)}")
         if agent.problem:
-            console.print(f"[red]refused: {agent.problem}[/]")
+            console.print(f"refused: {agent.problem}", style="red")
             return 1
     for name, version in migrate.items():
         if name == "agent" and agent is not None:
@@ -507,19 +711,31 @@ def cmd_recover(args: argparse.Namespace) -> int:
         else:
             old = next((d.old for d in preview.pin_diff if d.name == name), "?")
         console.print(f"migrating pin {name}: {old} -> {version}")
-    if (
-        not args.yes
-        and sys.stdin.isatty()
-        and console.input("resume? [y/N] ").strip().lower() not in ("y", "yes")
-    ):
-        return 1
+    if (refused := _refused(args, "resume?", "resume a session")) is not None:
+        return refused
     client.resume(args.id, migrate_pins=migrate or None, confirm=True)
     console.print(f"resumed {args.id}")
     return 0
 
 
 def cmd_hitl(args: argparse.Namespace) -> int:
-    _client(args).answer_hitl(args.session, args.pause, args.text)
+    client = _client(args)
+    if args.action == "list":
+        pauses = client.list_hitl(limit=args.limit)
+        if args.output == "json":
+            _print_json(list(pauses))
+            return 0
+        table = _table("session", "pause", "agent", "question", ids=("session", "pause"))
+        for p in pauses:
+            table.add_row(p.session_id, p.pause_id, p.agent, p.question)
+        _print_table(table)
+        if pauses:
+            console.print("answer one with: apomesh hitl answer SESSION PAUSE 'ANSWER'")
+        return 0
+    if not (args.session and args.pause and args.text is not None):
+        err.print("usage: apomesh hitl answer SESSION PAUSE TEXT (see `apomesh hitl list`)")
+        return 2
+    client.answer_hitl(args.session, args.pause, args.text)
     console.print("answered")
     return 0
 
@@ -534,10 +750,14 @@ def cmd_skills(args: argparse.Namespace) -> int:
         view = client.put_skill(args.name, Path(args.file).read_bytes().decode("utf-8"))
         console.print(f"skill {view.name} revision {view.revision} digest {view.digest[:12]}")
     elif args.action == "list":
-        table = Table("skill", "revision", "digest")
-        for s in client.list_skills():
+        skills = client.list_skills()
+        if args.output == "json":
+            _print_json(skills)
+            return 0
+        table = _table("skill", "revision", "digest")
+        for s in skills:
             table.add_row(s.name, str(s.revision), s.digest[:12])
-        console.print(table)
+        _print_table(table)
     elif not args.name:
         err.print(f"usage: apomesh skills {args.action} NAME")
         return 2
@@ -546,10 +766,14 @@ def cmd_skills(args: argparse.Namespace) -> int:
         sys.stdout.write(client.get_skill(args.name).body)
         sys.stdout.flush()
     elif args.action == "history":
-        table = Table("skill", "revision", "digest", "first line")
-        for s in client.skill_history(args.name):
+        history = client.skill_history(args.name)
+        if args.output == "json":
+            _print_json(history)
+            return 0
+        table = _table("skill", "revision", "digest", "first line")
+        for s in history:
             table.add_row(s.name, str(s.revision), s.digest[:12], s.body.partition("\n")[0][:60])
-        console.print(table)
+        _print_table(table)
     elif args.action == "rm":
         client.delete_skill(args.name)
         console.print(f"deleted {args.name}")
@@ -569,13 +793,26 @@ def cmd_agents(args: argparse.Namespace) -> int:
             f"{'published' if created else 'already published (same content)'} {record.name}@{record.version}"
         )
     elif args.action == "list":
-        table = Table("agent", "version", "digest", "skills")
-        for a in client.list_agents():
+        agents = client.list_agents()
+        if args.output == "json":
+            _print_json(agents)
+            return 0
+        table = _table("agent", "version", "digest", "skills")
+        for a in agents:
             table.add_row(a.name, a.version, a.digest[:12], ", ".join(a.skills))
-        console.print(table)
+        _print_table(table)
     elif args.action == "show":
         name, _, version = args.target.partition("@")
-        console.print_json(data=_builtins(client.get_agent(name, version or None)))
+        record = client.get_agent(name, version or None)
+        if args.output == "json":
+            _print_json(record)
+            return 0
+        console.print(f"agent   {record.name}@{record.version}")
+        console.print(f"digest  {record.digest}")
+        console.print(f"skills  {', '.join(record.skills) or '-'}")
+        pins = ", ".join(f"{p.name} {p.version}" for p in record.plugins)
+        console.print(f"plugins {pins or '-'}")
+        print(json.dumps(record.definition, indent=2, ensure_ascii=False))
     return 0
 
 
@@ -583,10 +820,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from apomesh.plugins.manager import PluginHost
 
     host = PluginHost()
-    table = Table("plugin", "version", "hooks", "provides")
-    for info in host.plugins():
+    plugins = host.plugins()
+    if args.output == "json":
+        _print_json(plugins)
+        return 0
+    table = _table("plugin", "version", "hooks", "provides")
+    for info in plugins:
         table.add_row(info.name, info.version, "\n".join(info.hooks), "\n".join(info.registered))
-    console.print(table)
+    _print_table(table)
     return 0
 
 
@@ -599,60 +840,112 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_tokens(args: argparse.Namespace) -> int:
     from apomesh.api.tokens import TokenStore
+    from apomesh.runtime.config import parse_duration
 
     data = Path(args.data).absolute() if args.data else _config(args, {}).daemon.data_path()
     store = TokenStore.in_dir(data)
     if args.action == "create":
         try:
-            lifetime = _duration(args.expires_in) if args.expires_in else None
+            lifetime = parse_duration(args.expires_in) if args.expires_in else None
         except ValueError as exc:
-            err.print(f"[red]error[/]: --expires-in: {exc}")
+            _error(f"--expires-in: {exc}")
             return 2
         token_id, secret = store.create(args.role, args.name or args.role, expires_in=lifetime)
         until = f", expires {_when(time.time() + lifetime)}" if lifetime else ""
         console.print(f"token {token_id} ({args.role}{until}); shown once:")
         print(secret)
     elif args.action == "list":
-        table = Table("id", "name", "role", "created", "expires")
+        tokens = store.list()
+        if args.output == "json":
+            _print_json(tokens)
+            return 0
+        table = _table("id", "name", "role", "created", "expires")
         now = time.time()
-        for t in store.list():
+        for t in tokens:
             expires = _when(t.expires_at) if t.expires_at else "never"
             if t.expired(now):
                 expires += " (expired)"
             table.add_row(t.token_id, t.name, t.role, _when(t.created_at), expires)
-        console.print(table)
+        _print_table(table)
     elif args.action == "revoke":
         if not args.id:
             err.print("usage: apomesh tokens revoke ID (see `apomesh tokens list`)")
             return 2
         if not store.revoke(args.id):
-            err.print(f"[red]error[/]: no token {args.id} in {store.path}")
+            _error(f"no token {args.id} in {store.path}")
             return 1
         console.print(f"revoked {args.id}")
     return 0
 
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# --- output ------------------------------------------------------------------------------------------
+
+ID_COLUMNS = ("session", "worker", "daemon", "id", "pause")
+"""Table columns that hold ids: never wrapped or cut, so a row's id can be pasted."""
 
 
-def _duration(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``12h`` or ``30d`` in seconds."""
-    value = text.strip().lower()
-    unit = _DURATION_UNITS.get(value[-1:], 0)
-    number = value[:-1] if unit else value
+def _table(*columns: str, ids: Sequence[str] = ID_COLUMNS) -> Table:
+    """A table whose cells wrap (folding a word longer than the column) but never lose a
+    character, and whose id columns never wrap."""
+    table = Table()
+    for name in columns:
+        table.add_column(name, no_wrap=name in ids, overflow="fold")
+    return table
+
+
+def _print_table(table: Table) -> None:
+    """Print a table so that no id is ever cut: on a terminal at least as wide as its id columns
+    need (past the terminal's width if it must; the other columns wrap), in a pipe at its natural
+    width, one row a line whatever ``COLUMNS`` says (rich would take 80)."""
+    from rich.measure import Measurement
+
+    size = Measurement.get(console, console.options.update_width(1 << 16), table)
+    width = console.width
+    console.width = max(width, size.minimum) if console.is_terminal else size.maximum
     try:
-        seconds = float(number) * (unit or 1)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h or 30d") from None
-    if seconds <= 0:
-        raise ValueError(f"{text!r} is not a positive duration")
-    return seconds
+        console.print(table)
+    finally:
+        console.width = width
 
 
-def _when(ts: float) -> str:
+def _print_json(data: Any) -> None:
+    """JSON for scripts: the API's own fields and values (times in unix seconds)."""
+    print(json.dumps(_builtins(data), indent=2, ensure_ascii=False, default=str))
+
+
+def _refused(args: argparse.Namespace, question: str, what: str) -> int | None:
+    """None to go on: with ``--yes``, or when the answer to ``question`` on a terminal is yes;
+    else the exit code: 1 when the answer is no, 2 when there is no terminal to ask (a script, a
+    pipe), saying how to confirm instead."""
+    if args.yes:
+        return None
+    if not sys.stdin.isatty():
+        err.print(f"refusing to {what} without a terminal to ask: pass --yes to confirm")
+        return 2
+    answer = console.input(f"{question} [y/N] ").strip().lower()
+    return None if answer in ("y", "yes") else 1
+
+
+def _error(message: str, code: str | None = None) -> None:
+    label = f"error ({code})" if code else "error"
+    err.print(Text.assemble((label, "red"), f": {message}"))
+
+
+def _when(ts: float, *, ago: bool = False) -> str:
+    """A unix time as local date and time to the second (``-`` for none); with ``ago``, also
+    how long ago (``2026-03-01 14:02:11 (5m ago)``)."""
     import datetime
 
-    return datetime.datetime.fromtimestamp(ts).isoformat(timespec="seconds") if ts else "-"
+    if not ts:
+        return "-"
+    text = datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    if not ago:
+        return text
+    seconds = max(0, int(time.time() - ts))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{text} ({seconds // size}{unit} ago)"
+    return f"{text} ({seconds}s ago)"
 
 
 def _builtins(obj: Any) -> Any:
@@ -687,6 +980,33 @@ def _log_format_option(p: argparse.ArgumentParser) -> None:
         "--log-format",
         choices=["text", "json"],
         help='log lines as text or one JSON object a line (default [log] format, "text")',
+    )
+
+
+def _output(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--output",
+        "-o",
+        choices=["table", "json"],
+        default="table",
+        help="table for people (default), json for scripts",
+    )
+
+
+def _limit(p: argparse.ArgumentParser, default: int | None) -> None:
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=default,
+        help=f"list at most this many (1..1000; default {default or 'all'})",
+    )
+
+
+def _yes(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--yes",
+        action="store_true",
+        help=f"{what} without asking (needed when stdin is not a terminal: it refuses otherwise)",
     )
 
 
@@ -755,27 +1075,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", help="a published agent NAME[@VERSION]")
     p.add_argument("--definition", help="an agent definition TOML file")
     p.add_argument(
-        "--follow", action="store_true", help="show the spawn tree live until the session ends"
+        "--follow",
+        action="store_true",
+        help="show the spawn tree until the session ends (in a pipe: one line per change), with"
+        " each pause's question and the command that answers it",
+    )
+    p.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="run it again with the same KEY and the same goal: the first session is answered,"
+        " no second one starts",
     )
     _remote(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
-        "sessions", help="list, show, tail or verify sessions, or show an agent's conversation"
+        "sessions",
+        help="list, show, tail, verify, cancel or purge sessions, or show an agent's conversation",
     )
-    p.add_argument("action", choices=["list", "show", "tail", "verify", "agent"])
+    p.add_argument("action", choices=["list", "show", "tail", "verify", "cancel", "purge", "agent"])
     p.add_argument("id", nargs="?")
     p.add_argument("ref", nargs="?", help="with `agent`: the agent's ref (root, root/0, ...)")
-    p.add_argument("--status")
-    p.add_argument("--query")
-    p.add_argument("--after", type=int, default=-1)
+    p.add_argument("--status", help="list: keep one status (running, paused, completed, ...)")
+    p.add_argument("--query", help="list: keep sessions whose goal or id contains this")
+    _limit(p, 100)
+    p.add_argument("--cursor", help="list: the page after this cursor (printed when more follow)")
+    p.add_argument("--after", type=int, default=-1, help="tail: the events after this index")
+    p.add_argument(
+        "--ended-before",
+        metavar="DURATION",
+        help="purge without an id: every session that ended more than DURATION ago (30d, 12h)",
+    )
+    _output(p)
+    _yes(p, "cancel or purge")
     _remote(p)
     p.set_defaults(func=cmd_sessions)
+
+    p = sub.add_parser("workers", help="list the workers: alive or lost, what they run")
+    p.add_argument("action", choices=["list"])
+    _limit(p, None)
+    _output(p)
+    _remote(p)
+    p.set_defaults(func=cmd_workers)
 
     p = sub.add_parser("daemons", help="list the live daemons, or drain one for maintenance")
     p.add_argument("action", choices=["list", "drain"])
     p.add_argument("id", nargs="?", help="the daemon to drain (an id from `daemons list`)")
-    p.add_argument("--json", action="store_true", help="list as JSON")
+    p.add_argument("--json", action="store_true", help="the same as --output json")
+    _output(p)
     p.add_argument(
         "--wait", type=float, default=0.0, help="seconds to wait until the daemon has drained"
     )
@@ -812,15 +1159,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --all, keep only sessions whose category is VALUE (category=held), or whose "
         "reason or goal contains VALUE (reason=..., goal=...); repeatable, all must match",
     )
-    p.add_argument("--yes", action="store_true", help="resume without asking")
+    _limit(p, None)
+    _output(p)
+    _yes(p, "resume")
     _remote(p)
     p.set_defaults(func=cmd_recover)
 
-    p = sub.add_parser("hitl", help="answer a human-in-the-loop pause")
-    p.add_argument("action", choices=["answer"])
-    p.add_argument("session")
-    p.add_argument("pause")
-    p.add_argument("text")
+    p = sub.add_parser("hitl", help="list open human-in-the-loop pauses, or answer one")
+    p.add_argument("action", choices=["list", "answer"])
+    p.add_argument("session", nargs="?")
+    p.add_argument("pause", nargs="?")
+    p.add_argument("text", nargs="?")
+    _limit(p, None)
+    _output(p)
     _remote(p)
     p.set_defaults(func=cmd_hitl)
 
@@ -828,17 +1179,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["put", "get", "list", "history", "rm"])
     p.add_argument("name", nargs="?")
     p.add_argument("file", nargs="?")
+    _output(p)
     _remote(p)
     p.set_defaults(func=cmd_skills)
 
     p = sub.add_parser("agents", help="published agents")
     p.add_argument("action", choices=["publish", "list", "show"])
     p.add_argument("target", nargs="?", help="FILE for publish, NAME[@VERSION] for show")
+    _output(p)
     _remote(p)
     p.set_defaults(func=cmd_agents)
 
     p = sub.add_parser("plugins", help="installed plugins")
     p.add_argument("action", choices=["list"])
+    _output(p)
     p.set_defaults(func=cmd_plugins)
 
     p = sub.add_parser("config", help="configuration")
@@ -859,6 +1213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", help="the daemon's data directory (default: [daemon] data_dir of --config)"
     )
     p.add_argument("--config", help="the daemon's config file, to find its data directory")
+    _output(p)
     p.set_defaults(func=cmd_tokens)
     return parser
 
@@ -866,21 +1221,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "limit", None) is not None and not 1 <= args.limit <= 1000:
+        parser.error("--limit must be between 1 and 1000")
+    if not sys.stdout.isatty() and isinstance(sys.stdout, io.TextIOWrapper):
+        # In a pipe every line goes out as it is written, not when a block fills.
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         return int(args.func(args))
     except ApomeshError as exc:
-        # Escaped: a message that names a config section ("[nats] ...") is not markup.
-        err.print(f"[red]error[/] ({exc.code}): {escape(exc.message)}")
+        _error(exc.message, exc.code)
         return 1
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        err.print(f"[red]error[/]: {exc}")
+        _error(str(exc))
         return 1
     except KeyboardInterrupt:
         return 1
     except Exception as exc:  # the SDK's typed errors and anything unexpected
         name = type(exc).__name__
         if name.endswith("Error") or name == "ServerUnavailable":
-            err.print(f"[red]error[/] ({name}): {exc}")
+            _error(str(exc), name)
             if name == "UnauthorizedError":
                 err.print(
                     "give a token with --token or APOMESH_TOKEN (`apomesh tokens create`), or"

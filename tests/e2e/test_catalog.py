@@ -222,9 +222,11 @@ def test_publishing_seals_a_bundle_once_and_refuses_other_content(
 
     listed = run_cli(mesh.url, "agents", "list").stdout
     assert "writer" in listed and "1.0.0" in listed and "1.1.0" in listed
-    latest = msgspec.json.decode(run_cli(mesh.url, "agents", "show", "writer").stdout)
+    latest = msgspec.json.decode(run_cli(mesh.url, "agents", "show", "writer", "-o", "json").stdout)
     assert latest["version"] == "1.1.0"
-    pinned = msgspec.json.decode(run_cli(mesh.url, "agents", "show", "writer@1.0.0").stdout)
+    pinned = msgspec.json.decode(
+        run_cli(mesh.url, "agents", "show", "writer@1.0.0", "-o", "json").stdout
+    )
     assert pinned["version"] == "1.0.0" and pinned["skills"] == ["tone"]
     assert {"name": "apomesh", "version": apomesh.__version__} in pinned["plugins"]
     assert httpx.get(f"{mesh.url}/v1/agents/writer", params={"version": "9"}).status_code == 404

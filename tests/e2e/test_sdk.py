@@ -311,7 +311,11 @@ def test_cli_lists_and_resumes_a_recoverable_session(mesh: Mesh) -> None:
         mesh.daemon.start()
         listed = cli(mesh.url, "recover", "list")
         assert listed.returncode == 0, listed.stderr
-        assert session_id[:8] in listed.stdout
+        assert session_id in listed.stdout
+        # Without a terminal to ask and without --yes it refuses (it never resumes silently).
+        refused = cli(mesh.url, "recover", "resume", session_id)
+        assert refused.returncode == 2 and "pass --yes" in refused.stderr
+        assert session_id in {r.session_id for r in client.list_recoverable()}
         resumed = cli(mesh.url, "recover", "resume", session_id, "--yes")
         assert resumed.returncode == 0, resumed.stderr
         assert f"resumed {session_id}" in " ".join(resumed.stdout.split())

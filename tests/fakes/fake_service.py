@@ -57,6 +57,7 @@ from apomesh.core.state import SessionState, fold
 from apomesh.core.views import (
     AgentRecordView,
     DaemonView,
+    PendingPauseView,
     PinDiff,
     RecoverableFilter,
     RecoverableView,
@@ -255,6 +256,7 @@ class FakeService:
         agent: tuple[str, str | None] | None,
         definition: dict[str, Any] | None,
         by: str,
+        idempotency_key: str | None = None,
     ) -> str:
         self._check_broken()
         self.calls.append(("create_session", goal, agent, definition, by))
@@ -268,9 +270,7 @@ class FakeService:
         parse_definition(definition)
         return await self.start(goal, definition=definition, agent=label)
 
-    async def list_sessions(
-        self, *, status: str | None, query: str | None, limit: int
-    ) -> list[SessionSummary]:
+    async def list_sessions(self, *, status: str | None, query: str | None) -> list[SessionSummary]:
         self._check_broken()
         rows: list[SessionSummary] = []
         for session_id in await self.log.list_sessions():
@@ -281,8 +281,17 @@ class FakeService:
             if query and query.lower() not in f"{row.goal} {row.session_id}".lower():
                 continue
             rows.append(row)
-        rows.sort(key=lambda r: r.updated_at, reverse=True)
-        return rows[:limit]
+        rows.sort(key=lambda r: (-r.updated_at, r.session_id))
+        return rows
+
+    async def list_hitl(self) -> list[PendingPauseView]:
+        return []
+
+    async def purge(self, session_id: str) -> None:
+        raise NotFound(f"session {session_id}")
+
+    async def purge_ended(self, ended_before: float) -> list[str]:
+        return []
 
     async def get_session(self, session_id: str) -> SessionView:
         self._check_broken()

@@ -35,7 +35,15 @@ from apomesh.adapters.private_files import PRIVATE_FILE_MODE, private_dir
 from apomesh.core.errors import StoreError, StoreFull, StoreUnavailable
 from apomesh.core.ports import StateStore
 
-DATABASES: Final = ("snapshots", "segments", "defs", "journal", "completed", "meta")
+DATABASES: Final = (
+    "snapshots",
+    "segments",
+    "defs",
+    "journal",
+    "completed",
+    "meta",
+    "idempotency",
+)
 """The named sub-databases; ``write_batch``, ``get`` and ``scan`` accept exactly these."""
 
 DEFAULT_MAP_SIZE: Final = 1 << 30

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -46,6 +47,9 @@ from apomesh.api.openapi import (
     DrainAccepted,
     ErrorBody,
     HitlAnswerBody,
+    PauseList,
+    PurgeBody,
+    Purged,
     RecoverableList,
     ResumeBody,
     RouteSpec,
@@ -56,6 +60,7 @@ from apomesh.api.openapi import (
     WorkerList,
     openapi_document,
 )
+from apomesh.api.pagination import InvalidCursor, SortKey, page
 from apomesh.api.service import DaemonService
 from apomesh.api.sse import (
     DEFAULT_KEEPALIVE_SECONDS,
@@ -70,9 +75,11 @@ from apomesh.core.errors import (
     AppendConflict,
     CatalogError,
     CodecError,
+    CommandRefused,
     DefinitionError,
     Fenced,
     FoldError,
+    IdempotencyConflict,
     NotFound,
     PayloadTooLarge,
     PinError,
@@ -90,6 +97,7 @@ MAX_BODY_DEPTH = 64
 """Deepest nesting of a request body's arrays and objects; deeper is 400 ``invalid_body``."""
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 1000
+MAX_IDEMPOTENCY_KEY = 255
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CONSOLE_HEADERS = {
     "Content-Security-Policy": (
@@ -109,6 +117,8 @@ ERROR_STATUS: tuple[tuple[type[ApomeshError], int], ...] = (
     (DefinitionError, 400),
     (CatalogError, 400),
     (PinError, 409),
+    (IdempotencyConflict, 409),
+    (CommandRefused, 409),
     (Fenced, 409),
     (AppendConflict, 409),
     (CodecError, 409),
@@ -257,8 +267,17 @@ class _Api:
         if body.agent is not None and body.definition is not None:
             raise BadRequest("invalid_body", "give either `agent` or `definition`, not both")
         agent = _agent_choice(body.agent) if body.agent is not None else None
+        key = request.headers.get("idempotency-key")
+        if key is not None and not (
+            0 < len(key) <= MAX_IDEMPOTENCY_KEY and key.isascii() and key.isprintable()
+        ):
+            raise BadRequest(
+                "invalid_header",
+                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
+            )
+        # A retry with the same key is answered as the first request was: 201, the same id.
         session_id = await self.service.create_session(
-            body.goal, agent=agent, definition=body.definition, by=who.name
+            body.goal, agent=agent, definition=body.definition, by=who.name, idempotency_key=key
         )
         return JSONResponse(SessionCreated(session_id=session_id), status_code=201)
 
@@ -269,10 +288,26 @@ class _Api:
             raise BadRequest(
                 "invalid_query", f"status must be one of {', '.join(SESSION_STATUSES)}"
             )
-        limit = _int_param(query.get("limit"), "limit", DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT)
         text = (query.get("q") or "").strip() or None
-        sessions = await self.service.list_sessions(status=status, query=text, limit=limit)
-        return JSONResponse(SessionList(sessions=sessions))
+        sessions = await self.service.list_sessions(status=status, query=text)
+        rows, cursor = _page(request, sessions, lambda r: (-r.updated_at, r.session_id))
+        return JSONResponse(SessionList(sessions=rows, next_cursor=cursor))
+
+    async def purge_session(self, request: Request, who: Identity) -> Response:
+        await self.service.purge(request.path_params["session_id"])
+        return Response(status_code=204)
+
+    async def purge_ended(self, request: Request, who: Identity) -> Response:
+        body = await self.decode_body(request, PurgeBody)
+        if not body.ended_before_seconds >= 0:
+            raise BadRequest("invalid_body", "`ended_before_seconds` must be 0 or more")
+        purged = await self.service.purge_ended(time.time() - body.ended_before_seconds)
+        return JSONResponse(Purged(sessions=purged))
+
+    async def list_hitl(self, request: Request, who: Identity) -> Response:
+        pauses = await self.service.list_hitl()
+        rows, cursor = _page(request, pauses, lambda p: (p.session_id, p.pause_id))
+        return JSONResponse(PauseList(pauses=rows, next_cursor=cursor))
 
     async def get_session(self, request: Request, who: Identity) -> Response:
         view = await self.service.get_session(request.path_params["session_id"])
@@ -336,7 +371,9 @@ class _Api:
     # --- recovery and workers -----------------------------------------------------------------
 
     async def list_recoverable(self, request: Request, who: Identity) -> Response:
-        return JSONResponse(RecoverableList(sessions=await self.service.list_recoverable()))
+        views = await self.service.list_recoverable()
+        rows, cursor = _page(request, views, lambda r: (-r.last_event_at, r.session_id))
+        return JSONResponse(RecoverableList(sessions=rows, next_cursor=cursor))
 
     async def resume_matching(self, request: Request, who: Identity) -> Response:
         body = await self.decode_body(request, BulkResumeBody, optional=True)
@@ -359,7 +396,9 @@ class _Api:
         return JSONResponse(await self.service.recovery_preview(session_id, migrate_pins=migrate))
 
     async def list_workers(self, request: Request, who: Identity) -> Response:
-        return JSONResponse(WorkerList(workers=await self.service.list_workers()))
+        workers = await self.service.list_workers()
+        rows, cursor = _page(request, workers, lambda w: (0 if w.alive else 1, w.id))
+        return JSONResponse(WorkerList(workers=rows, next_cursor=cursor))
 
     # --- daemons ------------------------------------------------------------------------------
 
@@ -412,6 +451,7 @@ class _Api:
         except Exception as exc:
             log.error("health check failed: %s", type(exc).__name__)
             return JSONResponse({"ok": False, "error": type(exc).__name__}, status_code=503)
+        # Degraded (no live worker) still answers 200: the daemon serves, a restart would not help.
         return JSONResponse(report, status_code=200 if report.get("ok", True) else 503)
 
     async def metrics(self, request: Request, who: Identity) -> Response:
@@ -471,6 +511,18 @@ def _plausible_session_id(session_id: str) -> bool:
         and session_id.isprintable()
         and not any(c in session_id for c in ".*> \t")
     )
+
+
+def _page(
+    request: Request, rows: Sequence[T], key: Callable[[T], SortKey]
+) -> tuple[list[T], str | None]:
+    """The page of ``rows`` the request's ``limit`` and ``cursor`` ask for (``api.pagination``)."""
+    query = request.query_params
+    limit = _int_param(query.get("limit"), "limit", DEFAULT_LIST_LIMIT, 1, MAX_LIST_LIMIT)
+    try:
+        return page(rows, key, limit=limit, cursor=query.get("cursor") or None)
+    except InvalidCursor as exc:
+        raise BadRequest("invalid_query", str(exc)) from None
 
 
 def _int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:

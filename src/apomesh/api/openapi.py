@@ -21,6 +21,7 @@ from apomesh.core.views import (
     AgentConversation,
     AgentRecordView,
     DaemonView,
+    PendingPauseView,
     RecoverableFilter,
     RecoverableView,
     ResumeOutcome,
@@ -130,14 +131,35 @@ class ActionAccepted(msgspec.Struct, frozen=True):
 
 class SessionList(msgspec.Struct, frozen=True):
     sessions: list[SessionSummary]
+    next_cursor: str | None = None
+    """Pass it as ``cursor`` for the next page; null on the last one (``api.pagination``)."""
 
 
 class RecoverableList(msgspec.Struct, frozen=True):
     sessions: list[RecoverableView]
+    next_cursor: str | None = None
 
 
 class WorkerList(msgspec.Struct, frozen=True):
     workers: list[WorkerView]
+    next_cursor: str | None = None
+
+
+class PauseList(msgspec.Struct, frozen=True):
+    pauses: list[PendingPauseView]
+    next_cursor: str | None = None
+
+
+class PurgeBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /v1/sessions/purge``: purge every session that ended more than
+    ``ended_before_seconds`` ago."""
+
+    ended_before_seconds: float
+
+
+class Purged(msgspec.Struct, frozen=True):
+    sessions: list[str]
+    """The ids of the sessions purged."""
 
 
 class DaemonList(msgspec.Struct, frozen=True):
@@ -216,6 +238,11 @@ _HTML = Media("text/html", "The operator console")
 _ASSET = Media("application/octet-stream", "A console asset (JavaScript, CSS)")
 _ICON = Media("image/x-icon", "The console's icon")
 
+_PAGE = (
+    QueryParam("limit", "integer", "at most this many (1..1000, default 100)"),
+    QueryParam("cursor", "string", "the `next_cursor` of the page before"),
+)
+
 ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec(
         "POST",
@@ -226,6 +253,18 @@ ROUTES: tuple[RouteSpec, ...] = (
         {201: SessionCreated},
         request=CreateSessionBody,
         errors=(400, 404, 409, 413),
+        tags=("sessions",),
+    ),
+    RouteSpec(
+        "POST",
+        "/v1/sessions/purge",
+        "purge_ended",
+        "Purge every session that ended more than ended_before_seconds ago: its log subject "
+        "and records",
+        "operator",
+        {200: Purged},
+        request=PurgeBody,
+        errors=(400, 413),
         tags=("sessions",),
     ),
     RouteSpec(
@@ -244,7 +283,7 @@ ROUTES: tuple[RouteSpec, ...] = (
                 "keep one status: running, paused, completed, failed, cancelled, recoverable",
             ),
             QueryParam("q", "string", "keep sessions whose goal or id contains this text"),
-            QueryParam("limit", "integer", "at most this many (1..1000, default 100)"),
+            *_PAGE,
         ),
     ),
     RouteSpec(
@@ -334,12 +373,36 @@ ROUTES: tuple[RouteSpec, ...] = (
         tags=("sessions",),
     ),
     RouteSpec(
+        "DELETE",
+        "/v1/sessions/{session_id}",
+        "purge_session",
+        "Purge an ended session: its log subject and every record of it (409 when it has not "
+        "ended)",
+        "operator",
+        {204: None},
+        errors=(404, 409),
+        tags=("sessions",),
+    ),
+    RouteSpec(
+        "GET",
+        "/v1/hitl",
+        "list_hitl",
+        "Open human-in-the-loop pauses: which session and agent asks what",
+        "read",
+        {200: PauseList},
+        query=_PAGE,
+        errors=(400,),
+        tags=("sessions",),
+    ),
+    RouteSpec(
         "GET",
         "/v1/recoverable",
         "list_recoverable",
         "Sessions waiting for an operator to resume them",
         "read",
         {200: RecoverableList},
+        query=_PAGE,
+        errors=(400,),
         tags=("recovery",),
     ),
     RouteSpec(
@@ -380,6 +443,8 @@ ROUTES: tuple[RouteSpec, ...] = (
         "Workers and the agents they run",
         "read",
         {200: WorkerList},
+        query=_PAGE,
+        errors=(400,),
         tags=("workers",),
     ),
     RouteSpec(
@@ -592,6 +657,18 @@ def openapi_document() -> dict[str, Any]:
             }
             for q in route.query
         ]
+        if route.operation == "create_session":
+            parameters.append(
+                {
+                    "name": "Idempotency-Key",
+                    "in": "header",
+                    "required": False,
+                    "description": "the same key sent again answers the session its first request"
+                    " started (201 again, the same id), also after a daemon restart; with another body, 409"
+                    " idempotency_conflict",
+                    "schema": {"type": "string", "maxLength": 255},
+                }
+            )
         if route.operation == "session_events":
             parameters.append(
                 {

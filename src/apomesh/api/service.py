@@ -27,6 +27,7 @@ from apomesh.core.views import (
     AgentConversation,
     AgentRecordView,
     DaemonView,
+    PendingPauseView,
     RecoverableFilter,
     RecoverableView,
     ResumeOutcome,
@@ -48,8 +49,13 @@ class DaemonService(Protocol):
         agent: tuple[str, str | None] | None,
         definition: dict[str, Any] | None,
         by: str,
+        idempotency_key: str | None = None,
     ) -> str:
         """Start a session and return its id once ``SessionStarted`` is durable.
+
+        With ``idempotency_key`` the same key sent again (also after a daemon restart) answers
+        the session its first request started, starting nothing; the same key with
+        another goal, agent or definition raises ``IdempotencyConflict``.
 
         ``agent`` is a published agent's (name, version or None for the latest); ``definition`` an
         inline agent definition (a decoded TOML/JSON mapping, not yet validated). The API never
@@ -59,10 +65,9 @@ class DaemonService(Protocol):
         needs plugins that are not installed."""
         ...
 
-    async def list_sessions(
-        self, *, status: str | None, query: str | None, limit: int
-    ) -> list[SessionSummary]:
-        """Live and historical sessions, most recently updated first, at most ``limit``.
+    async def list_sessions(self, *, status: str | None, query: str | None) -> list[SessionSummary]:
+        """Live and historical sessions, most recently updated first (ties by id); the API
+        pages them.
 
         ``status`` keeps one status (``running``, ``paused``, ``completed``, ``failed``,
         ``cancelled``, ``recoverable``); ``query`` keeps sessions whose goal or id contains it,
@@ -129,6 +134,19 @@ class DaemonService(Protocol):
 
     async def cancel(self, session_id: str, *, by: str) -> None:
         """Cancel a live or recoverable session. ``ApomeshError`` when it already ended."""
+        ...
+
+    async def list_hitl(self) -> list[PendingPauseView]:
+        """Every open human-in-the-loop pause, by session then pause."""
+        ...
+
+    async def purge(self, session_id: str) -> None:
+        """Remove an ended session's log subject and records. ``NotFound``; ``CommandRefused``
+        for a session that has not ended."""
+        ...
+
+    async def purge_ended(self, ended_before: float) -> list[str]:
+        """Purge every session that ended before ``ended_before`` (unix seconds); their ids."""
         ...
 
     async def list_recoverable(self) -> list[RecoverableView]:

@@ -25,6 +25,7 @@ ApomeshError                       base; ``retryable`` says whether trying again
 ├── NotFound                       an unknown session, agent, skill or worker (what)
 ├── Fenced                         a message carried a stale fencing epoch
 ├── CommandRefused                 a duplicate or stale command a session's state refuses
+├── IdempotencyConflict            an Idempotency-Key already used for another request
 ├── OwnedElsewhere                 a write to a session another daemon drives (owner, url)
 ├── DaemonDraining                 this daemon is draining: it takes no new session
 ├── SessionNotCompleted            a session run to its end did not complete (session_id, status)
@@ -227,6 +228,13 @@ class CommandRefused(ApomeshError):
     pause that is not open, a job started twice): it is a duplicate or stale, nothing was written."""
 
     code = "command_refused"
+
+
+class IdempotencyConflict(ApomeshError):
+    """An ``Idempotency-Key`` sent again with another request than the one it first came with:
+    the first session stands, nothing was started."""
+
+    code = "idempotency_conflict"
 
 
 class Nondeterminism(ApomeshError):

@@ -38,6 +38,9 @@ class EventLog(Protocol):
     async def list_sessions(self) -> list[str]:
         """Every session id with at least one log entry."""
 
+    async def delete_session(self, session_id: str) -> None:
+        """Remove every entry of the session (retention); a session with none is a no-op."""
+
 
 class SessionLeases(Protocol):
     """Session ownership leases with a TTL (``adapters.kv.LeaseTable``): one daemon drives a

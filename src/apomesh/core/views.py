@@ -76,6 +76,9 @@ class ModelRetryView(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     status: int | None = None
     at: float = 0.0
+    waiting_for: str | None = None
+    """Set by the daemon when the agent needs a worker and no live one runs it: what it waits
+    for (``a capable worker; w1 was lost``). ``worker`` is then the lost one, if any."""
 
 
 class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +87,16 @@ class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
     pause_id: str
     agent: str
     question: str
+
+
+class PendingPauseView(msgspec.Struct, frozen=True, kw_only=True):
+    """An open pause of a session, as ``GET /v1/hitl`` lists it: what to answer and where."""
+
+    session_id: str
+    pause_id: str
+    agent: str
+    question: str
+    goal: str = ""
 
 
 class UnknownOutcomeView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -160,6 +160,38 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_event_bytes: Positive = 1 * MIB
 
 
+_DURATION_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h`` or ``30d`` in seconds (``ValueError`` otherwise)."""
+    value = text.strip().lower()
+    unit = _DURATION_UNITS.get(value[-1:], 0)
+    number = value[:-1] if unit else value
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration such as 90s, 15m, 12h or 30d") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{text!r} is not a positive duration")
+    return seconds
+
+
+class RetentionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How long an ended session (completed, failed, cancelled) is kept before the daemon purges
+    its log subject and its records: a duration (``30d``, ``12h``), or empty to keep them all."""
+
+    ended_after: str = "30d"
+
+    def __post_init__(self) -> None:
+        if self.ended_after:
+            parse_duration(self.ended_after)  # a ValueError here is the config's error
+
+    @property
+    def ended_after_seconds(self) -> float | None:
+        return parse_duration(self.ended_after) if self.ended_after else None
+
+
 class PluginsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Which installed plugins (entry-point names) load: ``allow`` empty means all. ``tools``
     names Python tools to serve as well, each as ``module:object`` (``@apomesh.tool`` tools, a
@@ -273,6 +305,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     skills: SkillsConfig = SkillsConfig()
     log: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
+    retention: RetentionConfig = RetentionConfig()
 
     def nats_store_path(self) -> Path:
         """Where the embedded nats-server keeps JetStream: ``embedded_store_dir`` or
@@ -296,6 +329,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "skills": SkillsConfig,
     "log": LogConfig,
     "tracing": TracingConfig,
+    "retention": RetentionConfig,
 }
 
 

@@ -10,7 +10,8 @@ buckets, the LMDB store, the plugin host; ``apomesh.runtime.node`` builds them) 
 - ``ControlPlane`` (``runtime.control``): the ``ctl.*`` and heartbeat subscriptions;
 - ``BootScan`` (``runtime.recovery``): the classification of every session at boot;
 - ``Presence`` (``runtime.presence``): this daemon's record among the live daemons, and theirs;
-- ``Takeover`` (``runtime.recovery``): adopting the sessions of a daemon that is gone.
+- ``Takeover`` (``runtime.recovery``): adopting the sessions of a daemon that is gone;
+- ``Retention`` (``runtime.retention``): purging ended sessions past ``[retention] ended_after``.
 
 The parts are handed their collaborators, never the daemon; the use cases (create, resume, cancel,
 answer, migrate) live in ``runtime.service``. Only the node imports this module.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Coroutine
 from pathlib import Path
@@ -32,7 +34,7 @@ from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.private_files import read_private_file, write_private_file
-from apomesh.core.errors import LogUnavailable
+from apomesh.core.errors import ApomeshError, LogUnavailable
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState
 from apomesh.plugins.manager import PluginHost
@@ -42,6 +44,7 @@ from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.presence import Presence
 from apomesh.runtime.recovery import BootScan, Takeover
 from apomesh.runtime.registry import SessionRegistry, renew_interval
+from apomesh.runtime.retention import SWEEP_EVERY, Retention
 from apomesh.runtime.sessions import SessionDeps, SessionRuntime
 from apomesh.runtime.snapshots import SnapshotStore
 from apomesh.runtime.workers import WorkerPool
@@ -154,6 +157,12 @@ class Daemon:
             spawn=self._spawn,
             logger=log,
         )
+        self.retention = Retention(
+            log_adapter=log_adapter,
+            store=store,
+            registry=self.registry,
+            forget=self.registry.folds.forget,
+        )
         self.boot = BootScan(
             log_adapter=log_adapter,
             store=store,
@@ -198,7 +207,11 @@ class Daemon:
             for worker_id in await self.heartbeats.latest():
                 await self.workers.ask_reregister(worker_id, force=True)
         if recover:
-            self.boot_report = await self.boot.run()
+            # Expired sessions go before the scan, so its numbers count what is left.
+            purged = await self._sweep_retention()
+            self.boot_report = {**await self.boot.run(), "purged": purged}
+            if self.config.retention.ended_after_seconds is not None:
+                self._spawn(self._sweep_retention_forever())
         with contextlib.suppress(Exception):
             await self.presence.publish()
         self._spawn(self.presence.publish_forever(self.renew_every))
@@ -208,6 +221,22 @@ class Daemon:
         self._drain_sub = await self.nc.subscribe(
             DRAIN_SUBJECT_PREFIX + self.daemon_id, cb=self._on_drain_request
         )
+
+    async def _sweep_retention(self) -> int:
+        """Purge the sessions that ended longer ago than ``[retention] ended_after``."""
+        keep = self.config.retention.ended_after_seconds
+        if keep is None:
+            return 0
+        try:
+            return len(await self.retention.sweep(time.time() - keep))
+        except ApomeshError as exc:
+            log.warning("retention sweep stopped: %s (the next sweep goes on)", exc)
+            return 0
+
+    async def _sweep_retention_forever(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(SWEEP_EVERY)
+            await self._sweep_retention()
 
     async def _on_drain_request(self, msg: Any) -> None:
         self.start_drain()

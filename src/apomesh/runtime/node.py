@@ -499,6 +499,7 @@ class Node:
             boot_report=lambda: daemon.boot_report,
             presence=daemon.presence,
             request_drain=daemon.request_drain,
+            retention=daemon.retention,
         )
         for worker_id in local_ids:
             user = self.credentials.local_workers[worker_id] if self.credentials else None

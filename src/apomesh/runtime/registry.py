@@ -75,6 +75,18 @@ class CompletedRecord(msgspec.Struct):
 
 _completed_decoder = msgspec.msgpack.Decoder(CompletedRecord)
 
+IDEMPOTENCY_DB = "idempotency"
+"""The store database of ``Idempotency-Key`` -> the session its first request started."""
+
+
+class IdempotencyRecord(msgspec.Struct, frozen=True):
+    """What an ``Idempotency-Key`` answers: the session its first request started."""
+
+    session_id: str
+    request: str
+    """SHA-256 of the request's goal, agent and definition."""
+
+
 MakeRuntime = Callable[[SessionState, bool], SessionRuntime]
 """Builds a session's writer over ``state`` (``fresh_children``) with the daemon's collaborators."""
 

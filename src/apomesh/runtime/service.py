@@ -6,7 +6,9 @@ reads. A use case that changes a session does it through the session's single wr
 (``SessionRuntime.decide``), opened through the registry; it never touches a writer's internals.
 Session creation validates the request against the configured limits, resolves the
 agent (a sealed published bundle, or an inline definition whose skills are resolved now and frozen),
-composes the pinned shape and makes ``SessionStarted`` durable before answering. So does moving a
+composes the pinned shape and makes ``SessionStarted`` durable before answering; with an
+``Idempotency-Key`` the key is stored first (``idempotency`` records), so a retry, here or after a
+restart, answers the same session. An ended session is purged through ``runtime.retention``. So does moving a
 stranded session to another published version of its agent (``migrate_pins`` key ``agent``): the
 version's sealed bundle is read once, at the operator's request, and composed into the shape the
 migration records.
@@ -20,7 +22,9 @@ applied here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +41,7 @@ from apomesh.core.errors import (
     ApomeshError,
     CommandRefused,
     DaemonDraining,
+    IdempotencyConflict,
     MigrationRefused,
     NotFound,
     OwnedElsewhere,
@@ -55,7 +60,9 @@ from apomesh.core.state import SessionState, new_state
 from apomesh.core.views import (
     AgentConversation,
     AgentRecordView,
+    AgentSummary,
     DaemonView,
+    PendingPauseView,
     PinDiff,
     RecoverableFilter,
     RecoverableView,
@@ -85,10 +92,40 @@ from apomesh.runtime.pinning import (
     published_agent,
 )
 from apomesh.runtime.presence import Presence
-from apomesh.runtime.registry import Recoverable, SessionRegistry
+from apomesh.runtime.registry import (
+    IDEMPOTENCY_DB,
+    IdempotencyRecord,
+    Recoverable,
+    SessionRegistry,
+)
+from apomesh.runtime.retention import Retention
 from apomesh.runtime.sessions import Ending
 from apomesh.runtime.tails import SessionTails
 from apomesh.runtime.workers import WorkerPool
+
+NEEDS_A_WORKER = frozenset({"born", "dispatched", "running"})
+"""Agent phases in which an agent runs on (or waits for) a worker."""
+
+
+class KeyedLocks:
+    """One asyncio lock per key, kept only while someone holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
 
 def _check_size(what: str, data: Any, limit: int) -> None:
@@ -116,6 +153,7 @@ class Service:
         boot_report: Callable[[], dict[str, Any]],
         presence: Presence | None = None,
         request_drain: Callable[[str], Awaitable[None]] | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self.registry = registry
         self.workers = workers
@@ -130,6 +168,13 @@ class Service:
         self._boot_report = boot_report
         self.presence = presence
         self._request_drain = request_drain
+        self.retention = retention or Retention(
+            log_adapter=log_adapter,
+            store=store,
+            registry=registry,
+            forget=registry.folds.forget,
+        )
+        self._idempotency_locks = KeyedLocks()
         # Every event-stream reader of a session shares one tail of its log.
         self.tails = SessionTails(log_adapter)
 
@@ -143,10 +188,14 @@ class Service:
         definition: dict[str, Any] | None,
         by: str,
         session_id: str | None = None,
+        idempotency_key: str | None = None,
     ) -> str:
         """Start a session and answer its id: ``session_id`` when given (a caller that finds its
         session again by a key, as ``LocalMesh.run`` does; one that exists is refused with
-        an error; it must be new), else a fresh one."""
+        an error; it must be new), else a fresh one. With ``idempotency_key``, a request sent
+        again with the same key (a client's retry, also after a daemon restart) answers the
+        session the first one started, starting nothing; the same key with another request is
+        ``IdempotencyConflict``."""
         _check_size("the goal", goal, self.limits.max_goal_bytes)
         if self.presence is not None and self.presence.state != "active":
             raise DaemonDraining(
@@ -166,7 +215,37 @@ class Service:
                 skills=skills,
                 source="catalog" if parsed.skills else "inline",
             )
-        session_id = session_id or uuid.uuid4().hex
+        if idempotency_key is None:
+            session_id = session_id or uuid.uuid4().hex
+            await self._start(session_id, goal, shape)
+            return session_id
+        request = hashlib.sha256(
+            msgspec.json.encode({"goal": goal, "agent": agent, "definition": definition})
+        ).hexdigest()
+        async with self._idempotency_locks.hold(idempotency_key):
+            stored = await self.store.get(IDEMPOTENCY_DB, idempotency_key)
+            if stored is None:
+                session_id = uuid.uuid4().hex
+                # The key is kept before the session is started: a crash in between leaves
+                # an id that the retry starts, never a second session.
+                record = IdempotencyRecord(session_id=session_id, request=request)
+                await self.store.write_batch(
+                    [(IDEMPOTENCY_DB, idempotency_key, msgspec.msgpack.encode(record))]
+                )
+            else:
+                record = msgspec.msgpack.decode(stored, type=IdempotencyRecord)
+                if record.request != request:
+                    raise IdempotencyConflict(
+                        f"Idempotency-Key {idempotency_key!r} was used for another request"
+                        f" (session {record.session_id}); use a new key for a new session"
+                    )
+                session_id = record.session_id
+                if await self.log.last_index(session_id) >= 0:
+                    return session_id
+            await self._start(session_id, goal, shape)
+            return session_id
+
+    async def _start(self, session_id: str, goal: str, shape: SessionShape) -> None:
         # Nothing written (an event over the limit, say) leaves no session behind.
         await self.registry.adopt(
             new_state(session_id),
@@ -177,7 +256,6 @@ class Service:
                 AgentLifecycle("root", "born", config=shape.root, task=goal, task_index=0),
             ],
         )
-        return session_id
 
     async def _published_shape(
         self, name: str, version: str | None, *, check: dict[str, str] | None
@@ -218,9 +296,8 @@ class Service:
         shape = await self._published_shape(name, version, check=plugins if check else None)
         return shape, plugins
 
-    async def list_sessions(
-        self, *, status: str | None, query: str | None, limit: int
-    ) -> list[SessionSummary]:
+    async def list_sessions(self, *, status: str | None, query: str | None) -> list[SessionSummary]:
+        """Every session that matches, the most recently updated first (ties by id)."""
         rows: dict[str, SessionSummary] = {}
         for record in await self.registry.completed_records():
             rows[record.session_id] = SessionSummary(
@@ -255,8 +332,8 @@ class Service:
             if (status is None or r.status == status)
             and (not query or query.lower() in r.goal.lower() or query.lower() in r.session_id)
         ]
-        out.sort(key=lambda r: r.updated_at, reverse=True)
-        return out[:limit]
+        out.sort(key=lambda r: (-r.updated_at, r.session_id))
+        return out
 
     async def get_session(self, session_id: str) -> SessionView:
         rec = self.registry.stranded.get(session_id)
@@ -268,7 +345,10 @@ class Service:
             return session_view(rec.state, status="recoverable", reason=rec.reason)
         runtime = self.registry.writer(session_id)
         if runtime is not None:
-            return msgspec.structs.replace(session_view(runtime.state), owner=self.registry.owner)
+            view = session_view(runtime.state)
+            return msgspec.structs.replace(
+                view, owner=self.registry.owner, agents=self._placed(view.agents)
+            )
         view = await self.registry.folds.view(session_id)
         if view.terminal:
             return view
@@ -276,6 +356,19 @@ class Service:
 
     async def agent_conversation(self, session_id: str, ref: str) -> AgentConversation:
         return await load_conversation(self.log, self.store, session_id, ref)
+
+    def _placed(self, agents: list[AgentSummary]) -> list[AgentSummary]:
+        """The agents of a session this daemon drives, each one that needs a worker while no
+        live worker runs it marked ``waiting_for`` (the fold still names the worker it was last
+        dispatched to, which may be lost)."""
+        alive = set(self.workers.alive_ids())
+        placed: list[AgentSummary] = []
+        for agent in agents:
+            if agent.phase in NEEDS_A_WORKER and agent.worker not in alive:
+                lost = f"; {agent.worker} was lost" if agent.worker else ""
+                agent = msgspec.structs.replace(agent, waiting_for=f"a capable worker{lost}")
+            placed.append(agent)
+        return placed
 
     async def _check_owned_here(self, session_id: str) -> None:
         """Refuse a write for a session another daemon owns: its lease names that daemon, or
@@ -451,6 +544,42 @@ class Service:
                 await self.registry.end(runtime, Ending("stranded", reason, category))
             raise
 
+    async def list_hitl(self) -> list[PendingPauseView]:
+        """Every open pause of the sessions this daemon drives, then of its peers' (read from
+        the log), by session then pause."""
+        states: dict[str, SessionState] = {
+            sid: runtime.state for sid, runtime in self.registry.live.items()
+        }
+        if self.presence is not None:
+            for peer in self.presence.known.values():
+                for sid in peer.sessions if peer.id != self.registry.owner else ():
+                    if sid not in states:
+                        with contextlib.suppress(ApomeshError):
+                            states[sid] = await self.registry.folds.state(sid)
+        return sorted(
+            (
+                PendingPauseView(
+                    session_id=sid,
+                    pause_id=pause.pause_id,
+                    agent=pause.agent,
+                    question=pause.question,
+                    goal=state.goal,
+                )
+                for sid, state in states.items()
+                for pause in state.hitl_pending.values()
+            ),
+            key=lambda p: (p.session_id, p.pause_id),
+        )
+
+    async def purge(self, session_id: str) -> None:
+        """Remove an ended session: its log subject and every record of it
+        (``runtime.retention``); a session that has not ended is refused."""
+        await self.retention.purge(session_id)
+
+    async def purge_ended(self, ended_before: float) -> list[str]:
+        """Purge every session that ended before ``ended_before`` (unix seconds)."""
+        return await self.retention.sweep(ended_before)
+
     async def list_recoverable(self) -> list[RecoverableView]:
         return [self._recoverable_view(r) for r in self.registry.stranded.values()]
 
@@ -571,14 +700,38 @@ class Service:
         return m.render()
 
     async def health(self) -> dict[str, Any]:
+        """``status``: ``ok``; ``degraded`` when the daemon serves but cannot make progress on
+        its own (no live worker, agents waiting for a capable worker), each reason in
+        ``problems``; ``down`` when NATS is not connected (``ok`` false, HTTP 503)."""
         connected = self.nc.is_connected
+        live_workers = set(self.workers.alive_ids())
+        alive = len(live_workers)
+        waiting = sum(
+            1
+            for runtime in self.registry.live.values()
+            if any(
+                agent.phase in NEEDS_A_WORKER and agent.worker not in live_workers
+                for agent in runtime.state.agents.values()
+            )
+        )
+        problems: list[str] = []
+        if not connected:
+            problems.append("NATS is not connected")
+        if alive == 0:
+            problems.append("no live worker")
+        if waiting:
+            problems.append(f"{waiting} sessions wait for a capable worker")
+        status = "down" if not connected else "degraded" if problems else "ok"
         return {
             "ok": connected,
+            "status": status,
+            "problems": problems,
+            "waiting_for_worker": waiting,
             "incarnation": self.incarnation,
             "nats": "connected" if connected else "reconnecting",
             "daemon": self.registry.owner,
             "sessions": len(self.registry.live),
             "recoverable": len(self.registry.stranded),
-            "workers": len(self.workers.workers),
+            "workers": alive,
             "boot": self._boot_report(),
         }

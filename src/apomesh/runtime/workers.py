@@ -318,6 +318,11 @@ class WorkerPool:
                 return chosen.worker_id
             await asyncio.sleep(0.1)
 
+    def alive_ids(self) -> list[str]:
+        """The registered workers heard from within the liveness threshold."""
+        fresh = time.monotonic() - self.threshold
+        return [w.worker_id for w in self.workers.values() if w.last_seen >= fresh]
+
     def free_slots(self, worker: WorkerInfo) -> int:
         """How many more agents ``worker`` may take: its capacity less the agents its latest beat
         lists for other daemons (and for dispatches of ours it has not listed yet) and those this

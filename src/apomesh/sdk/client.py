@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 from urllib.parse import quote, urlsplit
 
 import anyio
@@ -29,6 +29,7 @@ from apomesh.core.views import (
     AgentConversation,
     AgentRecordView,
     DaemonView,
+    PendingPauseView,
     RecoverableFilter,
     RecoverableView,
     ResumeOutcome,
@@ -197,8 +198,27 @@ class _SessionCreated(msgspec.Struct):
     session_id: str
 
 
+class Page(list[T], Generic[T]):
+    """One page of a listing: its rows, and ``next_cursor`` to pass as ``cursor`` for the next
+    page (None on the last one)."""
+
+    def __init__(self, rows: list[T], next_cursor: str | None = None) -> None:
+        super().__init__(rows)
+        self.next_cursor = next_cursor
+
+
 class _SessionList(msgspec.Struct):
     sessions: list[SessionSummary]
+    next_cursor: str | None = None
+
+
+class _PauseList(msgspec.Struct):
+    pauses: list[PendingPauseView]
+    next_cursor: str | None = None
+
+
+class _Purged(msgspec.Struct):
+    sessions: list[str]
 
 
 class _BulkResumed(msgspec.Struct, frozen=True):
@@ -207,10 +227,12 @@ class _BulkResumed(msgspec.Struct, frozen=True):
 
 class _RecoverableList(msgspec.Struct):
     sessions: list[RecoverableView]
+    next_cursor: str | None = None
 
 
 class _WorkerList(msgspec.Struct):
     workers: list[WorkerView]
+    next_cursor: str | None = None
 
 
 class _DaemonList(msgspec.Struct):
@@ -313,10 +335,12 @@ class Client:
         *,
         body: Any = None,
         params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         content = msgspec.json.encode(body) if body is not None else None
         # Every write says JSON, body or not: the daemon refuses any other (415).
-        headers = {"Content-Type": "application/json"} if method != "GET" else None
+        if method != "GET":
+            headers = {"Content-Type": "application/json", **(headers or {})}
         for attempt in range(len(self.urls)):
             try:
                 response = await self._http.request(
@@ -341,16 +365,24 @@ class Client:
     # --- sessions -----------------------------------------------------------------------------
 
     async def start_session(
-        self, goal: str, agent: str | None = None, definition: dict[str, Any] | None = None
+        self,
+        goal: str,
+        agent: str | None = None,
+        definition: dict[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> str:
         """Start a session; ``agent`` is ``"name"`` or ``"name@version"`` of a published agent,
-        ``definition`` an inline agent definition (the TOML form as a dict). Returns its id."""
+        ``definition`` an inline agent definition (the TOML form as a dict). Returns its id.
+        With ``idempotency_key`` a retry of the same request (after a timeout, say) answers the
+        session the first one started instead of starting another."""
         body: dict[str, Any] = {"goal": goal}
         if agent is not None:
             body["agent"] = _agent_body(agent)
         if definition is not None:
             body["definition"] = definition
-        response = await self._send("POST", "/v1/sessions", body=body)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
+        response = await self._send("POST", "/v1/sessions", body=body, headers=headers)
         return msgspec.json.decode(response.content, type=_SessionCreated).session_id
 
     async def get_session(self, session_id: str) -> SessionView:
@@ -364,14 +396,54 @@ class Client:
         return await self._get(path, AgentConversation)
 
     async def list_sessions(
-        self, status: str | None = None, query: str | None = None, limit: int = 100
-    ) -> list[SessionSummary]:
+        self,
+        status: str | None = None,
+        query: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[SessionSummary]:
+        """One page of sessions, the most recently updated first; its ``next_cursor``, passed
+        as ``cursor``, asks for the next."""
         params = {"limit": str(limit)}
         if status is not None:
             params["status"] = status
         if query:
             params["q"] = query
-        return (await self._get("/v1/sessions", _SessionList, params)).sessions
+        if cursor:
+            params["cursor"] = cursor
+        answer = await self._get("/v1/sessions", _SessionList, params)
+        return Page(answer.sessions, answer.next_cursor)
+
+    async def _all_pages(
+        self, path: str, kind: type[Any], field: str, limit: int | None, cursor: str | None
+    ) -> Page[Any]:
+        """One page of a listing (``limit``), or every row after ``cursor`` (None)."""
+        rows: list[Any] = []
+        while True:
+            params = {"limit": str(limit or 1000)}
+            if cursor:
+                params["cursor"] = cursor
+            answer = await self._get(path, kind, params)
+            rows.extend(getattr(answer, field))
+            cursor = answer.next_cursor
+            if limit is not None or cursor is None:
+                return Page(rows, cursor)
+
+    async def purge_session(self, session_id: str) -> None:
+        """Remove an ended session: its log subject and every record of it."""
+        await self._send("DELETE", f"/v1/sessions/{quote(session_id, safe='')}")
+
+    async def purge_ended(self, ended_before_seconds: float) -> list[str]:
+        """Purge every session that ended more than ``ended_before_seconds`` ago; their ids."""
+        body = {"ended_before_seconds": ended_before_seconds}
+        response = await self._send("POST", "/v1/sessions/purge", body=body)
+        return msgspec.json.decode(response.content, type=_Purged).sessions
+
+    async def list_hitl(
+        self, limit: int | None = None, cursor: str | None = None
+    ) -> Page[PendingPauseView]:
+        """The open human-in-the-loop pauses (every one unless ``limit``)."""
+        return await self._all_pages("/v1/hitl", _PauseList, "pauses", limit, cursor)
 
     async def events(self, session_id: str, after: int = -1) -> AsyncIterator[EventRecord]:
         """The session's events after index ``after`` (-1: from the start), live, ending after
@@ -462,8 +534,11 @@ class Client:
 
     # --- recovery and workers -----------------------------------------------------------------
 
-    async def list_recoverable(self) -> list[RecoverableView]:
-        return (await self._get("/v1/recoverable", _RecoverableList)).sessions
+    async def list_recoverable(
+        self, limit: int | None = None, cursor: str | None = None
+    ) -> Page[RecoverableView]:
+        """The sessions waiting for an operator (every one unless ``limit``)."""
+        return await self._all_pages("/v1/recoverable", _RecoverableList, "sessions", limit, cursor)
 
     async def recovery_preview(
         self, session_id: str, migrate_pins: dict[str, str] | None = None
@@ -503,8 +578,11 @@ class Client:
         response = await self._send("POST", "/v1/recoverable/resume", body=body)
         return msgspec.json.decode(response.content, type=_BulkResumed).sessions
 
-    async def list_workers(self) -> list[WorkerView]:
-        return (await self._get("/v1/workers", _WorkerList)).workers
+    async def list_workers(
+        self, limit: int | None = None, cursor: str | None = None
+    ) -> Page[WorkerView]:
+        """The workers, live ones first (every one unless ``limit``)."""
+        return await self._all_pages("/v1/workers", _WorkerList, "workers", limit, cursor)
 
     # --- catalog ------------------------------------------------------------------------------
 
@@ -607,9 +685,16 @@ class SyncClient:
         self.close()
 
     def start_session(
-        self, goal: str, agent: str | None = None, definition: dict[str, Any] | None = None
+        self,
+        goal: str,
+        agent: str | None = None,
+        definition: dict[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
     ) -> str:
-        return self._run(self._client.start_session(goal, agent, definition))
+        return self._run(
+            self._client.start_session(goal, agent, definition, idempotency_key=idempotency_key)
+        )
 
     def get_session(self, session_id: str) -> SessionView:
         return self._run(self._client.get_session(session_id))
@@ -618,9 +703,24 @@ class SyncClient:
         return self._run(self._client.agent_conversation(session_id, ref))
 
     def list_sessions(
-        self, status: str | None = None, query: str | None = None, limit: int = 100
-    ) -> list[SessionSummary]:
-        return self._run(self._client.list_sessions(status, query, limit))
+        self,
+        status: str | None = None,
+        query: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page[SessionSummary]:
+        return self._run(self._client.list_sessions(status, query, limit, cursor))
+
+    def purge_session(self, session_id: str) -> None:
+        self._run(self._client.purge_session(session_id))
+
+    def purge_ended(self, ended_before_seconds: float) -> list[str]:
+        return self._run(self._client.purge_ended(ended_before_seconds))
+
+    def list_hitl(
+        self, limit: int | None = None, cursor: str | None = None
+    ) -> Page[PendingPauseView]:
+        return self._run(self._client.list_hitl(limit, cursor))
 
     def events(self, session_id: str, after: int = -1) -> Iterator[EventRecord]:
         stream = self._client.events(session_id, after)
@@ -655,8 +755,10 @@ class SyncClient:
     def cancel(self, session_id: str) -> None:
         self._run(self._client.cancel(session_id))
 
-    def list_recoverable(self) -> list[RecoverableView]:
-        return self._run(self._client.list_recoverable())
+    def list_recoverable(
+        self, limit: int | None = None, cursor: str | None = None
+    ) -> Page[RecoverableView]:
+        return self._run(self._client.list_recoverable(limit, cursor))
 
     def recovery_preview(
         self, session_id: str, migrate_pins: dict[str, str] | None = None
@@ -682,8 +784,8 @@ class SyncClient:
             )
         )
 
-    def list_workers(self) -> list[WorkerView]:
-        return self._run(self._client.list_workers())
+    def list_workers(self, limit: int | None = None, cursor: str | None = None) -> Page[WorkerView]:
+        return self._run(self._client.list_workers(limit, cursor))
 
     def list_daemons(self) -> list[DaemonView]:
         return self._run(self._client.list_daemons())

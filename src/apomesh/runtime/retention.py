@@ -1,0 +1,120 @@
+"""Retention: removing ended sessions, one by one (``apomesh sessions purge ID``) or every one that
+ended longer ago than ``[retention] ended_after`` (the daemon's sweep at boot and every hour, or
+``apomesh sessions purge --ended-before``).
+
+A purge removes everything the daemon keeps of a session: its subject on the log stream, its
+snapshots, conversation segments, definitions and journal records, the ``Idempotency-Key`` records
+that answer it (a retry after the purge starts a new session), and last its completed-session
+record. The completed record goes last on purpose: a purge cut short (a crash, a lost connection)
+leaves it behind, so the session is still listed as ended and the next sweep or the operator's
+next purge finishes the job; purging what is already gone is a no-op. Only an ended session
+(completed, failed or cancelled) is purged; a running, paused or recoverable one is refused
+(``CommandRefused``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.core.errors import CommandRefused, NotFound
+from apomesh.core.ports import EventLog
+from apomesh.core.state import fold
+from apomesh.runtime.registry import (
+    IDEMPOTENCY_DB,
+    CompletedRecord,
+    IdempotencyRecord,
+    SessionRegistry,
+)
+
+log = logging.getLogger("apomesh.daemon")
+
+SESSION_DATABASES = ("snapshots", "segments", "defs", "journal")
+"""The store databases whose keys start with ``<session_id>/`` (the session's agent keys)."""
+
+SWEEP_EVERY = 3600.0
+"""Seconds between two retention sweeps of a running daemon."""
+
+
+class Retention:
+    """Purges ended sessions from the log and the state store (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        log_adapter: EventLog,
+        store: AsyncStore,
+        registry: SessionRegistry,
+        forget: Callable[[str], None] = lambda session_id: None,
+    ) -> None:
+        self.log_adapter = log_adapter
+        self.store = store
+        self.registry = registry
+        self._forget = forget
+
+    async def ended_at(self, session_id: str) -> float:
+        """When the session ended (its completed record, else its log): ``NotFound`` for an
+        unknown session, ``CommandRefused`` for one that has not ended."""
+        if self.registry.writer(session_id) is not None or session_id in self.registry.stranded:
+            raise CommandRefused(
+                f"session {session_id} has not ended: only an ended session can be purged"
+            )
+        for record in await self.registry.completed_records():
+            if record.session_id == session_id:
+                return record.ended_at
+        envelopes = await self.log_adapter.read(session_id, -1)
+        if not envelopes:
+            raise NotFound(f"session {session_id}")
+        state = fold(envelopes, session_id)
+        if not state.terminal:
+            raise CommandRefused(
+                f"session {session_id} is {state.status}: only an ended session can be purged"
+            )
+        return state.last_ts
+
+    async def purge(self, session_id: str) -> None:
+        """Remove an ended session's log subject and every record of it."""
+        await self.ended_at(session_id)
+        await self._remove([session_id])
+
+    async def _remove(self, session_ids: list[str]) -> None:
+        keys = await self._idempotency_keys(set(session_ids))
+        for session_id in session_ids:
+            await self.log_adapter.delete_session(session_id)
+            deletes = [(IDEMPOTENCY_DB, key) for key in keys.get(session_id, ())]
+            for db in SESSION_DATABASES:
+                deletes.extend((db, key) for key, _ in await self.store.scan(db, f"{session_id}/"))
+            deletes.append(("completed", session_id))
+            await self.store.write_batch([], deletes)
+            self._forget(session_id)
+            log.info("purged session %s (%d records)", session_id, len(deletes))
+
+    async def _idempotency_keys(self, session_ids: set[str]) -> dict[str, list[str]]:
+        """The ``Idempotency-Key`` records that answer these sessions, by session."""
+        keys: dict[str, list[str]] = {}
+        for key, value in await self.store.scan(IDEMPOTENCY_DB, ""):
+            record = msgspec.msgpack.decode(value, type=IdempotencyRecord)
+            if record.session_id in session_ids:
+                keys.setdefault(record.session_id, []).append(key)
+        return keys
+
+    async def expired(self, ended_before: float) -> list[CompletedRecord]:
+        """The ended sessions whose completed record says they ended before ``ended_before``
+        (unix seconds), oldest first."""
+        records = [
+            r
+            for r in await self.registry.completed_records()
+            if r.ended_at < ended_before
+            and self.registry.writer(r.session_id) is None
+            and r.session_id not in self.registry.stranded
+        ]
+        return sorted(records, key=lambda r: r.ended_at)
+
+    async def sweep(self, ended_before: float) -> list[str]:
+        """Purge every session that ended before ``ended_before``; returns their ids."""
+        purged = [record.session_id for record in await self.expired(ended_before)]
+        await self._remove(purged)
+        return purged
