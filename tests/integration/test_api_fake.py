@@ -8,6 +8,7 @@ import base64
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
@@ -131,7 +132,9 @@ def app_routes(app: Any) -> set[tuple[str, str]]:
         if isinstance(route, Mount):
             found.add(("GET", f"{route.path}/{{path}}"))
         elif isinstance(route, Route):
-            found |= {(m, route.path) for m in (route.methods or set()) if m != "HEAD"}
+            # A greedy parameter (``{ref:path}``, a ref may hold ``/``) is documented as ``{ref}``.
+            path = re.sub(r"\{(\w+):path\}", r"{\1}", route.path)
+            found |= {(m, path) for m in (route.methods or set()) if m != "HEAD"}
     return found
 
 

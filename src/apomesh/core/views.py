@@ -50,6 +50,9 @@ class AgentSummary(msgspec.Struct, frozen=True, kw_only=True):
     """Token usage of the model calls its snapshots recorded (None before the first)."""
     retrying: ModelRetryView | None = None
     """The failed model call it waits to try again, while it waits."""
+    waiting_for: str | None = None
+    """Set by the daemon when the agent needs a worker and no live one runs it: what it waits
+    for (``a capable worker; w1 was lost``). ``worker`` is then the lost one, if any."""
 
 
 class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,9 +79,6 @@ class ModelRetryView(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     status: int | None = None
     at: float = 0.0
-    waiting_for: str | None = None
-    """Set by the daemon when the agent needs a worker and no live one runs it: what it waits
-    for (``a capable worker; w1 was lost``). ``worker`` is then the lost one, if any."""
 
 
 class HitlPauseView(msgspec.Struct, frozen=True, kw_only=True):
