@@ -27,25 +27,35 @@ up on the session's log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import httpx_sse
 
 from apomesh.core.definition import ModelSpec, ToolCallSpec
 from apomesh.core.errors import DefinitionError
-from apomesh.plugins.api import Message, Model, ModelError, ModelRequest, ModelResponse
+from apomesh.plugins.api import (
+    Message,
+    Model,
+    ModelDelta,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    emit_delta,
+)
 
 PROVIDER_NAME = "openai"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_CREDENTIAL = "default"
 DEFAULT_TIMEOUT = 60.0
-OWN_OPTIONS = frozenset({"credential", "timeout", "model"})
+OWN_OPTIONS = frozenset({"credential", "timeout", "model", "stream"})
 WORKER_ONLY_OPTIONS = ("base_url", "api_key_env")
 """Options a definition may not give: they are the worker's configured credentials."""
 RESERVED_ENV_PREFIX = "APOMESH_"
@@ -62,9 +72,9 @@ class Credential:
     api_key_env: str = ""
 
 
-def check_credential(name: str, credential: Credential) -> None:
+def check_credential(name: str, credential: Credential, provider: str = PROVIDER_NAME) -> None:
     """Refuse a credential that is not an http(s) endpoint or whose key is apomesh's own secret."""
-    where = f"[providers.openai.credentials.{name}]"
+    where = f"[providers.{provider}.credentials.{name}]"
     if not credential.base_url.startswith(("http://", "https://")):
         raise DefinitionError(
             f"`base_url` {credential.base_url!r} is not an http(s) URL", where=where
@@ -206,12 +216,14 @@ class OpenAIModel:
         api_key: str | None,
         timeout: float,
         passthrough: dict[str, Any],
+        stream: bool = False,
     ) -> None:
         self.model = model
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
         self.timeout = timeout
         self.passthrough = passthrough
+        self.stream = stream
 
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         body: dict[str, Any] = {**self.passthrough, "model": self.model}
@@ -224,6 +236,8 @@ class OpenAIModel:
         names = tool_name_table(request.tools)
         body = self.request_body(request)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.stream:
+            return await self._respond_streaming(request, names, body, headers)
         try:
             async with httpx.AsyncClient(timeout=self.timeout) as client:
                 # Never follow a redirect: the key goes to this endpoint and nowhere else.
@@ -252,20 +266,77 @@ class OpenAIModel:
             content = message.get("content") or ""
             raw_calls = message.get("tool_calls") or []
             usage = data.get("usage") or {}
-            tokens = int(usage.get("total_tokens") or 0)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ModelError(
                 f"unexpected response shape ({type(exc).__name__}: {exc})", provider=PROVIDER_NAME
             ) from None
-        memory = dict(request.memory)
-        if raw_calls:
-            calls = [_tool_call(raw, names) for raw in raw_calls]
-            return ModelResponse(text=content, tool_calls=calls, tokens=tokens, memory=memory)
-        if request.purpose == "plan":
-            plan = parse_plan(content)
-            if plan is not None:
-                return ModelResponse(text=content, plan=plan, tokens=tokens, memory=memory)
-        return ModelResponse(text=content, final=content, tokens=tokens, memory=memory)
+        return model_response(request, names, content, raw_calls, usage)
+
+    async def _respond_streaming(
+        self,
+        request: ModelRequest,
+        names: dict[str, str],
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> ModelResponse:
+        """The same call with ``stream: true``: each chunk's text and tool-call fragments go out
+        as ``ModelDelta``s while the answer is assembled (``ChatStream``)."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        stream = ChatStream(names)
+        await emit_delta(ModelDelta("start"))
+        with http_errors(PROVIDER_NAME, self.url, self.timeout):
+            async with (
+                httpx.AsyncClient(timeout=self.timeout) as client,
+                client.stream(
+                    "POST", self.url, json=body, headers=headers, follow_redirects=False
+                ) as reply,
+            ):
+                if reply.status_code >= 300:
+                    await reply.aread()
+                    raise ModelError(
+                        _error_message(reply), provider=PROVIDER_NAME, status=reply.status_code
+                    )
+                async for event in httpx_sse.EventSource(reply).aiter_sse():
+                    if event.data.strip() == "[DONE]":
+                        break
+                    for delta in stream.feed(event.data):
+                        await emit_delta(delta)
+        content, raw_calls, usage = stream.result()
+        return model_response(request, names, content, raw_calls, usage)
+
+
+def model_response(
+    request: ModelRequest,
+    names: dict[str, str],
+    content: str,
+    raw_calls: list[Any],
+    usage: Any,
+) -> ModelResponse:
+    """The ``ModelResponse`` of a completed answer (a whole response or an assembled stream):
+    tool calls, else a plan (for ``purpose="plan"``) or a final answer; with its token usage."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    tokens = _count(usage.get("total_tokens")) or prompt + completion
+    calls = [_tool_call(raw, names) for raw in raw_calls]
+    plan = parse_plan(content) if not calls and request.purpose == "plan" else None
+    return ModelResponse(
+        text=content,
+        tool_calls=calls,
+        plan=plan,
+        final=content if not calls and plan is None else None,
+        tokens=tokens,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        memory=dict(request.memory),
+    )
+
+
+def _count(value: Any) -> int:
+    """A token count from a usage object (absent, null or nonsense counts as 0)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)
 
 
 def _tool_call(raw: Any, names: dict[str, str]) -> ToolCallSpec:
@@ -325,7 +396,7 @@ class OpenAIProvider:
     def use_credentials(self, credentials: Mapping[str, Credential]) -> None:
         """Replace the configured credentials (each is checked first)."""
         for name, credential in credentials.items():
-            check_credential(name, credential)
+            check_credential(name, credential, self.name)
         self.credentials = dict(credentials)
 
     def check(self, spec: ModelSpec, where: str = "[model]") -> Credential:
@@ -334,12 +405,13 @@ class OpenAIProvider:
         options = dict(spec.options)
         model = spec.model or options.get("model")
         if not isinstance(model, str) or not model:
-            raise DefinitionError("the openai provider needs `model`", where=where)
+            raise DefinitionError(f"the {self.name} provider needs `model`", where=where)
         for key in WORKER_ONLY_OPTIONS:
             if key in options:
                 raise DefinitionError(
                     f"`{key}` is not set by a definition: the worker's config holds endpoints and"
-                    " keys ([providers.openai.credentials.<name>]); name one with `credential`",
+                    f" keys ([providers.{self.name}.credentials.<name>]); name one with"
+                    " `credential`",
                     where=f"{where}.{key}",
                 )
         name = options.get("credential", DEFAULT_CREDENTIAL)
@@ -353,6 +425,7 @@ class OpenAIProvider:
             raise DefinitionError(
                 "`timeout` must be a positive number of seconds", where=f"{where}.timeout"
             )
+        check_stream_option(options, where)
         return self.credentials[name]
 
     def create(self, spec: ModelSpec) -> Model:
@@ -366,4 +439,163 @@ class OpenAIProvider:
             api_key=key or None,
             timeout=float(options.get("timeout", DEFAULT_TIMEOUT)),
             passthrough={k: v for k, v in options.items() if k not in OWN_OPTIONS},
+            stream=options.get("stream", False) is True,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming: the chunks of a ``stream: true`` answer
+
+
+def check_stream_option(options: Mapping[str, Any], where: str) -> None:
+    """``stream``, when given, is ``true`` or ``false``."""
+    if "stream" in options and not isinstance(options["stream"], bool):
+        raise DefinitionError("`stream` must be true or false", where=f"{where}.stream")
+
+
+@contextlib.contextmanager
+def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
+    """Transport failures of a call to ``url`` as retryable ``ModelError``s."""
+    try:
+        yield
+    except httpx.TimeoutException:
+        raise ModelError(
+            f"no answer from {url} within {timeout:g} s", provider=provider, retryable=True
+        ) from None
+    except httpx_sse.SSEError:
+        raise ModelError(
+            f"{url} did not answer with an event stream", provider=provider, retryable=False
+        ) from None
+    except httpx.HTTPError as exc:
+        raise ModelError(
+            f"cannot reach {url}: {type(exc).__name__}: {exc}", provider=provider, retryable=True
+        ) from None
+
+
+def stream_error(error: Any, provider: str) -> ModelError:
+    """The ``ModelError`` for an error an endpoint sent inside an event stream (after its
+    ``200``): its short code or type only, never its message; retryable when it names a server
+    error, an overload or a rate limit."""
+    status = None
+    code = None
+    if isinstance(error, dict):
+        raw_status = error.get("code", error.get("status"))
+        if isinstance(raw_status, int) and not isinstance(raw_status, bool):
+            status = raw_status
+        for key in ("code", "type"):
+            value = error.get(key)
+            if isinstance(value, str) and _ERROR_CODE.match(value):
+                code = value
+                break
+    retryable = (status is not None and (status == 429 or status >= 500)) or (
+        code is not None
+        and any(
+            word in code.lower() for word in ("overloaded", "rate_limit", "server", "api_error")
+        )
+    )
+    text = "the endpoint sent an error in its event stream"
+    return ModelError(
+        f"{text} ({code})" if code else text, provider=provider, status=status, retryable=retryable
+    )
+
+
+@dataclass
+class ChatStream:
+    """One streamed chat completion being assembled from its chunks (``feed``, in order).
+
+    Text arrives as ``delta.content`` pieces; a tool call as ``delta.tool_calls`` entries keyed by
+    their ``index`` (its ``id`` and name on the first, the JSON ``arguments`` in fragments after,
+    or whole in one entry as Ollama sends them); usage in the last chunk (``choices`` empty, or
+    beside the ``finish_reason`` as llama.cpp server sends it). An ``error`` object in a chunk (vLLM,
+    Ollama, llama.cpp server) is a ``ModelError``; a stream that stops before any
+    ``finish_reason`` is one too (retryable: the answer was cut off)."""
+
+    names: dict[str, str]
+    content: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    usage: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+
+    def feed(self, data: str) -> list[ModelDelta]:
+        """Take one chunk (an event's ``data``); the deltas it adds."""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise ModelError(
+                "the event stream carried a chunk that is not JSON", provider=PROVIDER_NAME
+            ) from None
+        if not isinstance(chunk, dict):
+            raise ModelError(
+                "the event stream carried a chunk that is not an object", provider=PROVIDER_NAME
+            )
+        if "error" in chunk or chunk.get("object") == "error":
+            raise stream_error(chunk.get("error", chunk), PROVIDER_NAME)
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        deltas: list[ModelDelta] = []
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                self.finished = True
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                deltas += self._delta(delta)
+        return deltas
+
+    def _delta(self, delta: dict[str, Any]) -> list[ModelDelta]:
+        out: list[ModelDelta] = []
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            self.content.append(text)
+            out.append(ModelDelta("text", text=text))
+        for position, raw in enumerate(delta.get("tool_calls") or []):
+            if not isinstance(raw, dict):
+                continue
+            index = raw.get("index", position)
+            if not isinstance(index, int):
+                index = position
+            call = self.calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
+            function: dict[str, Any] = (
+                raw["function"] if isinstance(raw.get("function"), dict) else {}
+            )
+            first = not call["name"]
+            if isinstance(raw.get("id"), str):
+                call["id"] = raw["id"]
+            if isinstance(function.get("name"), str):
+                call["name"] += function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, dict):
+                arguments = json.dumps(arguments)
+            fragment = arguments if isinstance(arguments, str) else ""
+            call["arguments"] += fragment
+            if (first and call["name"]) or fragment:
+                api_name = call["name"]
+                out.append(
+                    ModelDelta(
+                        "tool_call",
+                        call=sorted(self.calls).index(index),
+                        tool=self.names.get(api_name, api_name.replace("__", ".")) if first else "",
+                        arguments=fragment,
+                    )
+                )
+        return out
+
+    def result(self) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """The assembled text, tool calls (in the non-streaming ``message.tool_calls`` shape) and
+        usage; a ``ModelError`` when the stream ended before the answer did."""
+        if not self.finished:
+            raise ModelError(
+                "the event stream ended before the answer was complete",
+                provider=PROVIDER_NAME,
+                retryable=True,
+            )
+        calls = [
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["name"], "arguments": call["arguments"] or "{}"},
+            }
+            for _, call in sorted(self.calls.items())
+        ]
+        return "".join(self.content), calls, self.usage
