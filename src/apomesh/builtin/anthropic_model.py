@@ -324,16 +324,12 @@ class MessageStream:
             return self._text(text)
         if kind == "tool_use":
             api_name = str(block.get("name") or "")
-            call = {
-                "name": api_name,
-                "input": block.get("input"),
-                "json": "",
-                "number": len(self.calls),
-            }
+            number = len(self.calls)
+            call = {"name": api_name, "input": block.get("input"), "json": "", "number": number}
             self.calls.append(call)
             self.blocks[index] = {"type": "tool_use", "call": call}
             tool = self.names.get(api_name, api_name.replace("__", "."))
-            return [ModelDelta("tool_call", call=call["number"], tool=tool)]
+            return [ModelDelta("tool_call", call=number, tool=tool)]
         self.blocks[index] = {"type": "other"}
         return []
 

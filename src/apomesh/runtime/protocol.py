@@ -33,6 +33,11 @@ No message may outgrow the NATS ``max_payload``. A dispatch carries the agent's 
 only while it is small; a larger memory stays on the daemon and the worker fetches it page by page
 (``MemoryFetch`` on ``apomesh.ctl.<daemon_id>.memory.<worker_id>``, each page answered on the
 worker's own inbox and fenced by the dispatch's epoch like any report).
+
+While a streaming model writes its answer the worker publishes the pieces (``TurnDelta``, a
+plain publish, never a request: nothing waits for them and nothing is recorded) on
+``apomesh.ctl.<daemon_id>.delta.<worker_id>``; the daemon passes on only those of a dispatch it
+sent to that worker under that epoch, to the session's live event streams.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from apomesh.core.definition import AgentConfig
-from apomesh.plugins.api import Message, ModelResponse
+from apomesh.plugins.api import Message, ModelDelta, ModelResponse
 
 VERB_REGISTER = "register"
 VERB_NODE = "node"
@@ -53,6 +58,7 @@ VERB_HITL = "hitl"
 VERB_JOB = "job"
 VERB_DONE = "done"
 VERB_MEMORY = "memory"
+VERB_DELTA = "delta"
 CTL_PREFIX = "apomesh.ctl."
 CTL_BOUND_WILDCARD = "apomesh.ctl.*.*.*"
 """Every daemon's control subjects (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``)."""
@@ -412,8 +418,23 @@ class DispatchAck(msgspec.Struct):
     means the worker no longer runs it."""
 
 
+class TurnDelta(msgspec.Struct, tag=True):
+    """A piece of the model turn ``step`` of an agent, published while the model writes it."""
+
+    worker_id: str
+    session_id: str
+    agent: str
+    epoch: int
+    step: int
+    delta: ModelDelta
+
+
+MAX_DELTA_BYTES = 64 * 1024
+"""The largest ``TurnDelta`` a daemon passes on (a worker sends small pieces)."""
+
 ENCODER = msgspec.msgpack.Encoder()
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)
+DELTA_DECODER = msgspec.msgpack.Decoder(TurnDelta)
 REGISTER_DECODER = msgspec.msgpack.Decoder(Register)
 REGISTER_REPLY_DECODER = msgspec.msgpack.Decoder(RegisterReply)
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)

@@ -41,6 +41,7 @@ from apomesh.runtime.protocol import (
     MEMORY_DECODER,
     REGISTER_REPLY_DECODER,
     REPLY_DECODER,
+    VERB_DELTA,
     VERB_DONE,
     VERB_HITL,
     VERB_JOB,
@@ -65,6 +66,7 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    TurnDelta,
     TurnReport,
     beat_subject,
     check_worker_id,
@@ -334,6 +336,10 @@ class Worker:
         async def send(report: Report) -> Reply:
             return await self.send(report, run.daemon)
 
+        async def publish_delta(delta: TurnDelta) -> None:
+            subject = control_subject(run.daemon, VERB_DELTA, self.worker_id)
+            await self.nc.publish(subject, ENCODER.encode(delta))
+
         try:
             if run.memory_pages:
                 run = msgspec.structs.replace(run, memory=await self._fetch_memory(run, send))
@@ -345,6 +351,7 @@ class Worker:
                 providers=self.providers,
                 supervisors=self.supervisors,
                 send=send,
+                publish_delta=publish_delta,
             )
             await send(done)
         except DaemonGone as exc:
