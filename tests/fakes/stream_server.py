@@ -25,9 +25,9 @@ usage goes, how a tool call is cut up, how an error arrives after the ``200``):
 
 The shapes follow what these servers send (their documentation and captures of their streams);
 ids, fingerprints and timestamps are fixed. Queue answers with ``text``, ``tool_call``,
-``stream_error`` or ``refuse``; each request takes the next. ``hold_after(n)`` makes the next
-answer stop after its first ``n`` events until ``release()``: a test can look at what a client
-saw while the model is still writing. Every request is recorded; a request whose conversation the
+``stream_error`` or ``refuse``; each request takes the next. ``text(..., hold_after=n)`` makes
+that answer stop after its first ``n`` events until ``release()`` (``held`` is set meanwhile): a
+test can look at what a client saw while the model is still writing. Every request is recorded; a request whose conversation the
 real API would refuse (tool results answering no call) gets that API's 400.
 """
 
@@ -61,6 +61,8 @@ class Answer:
     status: int = 200
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    hold_after: int | None = None
+    """Stop after this many events until ``ReplayServer.release``."""
 
 
 def pieces(text: str, size: int) -> list[str]:
@@ -457,16 +459,27 @@ class ReplayServer(LocalHTTPServer):
     requests: list[RecordedRequest] = field(default_factory=list)
     _answers: deque[Answer] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _hold: int | None = None
     _released: threading.Event = field(default_factory=threading.Event)
     held: threading.Event = field(default_factory=threading.Event)
     """Set while an answer waits for ``release`` (its first events are sent)."""
 
     # --- queued answers ------------------------------------------------------------------------
 
-    def text(self, text: str, *, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def text(
+        self,
+        text: str,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        hold_after: int | None = None,
+    ) -> None:
         self._queue(
-            Answer(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+            Answer(
+                text=text,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                hold_after=hold_after,
+            )
         )
 
     def tool_call(
@@ -486,13 +499,8 @@ class ReplayServer(LocalHTTPServer):
         """An HTTP error answer in the API's error shape, before any stream."""
         self._queue(Answer(status=status))
 
-    def hold_after(self, events: int) -> None:
-        """The next answer stops after ``events`` events until ``release()``."""
-        self._hold = events
-        self._released.clear()
-        self.held.clear()
-
     def release(self) -> None:
+        """Let a held answer go on."""
         self._released.set()
 
     def _queue(self, answer: Answer) -> None:
@@ -546,10 +554,11 @@ class ReplayServer(LocalHTTPServer):
                         return
                     self._json(200, anthropic_message(answer))
                     return
-                self._stream(fake._events(answer, body))
+                self._stream(fake._events(answer, body), answer.hold_after)
 
-            def _stream(self, events: list[bytes]) -> None:
-                hold, fake._hold = fake._hold, None
+            def _stream(self, events: list[bytes], hold: int | None) -> None:
+                if hold is not None:
+                    fake._released.clear()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream; charset=utf-8")
                 self.send_header("Cache-Control", "no-cache")
