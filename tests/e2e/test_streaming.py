@@ -142,7 +142,7 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
     items: list[SseItem] = []
     seen_while_writing = ""
     with httpx.Client(timeout=60.0) as client:
-        for item in sse(client, system.url, session_id):
+        for item in sse(client, system.url, session_id, params={"deltas": "true"}):
             if item.comment is not None:
                 continue
             items.append(item)

@@ -10,9 +10,9 @@ Each event is one frame::
 (bytes fields in ``event`` are base64 strings). A client resumes with ``Last-Event-ID: <index>``
 (or ``?after=<index>``) and gets exactly the events after it.
 
-While a streaming model writes an agent's turn, the live part of the stream interleaves the
-pieces as they come, each a frame *without* an ``id`` (so a client's ``Last-Event-ID`` stays the
-last event's index)::
+With ``?deltas=true``, while a streaming model writes an agent's turn, the live part of the
+stream interleaves the pieces as they come, each a frame *without* an ``id`` (so a client's
+``Last-Event-ID`` stays the last event's index)::
 
     event: ModelDelta
     data: {"session_id":...,"agent":"root","step":3,"delta":{"kind":"text","text":"Hel"}}
@@ -139,10 +139,16 @@ def start_after(headers: Mapping[str, str], query: Mapping[str, str]) -> int:
 
 
 async def session_frames(
-    service: DaemonService, session_id: str, after: int, replay: list[Envelope]
+    service: DaemonService,
+    session_id: str,
+    after: int,
+    replay: list[Envelope],
+    *,
+    deltas: bool = False,
 ) -> AsyncIterator[bytes]:
     """Frames of ``replay`` (read before the response started, so an unknown session was a 404),
-    then of the live tail, without repeats or gaps, ending after ``SessionEnded``."""
+    then of the live tail, without repeats or gaps, ending after ``SessionEnded``; with
+    ``deltas``, the live tail interleaved with the pieces of model turns."""
     last = after
     for env in replay:
         if env.index <= last:
@@ -154,7 +160,7 @@ async def session_frames(
     view = await service.get_session(session_id)
     if view.terminal and view.last_index <= last:
         return
-    async for item in live_items(service, session_id, last):
+    async for item in live_items(service, session_id, last, deltas=deltas):
         if isinstance(item, TurnDelta):
             yield delta_frame(item)
             continue
@@ -167,10 +173,10 @@ async def session_frames(
 
 
 async def live_items(
-    service: DaemonService, session_id: str, after: int
+    service: DaemonService, session_id: str, after: int, *, deltas: bool
 ) -> AsyncIterator[Envelope | TurnDelta]:
-    """The session's live tail after ``after``, interleaved with the pieces of model turns as
-    they arrive; ends with the tail (an error of the tail is raised here)."""
+    """The session's live tail after ``after`` (with ``deltas``, interleaved with the pieces of
+    model turns as they arrive); ends with the tail (an error of the tail is raised here)."""
     queue: asyncio.Queue[Envelope | TurnDelta | BaseException | None] = asyncio.Queue(LIVE_QUEUE)
 
     async def events() -> None:
@@ -186,12 +192,14 @@ async def live_items(
             if closer is not None:
                 await closer()
 
-    async def deltas() -> None:
+    async def pieces() -> None:
         async for delta in service.live_deltas(session_id):
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(delta)
 
-    tasks = [asyncio.create_task(deltas()), asyncio.create_task(events())]
+    tasks = [asyncio.create_task(events())]
+    if deltas:
+        tasks.append(asyncio.create_task(pieces()))
     try:
         while True:
             item = await queue.get()

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+from apomesh.builtin.anthropic_model import AnthropicProvider
 from apomesh.builtin.classifier import BuiltinRecoveryClassifier
 from apomesh.builtin.models import ScriptedProvider
-from apomesh.builtin.anthropic_model import AnthropicProvider
 from apomesh.builtin.openai_model import OpenAIProvider
 from apomesh.builtin.skills import EntryPointSkillResolver
 from apomesh.builtin.tools import BUILTIN_TOOLS

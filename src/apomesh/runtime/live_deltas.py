@@ -27,6 +27,10 @@ class LiveDeltas:
         self.backlog = backlog
         self._readers: dict[str, set[asyncio.Queue[TurnDelta]]] = {}
 
+    def followers(self, session_id: str) -> int:
+        """How many readers follow ``session_id``'s deltas now."""
+        return len(self._readers.get(session_id, ()))
+
     def publish(self, delta: TurnDelta) -> None:
         """Hand ``delta`` to every reader of its session (never blocks)."""
         for queue in self._readers.get(delta.session_id, ()):
