@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,22 @@ API_VERSION = "2023-06-01"
 """The ``anthropic-version`` header: the Messages API version this provider speaks."""
 DEFAULT_MAX_TOKENS = 4096
 OWN_OPTIONS = frozenset({"credential", "timeout", "model", "stream"})
+OPTIONS: dict[str, str] = {
+    "credential": "the worker's configured credential (endpoint and key) to call, default `default`",
+    "timeout": "seconds one call may take (between two pieces of a stream), default 60",
+    "stream": "true: stream the answer, its pieces shown live on the session's event stream",
+    "max_tokens": f"the most tokens one answer may have, default {DEFAULT_MAX_TOKENS}",
+    "temperature": "sampling temperature, sent as is",
+    "top_p": "nucleus sampling, sent as is",
+    "top_k": "top-k sampling, sent as is",
+    "stop_sequences": "stop sequences, sent as is",
+    "tool_choice": 'sent as is (`{type = "auto"}`, `{type = "any"}`, a tool)',
+    "metadata": 'sent as is (`{user_id = "..."}`)',
+    "model": "the model, when given in `options` rather than beside `provider`",
+    "base_url": "refused: endpoints are the worker's `[providers.anthropic.credentials.<name>]`",
+    "api_key_env": "refused: keys are the worker's `[providers.anthropic.credentials.<name>]`",
+}
+"""Every ``[model]`` option the provider takes."""
 
 
 def to_api_messages(request: ModelRequest) -> list[dict[str, Any]]:
@@ -378,6 +395,7 @@ class AnthropicProvider(OpenAIProvider):
     same way), calling the Messages API."""
 
     name: str = PROVIDER_NAME
+    options: Mapping[str, str] = OPTIONS
 
     def check(self, spec: ModelSpec, where: str = "[model]") -> Credential:
         credential = super().check(spec, where)

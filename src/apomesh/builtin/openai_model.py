@@ -23,6 +23,11 @@ tool calls is ``final``. ``usage.total_tokens`` is reported as ``tokens``. HTTP 
 unreachable endpoint raise ``ModelError`` with the status and, at most, the API's short error code
 (``rate_limit_exceeded``): the body of an error answer is never copied into the message, which ends
 up on the session's log.
+
+With ``stream = true`` the call asks for an event stream (and the usage in its last chunk,
+``stream_options.include_usage``): ``respond_streaming`` hands every piece of text and of a tool
+call to ``emit_delta`` as it arrives and assembles the same ``ModelResponse`` (``ChatStream``,
+which reads the chunk shapes of OpenAI, vLLM, Ollama and llama.cpp server alike).
 """
 
 from __future__ import annotations
@@ -237,7 +242,7 @@ class OpenAIModel:
         body = self.request_body(request)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if self.stream:
-            return await self._respond_streaming(request, names, body, headers)
+            return await respond_streaming(self, request, names, body, headers)
         try:
             async with httpx.AsyncClient(timeout=self.timeout) as client:
                 # Never follow a redirect: the key goes to this endpoint and nowhere else.
@@ -266,77 +271,20 @@ class OpenAIModel:
             content = message.get("content") or ""
             raw_calls = message.get("tool_calls") or []
             usage = data.get("usage") or {}
+            tokens = int(usage.get("total_tokens") or 0)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ModelError(
                 f"unexpected response shape ({type(exc).__name__}: {exc})", provider=PROVIDER_NAME
             ) from None
-        return model_response(request, names, content, raw_calls, usage)
-
-    async def _respond_streaming(
-        self,
-        request: ModelRequest,
-        names: dict[str, str],
-        body: dict[str, Any],
-        headers: dict[str, str],
-    ) -> ModelResponse:
-        """The same call with ``stream: true``: each chunk's text and tool-call fragments go out
-        as ``ModelDelta``s while the answer is assembled (``ChatStream``)."""
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        stream = ChatStream(names)
-        await emit_delta(ModelDelta("start"))
-        with http_errors(PROVIDER_NAME, self.url, self.timeout):
-            async with (
-                httpx.AsyncClient(timeout=self.timeout) as client,
-                client.stream(
-                    "POST", self.url, json=body, headers=headers, follow_redirects=False
-                ) as reply,
-            ):
-                if reply.status_code >= 300:
-                    await reply.aread()
-                    raise ModelError(
-                        _error_message(reply), provider=PROVIDER_NAME, status=reply.status_code
-                    )
-                async for event in httpx_sse.EventSource(reply).aiter_sse():
-                    if event.data.strip() == "[DONE]":
-                        break
-                    for delta in stream.feed(event.data):
-                        await emit_delta(delta)
-        content, raw_calls, usage = stream.result()
-        return model_response(request, names, content, raw_calls, usage)
-
-
-def model_response(
-    request: ModelRequest,
-    names: dict[str, str],
-    content: str,
-    raw_calls: list[Any],
-    usage: Any,
-) -> ModelResponse:
-    """The ``ModelResponse`` of a completed answer (a whole response or an assembled stream):
-    tool calls, else a plan (for ``purpose="plan"``) or a final answer; with its token usage."""
-    usage = usage if isinstance(usage, dict) else {}
-    prompt = _count(usage.get("prompt_tokens"))
-    completion = _count(usage.get("completion_tokens"))
-    tokens = _count(usage.get("total_tokens")) or prompt + completion
-    calls = [_tool_call(raw, names) for raw in raw_calls]
-    plan = parse_plan(content) if not calls and request.purpose == "plan" else None
-    return ModelResponse(
-        text=content,
-        tool_calls=calls,
-        plan=plan,
-        final=content if not calls and plan is None else None,
-        tokens=tokens,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        memory=dict(request.memory),
-    )
-
-
-def _count(value: Any) -> int:
-    """A token count from a usage object (absent, null or nonsense counts as 0)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        return 0
-    return int(value)
+        memory = dict(request.memory)
+        if raw_calls:
+            calls = [_tool_call(raw, names) for raw in raw_calls]
+            return ModelResponse(text=content, tool_calls=calls, tokens=tokens, memory=memory)
+        if request.purpose == "plan":
+            plan = parse_plan(content)
+            if plan is not None:
+                return ModelResponse(text=content, plan=plan, tokens=tokens, memory=memory)
+        return ModelResponse(text=content, final=content, tokens=tokens, memory=memory)
 
 
 def _tool_call(raw: Any, names: dict[str, str]) -> ToolCallSpec:
@@ -599,3 +547,70 @@ class ChatStream:
             for _, call in sorted(self.calls.items())
         ]
         return "".join(self.content), calls, self.usage
+
+
+async def respond_streaming(
+    model: OpenAIModel,
+    request: ModelRequest,
+    names: dict[str, str],
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> ModelResponse:
+    """``model``'s call with ``stream: true``: each chunk's text and tool-call fragments go out
+    as ``ModelDelta``s while the answer is assembled (``ChatStream``)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    stream = ChatStream(names)
+    await emit_delta(ModelDelta("start"))
+    with http_errors(PROVIDER_NAME, model.url, model.timeout):
+        async with (
+            httpx.AsyncClient(timeout=model.timeout) as client,
+            client.stream(
+                "POST", model.url, json=body, headers=headers, follow_redirects=False
+            ) as reply,
+        ):
+            if reply.status_code >= 300:
+                await reply.aread()
+                raise ModelError(
+                    _error_message(reply), provider=PROVIDER_NAME, status=reply.status_code
+                )
+            async for event in httpx_sse.EventSource(reply).aiter_sse():
+                if event.data.strip() == "[DONE]":
+                    break
+                for delta in stream.feed(event.data):
+                    await emit_delta(delta)
+    content, raw_calls, usage = stream.result()
+    return model_response(request, names, content, raw_calls, usage)
+
+
+def model_response(
+    request: ModelRequest,
+    names: dict[str, str],
+    content: str,
+    raw_calls: list[Any],
+    usage: Any,
+) -> ModelResponse:
+    """The ``ModelResponse`` of a completed answer (a whole response or an assembled stream):
+    tool calls, else a plan (for ``purpose="plan"``) or a final answer; with its token usage."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    tokens = _count(usage.get("total_tokens")) or prompt + completion
+    calls = [_tool_call(raw, names) for raw in raw_calls]
+    plan = parse_plan(content) if not calls and request.purpose == "plan" else None
+    return ModelResponse(
+        text=content,
+        tool_calls=calls,
+        plan=plan,
+        final=content if not calls and plan is None else None,
+        tokens=tokens,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        memory=dict(request.memory),
+    )
+
+
+def _count(value: Any) -> int:
+    """A token count from a usage object (absent, null or nonsense counts as 0)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)
