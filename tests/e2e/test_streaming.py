@@ -158,7 +158,7 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
 
     assert seen_while_writing and TEXT.startswith(seen_while_writing)
     assert len(seen_while_writing) < len(TEXT)
-    ended = wait_status(system.url, session_id, "completed")
+    ended = wait_status(system.url, session_id, ("completed",))
     assert ended["output"] == TEXT
 
     frames = [item for item in items if item.event == "ModelDelta"]
@@ -196,3 +196,28 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
     logged = [item for item in items if item.id is not None and int(item.id) > int(intent.id)]
     assert [item.id for item in again] == [item.id for item in logged]
     assert all(item.event != "ModelDelta" for item in again)
+
+
+def test_the_same_agent_on_anthropic_without_streaming_sends_no_deltas(
+    system: Mesh, servers: dict[str, ReplayServer]
+) -> None:
+    server = servers["anthropic"]
+    server.tool_call("fs__write", {"path": "whole.txt", "content": "hello"}, prompt_tokens=50)
+    server.text(TEXT, prompt_tokens=80, completion_tokens=10)
+    definition = agent("anthropic")
+    definition["model"]["stream"] = False
+    created = httpx.post(
+        f"{system.url}/v1/sessions", json={"goal": "write a note", "definition": definition}
+    )
+    assert created.status_code == 201, created.text
+    session_id = created.json()["session_id"]
+    with httpx.Client(timeout=60.0) as client:
+        items = [
+            item
+            for item in sse(client, system.url, session_id, params={"deltas": "true"})
+            if item.comment is None
+        ]
+    assert wait_status(system.url, session_id, ("completed",))["output"] == TEXT
+    assert "ToolCallRecorded" in [item.event for item in items]
+    assert all(item.event != "ModelDelta" for item in items)
+    assert "stream" not in server.requests[-1].body

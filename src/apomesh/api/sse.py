@@ -177,6 +177,17 @@ async def live_items(
 ) -> AsyncIterator[Envelope | TurnDelta]:
     """The session's live tail after ``after`` (with ``deltas``, interleaved with the pieces of
     model turns as they arrive); ends with the tail (an error of the tail is raised here)."""
+    if not deltas:
+        tail = service.tail_events(session_id, after)
+        try:
+            async for env in tail:
+                yield env
+        finally:
+            closer = getattr(tail, "aclose", None)
+            if closer is not None:
+                with anyio.CancelScope(shield=True):
+                    await closer()
+        return
     queue: asyncio.Queue[Envelope | TurnDelta | BaseException | None] = asyncio.Queue(LIVE_QUEUE)
 
     async def events() -> None:
@@ -197,9 +208,7 @@ async def live_items(
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(delta)
 
-    tasks = [asyncio.create_task(events())]
-    if deltas:
-        tasks.append(asyncio.create_task(pieces()))
+    tasks = [asyncio.create_task(events()), asyncio.create_task(pieces())]
     try:
         while True:
             item = await queue.get()
