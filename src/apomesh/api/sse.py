@@ -203,8 +203,10 @@ async def live_items(
             if closer is not None:
                 await closer()
 
+    reader = service.live_deltas(session_id)
+
     async def pieces() -> None:
-        async for delta in service.live_deltas(session_id):
+        async for delta in reader:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(delta)
 
@@ -222,6 +224,9 @@ async def live_items(
             task.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
+            closer = getattr(reader, "aclose", None)
+            if closer is not None:
+                await closer()
 
 
 class EventStreams:

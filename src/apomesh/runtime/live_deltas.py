@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 from apomesh.runtime.protocol import TurnDelta
 
@@ -37,15 +36,34 @@ class LiveDeltas:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(delta)
 
-    async def follow(self, session_id: str) -> AsyncIterator[TurnDelta]:
-        """The deltas of ``session_id`` published from now on, until the caller stops."""
+    def follow(self, session_id: str) -> DeltaReader:
+        """A reader of the deltas of ``session_id`` published from now on (it follows from this
+        call, not from its first read), until it is closed."""
         queue: asyncio.Queue[TurnDelta] = asyncio.Queue(self.backlog)
-        readers = self._readers.setdefault(session_id, set())
-        readers.add(queue)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
+        self._readers.setdefault(session_id, set()).add(queue)
+        return DeltaReader(self, session_id, queue)
+
+    def _forget(self, session_id: str, queue: asyncio.Queue[TurnDelta]) -> None:
+        readers = self._readers.get(session_id)
+        if readers is not None:
             readers.discard(queue)
-            if not readers and self._readers.get(session_id) is readers:
+            if not readers:
                 del self._readers[session_id]
+
+
+class DeltaReader:
+    """One reader's deltas of one session, in order: ``async for``, then ``aclose()``."""
+
+    def __init__(self, hub: LiveDeltas, session_id: str, queue: asyncio.Queue[TurnDelta]) -> None:
+        self._hub = hub
+        self._session_id = session_id
+        self._queue = queue
+
+    def __aiter__(self) -> DeltaReader:
+        return self
+
+    async def __anext__(self) -> TurnDelta:
+        return await self._queue.get()
+
+    async def aclose(self) -> None:
+        self._hub._forget(self._session_id, self._queue)

@@ -431,6 +431,24 @@ class TurnDelta(msgspec.Struct, tag=True):
 
 MAX_DELTA_BYTES = 64 * 1024
 """The largest ``TurnDelta`` a daemon passes on (a worker sends small pieces)."""
+DELTA_PIECE_CHARS = 8 * 1024
+"""The most characters of text or arguments one ``TurnDelta`` carries (``delta_pieces``)."""
+
+
+def delta_pieces(delta: ModelDelta, size: int = DELTA_PIECE_CHARS) -> list[ModelDelta]:
+    """``delta`` cut so that none carries more than ``size`` characters of text or arguments
+    (a server may send a whole tool call, arguments and all, in one chunk); the tool's name
+    stays on the first piece."""
+    if len(delta.text) <= size and len(delta.arguments) <= size:
+        return [delta]
+    field = "text" if delta.kind == "text" else "arguments"
+    whole: str = getattr(delta, field)
+    pieces = [
+        msgspec.structs.replace(delta, **{field: whole[i : i + size]})
+        for i in range(0, len(whole), size)
+    ]
+    return [pieces[0], *(msgspec.structs.replace(p, tool="") for p in pieces[1:])]
+
 
 ENCODER = msgspec.msgpack.Encoder()
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)

@@ -71,6 +71,7 @@ from apomesh.runtime.protocol import (
     beat_subject,
     check_worker_id,
     control_subject,
+    delta_pieces,
     dispatch_subject,
 )
 
@@ -336,9 +337,11 @@ class Worker:
         async def send(report: Report) -> Reply:
             return await self.send(report, run.daemon)
 
-        async def publish_delta(delta: TurnDelta) -> None:
+        async def publish_delta(turn: TurnDelta) -> None:
             subject = control_subject(run.daemon, VERB_DELTA, self.worker_id)
-            await self.nc.publish(subject, ENCODER.encode(delta))
+            for piece in delta_pieces(turn.delta):
+                message = msgspec.structs.replace(turn, delta=piece)
+                await self.nc.publish(subject, ENCODER.encode(message))
 
         try:
             if run.memory_pages:
