@@ -131,8 +131,13 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
 ) -> None:
     server = servers[flavour]
     args = {"path": f"{flavour}.txt", "content": "hello"}
-    server.tool_call("fs__write", args, prompt_tokens=90, completion_tokens=20)
-    server.text(TEXT, prompt_tokens=120, completion_tokens=12, hold_after=HOLD)
+    # The tool call waits for the client to be connected (deltas are never replayed); the
+    # answer stops half-way, for the test to look at what the client has by then.
+    connected = server.tool_call(
+        "fs__write", args, prompt_tokens=90, completion_tokens=20, hold_after=0
+    )
+    writing = server.text(TEXT, prompt_tokens=120, completion_tokens=12, hold_after=HOLD)
+    assert connected is not None and writing is not None
     created = httpx.post(
         f"{system.url}/v1/sessions", json={"goal": "write a note", "definition": agent(flavour)}
     )
@@ -146,15 +151,19 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
             if item.comment is not None:
                 continue
             items.append(item)
+            if not connected.go.is_set():
+                # The stream follows the deltas from before its first frame.
+                assert connected.reached.wait(30), "the model was never asked"
+                connected.release()
             if seen_while_writing or not deltas(items, "text", 2):
                 continue
             # The model has begun its answer and is held mid-way by the server: what the
             # client has now, it got while the answer was being written.
-            assert server.held.wait(30), "the replay server never reached its hold"
+            assert writing.reached.wait(30), "the replay server never reached its hold"
             seen_while_writing = "".join(d["text"] for d in deltas(items, "text", 2))
             assert all(item.event != "SessionEnded" for item in items)
             forge_delta(system.nats_url, system.daemon.daemon_id, session_id)
-            server.release()
+            writing.release()
 
     assert seen_while_writing and TEXT.startswith(seen_while_writing)
     assert len(seen_while_writing) < len(TEXT)

@@ -25,14 +25,16 @@ usage goes, how a tool call is cut up, how an error arrives after the ``200``):
 
 The shapes follow what these servers send (their documentation and captures of their streams);
 ids, fingerprints and timestamps are fixed. Queue answers with ``text``, ``tool_call``,
-``stream_error`` or ``refuse``; each request takes the next. ``text(..., hold_after=n)`` makes
-that answer stop after its first ``n`` events until ``release()`` (``held`` is set meanwhile): a
-test can look at what a client saw while the model is still writing. Every request is recorded; a request whose conversation the
+``stream_error`` or ``refuse``; each request takes the next. ``hold_after=n`` makes an answer
+stop after its first ``n`` events: the ``Hold`` returned is ``reached`` then, and the answer goes
+on at its ``release()``, so a test can look at what a client saw while the model is still
+writing. Every request is recorded; a request whose conversation the
 real API would refuse (tool results answering no call) gets that API's 400.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import deque
@@ -51,6 +53,18 @@ HOLD_SECONDS = 30.0
 """The longest a held answer waits for ``release`` before it goes on anyway."""
 
 
+@dataclass
+class Hold:
+    """Where a queued answer stops until the test lets it go on."""
+
+    after: int
+    reached: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        self.go.set()
+
+
 @dataclass(frozen=True)
 class Answer:
     """One queued answer: ``text``, or a tool call ``(api name, args)``, or an error."""
@@ -61,8 +75,7 @@ class Answer:
     status: int = 200
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    hold_after: int | None = None
-    """Stop after this many events until ``ReplayServer.release``."""
+    hold: Hold | None = None
 
 
 def pieces(text: str, size: int) -> list[str]:
@@ -459,9 +472,7 @@ class ReplayServer(LocalHTTPServer):
     requests: list[RecordedRequest] = field(default_factory=list)
     _answers: deque[Answer] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _released: threading.Event = field(default_factory=threading.Event)
-    held: threading.Event = field(default_factory=threading.Event)
-    """Set while an answer waits for ``release`` (its first events are sent)."""
+    holds: list[Hold] = field(default_factory=list)
 
     # --- queued answers ------------------------------------------------------------------------
 
@@ -472,24 +483,27 @@ class ReplayServer(LocalHTTPServer):
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         hold_after: int | None = None,
-    ) -> None:
-        self._queue(
-            Answer(
-                text=text,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                hold_after=hold_after,
-            )
+    ) -> Hold | None:
+        """Queue a text answer."""
+        return self._queue(
+            Answer(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            hold_after,
         )
 
     def tool_call(
-        self, name: str, args: dict[str, Any], *, prompt_tokens: int = 0, completion_tokens: int = 0
-    ) -> None:
-        self._queue(
-            Answer(
-                call=(name, args), prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
-            )
+        self,
+        name: str,
+        args: dict[str, Any],
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        hold_after: int | None = None,
+    ) -> Hold | None:
+        """Queue one tool call ``name`` (the API's name) with ``args``."""
+        answer = Answer(
+            call=(name, args), prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
         )
+        return self._queue(answer, hold_after)
 
     def stream_error(self) -> None:
         """This flavour's error inside a stream that began with ``200``."""
@@ -500,12 +514,17 @@ class ReplayServer(LocalHTTPServer):
         self._queue(Answer(status=status))
 
     def release(self) -> None:
-        """Let a held answer go on."""
-        self._released.set()
+        """Let every held answer go on (at teardown)."""
+        for hold in self.holds:
+            hold.release()
 
-    def _queue(self, answer: Answer) -> None:
+    def _queue(self, answer: Answer, hold_after: int | None = None) -> Hold | None:
+        hold = Hold(hold_after) if hold_after is not None else None
         with self._lock:
-            self._answers.append(answer)
+            if hold is not None:
+                self.holds.append(hold)
+            self._answers.append(dataclasses.replace(answer, hold=hold))
+        return hold
 
     def _next(self) -> Answer | None:
         with self._lock:
@@ -554,21 +573,19 @@ class ReplayServer(LocalHTTPServer):
                         return
                     self._json(200, anthropic_message(answer))
                     return
-                self._stream(fake._events(answer, body), answer.hold_after)
+                self._stream(fake._events(answer, body), answer.hold)
 
-            def _stream(self, events: list[bytes], hold: int | None) -> None:
-                if hold is not None:
-                    fake._released.clear()
+            def _stream(self, events: list[bytes], hold: Hold | None) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream; charset=utf-8")
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 for number, event in enumerate(events):
-                    if number == hold:
+                    if hold is not None and number == hold.after:
                         self.wfile.flush()
-                        fake.held.set()
-                        fake._released.wait(HOLD_SECONDS)
+                        hold.reached.set()
+                        hold.go.wait(HOLD_SECONDS)
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
                     self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")

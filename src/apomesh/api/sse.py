@@ -147,37 +147,48 @@ async def session_frames(
     deltas: bool = False,
 ) -> AsyncIterator[bytes]:
     """Frames of ``replay`` (read before the response started, so an unknown session was a 404),
-    then of the live tail, without repeats or gaps, ending after ``SessionEnded``; with
-    ``deltas``, the live tail interleaved with the pieces of model turns."""
-    last = after
-    for env in replay:
-        if env.index <= last:
-            continue
-        yield frame(env)
-        last = env.index
-        if isinstance(env.event, SessionEnded):
+    then of the live tail, without repeats or gaps, ending after ``SessionEnded``. With
+    ``deltas`` the live tail is interleaved with the pieces of model turns, followed from before
+    the first frame (pieces written during the replay come after it)."""
+    pieces = service.live_deltas(session_id) if deltas else None
+    try:
+        last = after
+        for env in replay:
+            if env.index <= last:
+                continue
+            yield frame(env)
+            last = env.index
+            if isinstance(env.event, SessionEnded):
+                return
+        view = await service.get_session(session_id)
+        if view.terminal and view.last_index <= last:
             return
-    view = await service.get_session(session_id)
-    if view.terminal and view.last_index <= last:
-        return
-    async for item in live_items(service, session_id, last, deltas=deltas):
-        if isinstance(item, TurnDelta):
-            yield delta_frame(item)
-            continue
-        if item.index <= last:
-            continue
-        yield frame(item)
-        last = item.index
-        if isinstance(item.event, SessionEnded):
-            return
+        async for item in live_items(service, session_id, last, pieces):
+            if isinstance(item, TurnDelta):
+                yield delta_frame(item)
+                continue
+            if item.index <= last:
+                continue
+            yield frame(item)
+            last = item.index
+            if isinstance(item.event, SessionEnded):
+                return
+    finally:
+        closer = getattr(pieces, "aclose", None)
+        if closer is not None:
+            with anyio.CancelScope(shield=True):
+                await closer()
 
 
 async def live_items(
-    service: DaemonService, session_id: str, after: int, *, deltas: bool
+    service: DaemonService,
+    session_id: str,
+    after: int,
+    pieces: AsyncIterator[TurnDelta] | None,
 ) -> AsyncIterator[Envelope | TurnDelta]:
-    """The session's live tail after ``after`` (with ``deltas``, interleaved with the pieces of
-    model turns as they arrive); ends with the tail (an error of the tail is raised here)."""
-    if not deltas:
+    """The session's live tail after ``after``, interleaved with ``pieces`` (the pieces of model
+    turns) as they arrive when given; ends with the tail (an error of the tail is raised here)."""
+    if pieces is None:
         tail = service.tail_events(session_id, after)
         try:
             async for env in tail:
@@ -203,14 +214,12 @@ async def live_items(
             if closer is not None:
                 await closer()
 
-    reader = service.live_deltas(session_id)
-
-    async def pieces() -> None:
-        async for delta in reader:
+    async def forward(source: AsyncIterator[TurnDelta]) -> None:
+        async for delta in source:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(delta)
 
-    tasks = [asyncio.create_task(events()), asyncio.create_task(pieces())]
+    tasks = [asyncio.create_task(events()), asyncio.create_task(forward(pieces))]
     try:
         while True:
             item = await queue.get()
@@ -224,9 +233,6 @@ async def live_items(
             task.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
-            closer = getattr(reader, "aclose", None)
-            if closer is not None:
-                await closer()
 
 
 class EventStreams:
