@@ -184,6 +184,12 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
         if item.data and item.data.get("delta", {}).get("kind") == "tool_call"
     )
     assert call_frame < first(items, "ToolCallIntent")
+    # The log keeps the whole turn: the call as the model made it, the answer as the output.
+    logged_call = items[first(items, "ToolCallIntent")].data
+    assert logged_call is not None
+    assert (logged_call["event"]["tool"], logged_call["event"]["args"]) == ("fs.write", args)
+    session_end = items[first(items, "SessionEnded")].data
+    assert session_end is not None and session_end["event"]["output"] == TEXT
     assert "".join(d["text"] for d in deltas(items, "text", 2)) == TEXT
     last_text = max(
         i
@@ -199,7 +205,13 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
     with httpx.Client(timeout=60.0) as client:
         again = [
             item
-            for item in sse(client, system.url, session_id, headers={"Last-Event-ID": intent.id})
+            for item in sse(
+                client,
+                system.url,
+                session_id,
+                headers={"Last-Event-ID": intent.id},
+                params={"deltas": "true"},
+            )
             if item.comment is None
         ]
     logged = [item for item in items if item.id is not None and int(item.id) > int(intent.id)]
