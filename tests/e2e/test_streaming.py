@@ -3,7 +3,8 @@ worker processes against the replayed answers of OpenAI, vLLM, Ollama, llama.cpp
 Anthropic: the pieces of each model turn reach an SSE client live (while the model is still
 writing), as frames without an ``id``, before the turn's events; the log keeps the whole turn and
 a reconnect resumes from the log; a delta sent by a worker that does not run the agent is never
-shown."""
+shown; a worker killed while the model writes loses only the preview (the model is asked again,
+its tool call is not run again)."""
 
 from __future__ import annotations
 
@@ -242,3 +243,58 @@ def test_the_same_agent_on_anthropic_without_streaming_sends_no_deltas(
     assert "ToolCallRecorded" in [item.event for item in items]
     assert all(item.event != "ModelDelta" for item in items)
     assert "stream" not in server.requests[-1].body
+
+
+def test_a_worker_killed_mid_stream_loses_only_the_preview(
+    system: Mesh, servers: dict[str, ReplayServer]
+) -> None:
+    """Last in the module: it replaces the module's worker."""
+    server = servers["vllm"]
+    args = {"path": "killed.txt", "content": "once"}
+    connected = server.tool_call("fs__write", args, hold_after=0)
+    cut_short = server.text(TEXT, hold_after=HOLD)
+    server.text(TEXT, prompt_tokens=120, completion_tokens=12)
+    assert connected is not None and cut_short is not None
+    created = httpx.post(
+        f"{system.url}/v1/sessions", json={"goal": "write a note", "definition": agent("vllm")}
+    )
+    assert created.status_code == 201, created.text
+    session_id = created.json()["session_id"]
+
+    items: list[SseItem] = []
+    killed = False
+    with httpx.Client(timeout=60.0) as client:
+        for item in sse(client, system.url, session_id, params={"deltas": "true"}):
+            if item.comment is not None:
+                continue
+            items.append(item)
+            if not connected.go.is_set():
+                assert connected.reached.wait(30), "the model was never asked"
+                connected.release()
+            if killed or not deltas(items, "text", 2):
+                continue
+            assert cut_short.reached.wait(30)
+            # The model is half-way through its answer: its worker dies.
+            for worker in system.workers:
+                worker.kill()
+            system.worker("streamer-2", config=system.base / "providers.toml")
+            killed = True
+            cut_short.release()
+
+    assert wait_status(system.url, session_id, ("completed",))["output"] == TEXT
+    kinds = [item.event for item in items]
+    assert kinds.count("ToolCallIntent") == 1 and kinds.count("ToolCallRecorded") == 1
+    assert "AgentResuming" in kinds
+    # The preview of the lost answer stops where the worker died; the answer asked again starts
+    # over (``start``) and is whole.
+    step_two = [
+        item.data["delta"]
+        for item in items
+        if item.event == "ModelDelta" and item.data and item.data["step"] == 2
+    ]
+    starts = [i for i, d in enumerate(step_two) if d["kind"] == "start"]
+    assert len(starts) == 2, step_two
+    lost = "".join(d.get("text", "") for d in step_two[starts[0] : starts[1]])
+    assert lost and TEXT.startswith(lost) and lost != TEXT
+    assert "".join(d.get("text", "") for d in step_two[starts[1] :]) == TEXT
+    assert len([r for r in server.requests if r.body.get("stream")]) >= 3
