@@ -73,6 +73,7 @@ from apomesh.plugins.pins import check_pins
 from apomesh.runtime.catalog import Catalog, skill_names
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.live_deltas import LiveDeltas
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import (
     AGENT_PIN,
@@ -83,6 +84,7 @@ from apomesh.runtime.pinning import (
     published_agent,
 )
 from apomesh.runtime.presence import Presence
+from apomesh.runtime.protocol import TurnDelta
 from apomesh.runtime.registry import Recoverable, SessionRegistry
 from apomesh.runtime.sessions import Ending
 from apomesh.runtime.tails import SessionTails
@@ -114,6 +116,7 @@ class Service:
         boot_report: Callable[[], dict[str, Any]],
         presence: Presence | None = None,
         request_drain: Callable[[str], Awaitable[None]] | None = None,
+        deltas: LiveDeltas | None = None,
     ) -> None:
         self.registry = registry
         self.workers = workers
@@ -130,6 +133,7 @@ class Service:
         self._request_drain = request_drain
         # Every event-stream reader of a session shares one tail of its log.
         self.tails = SessionTails(log_adapter)
+        self.deltas = deltas if deltas is not None else LiveDeltas()
 
     # --- sessions ------------------------------------------------------------------------------------
 
@@ -293,6 +297,9 @@ class Service:
     async def tail_events(self, session_id: str, after: int) -> AsyncIterator[Envelope]:
         async for env in self.tails.follow(session_id, after):
             yield env
+
+    def live_deltas(self, session_id: str) -> AsyncIterator[TurnDelta]:
+        return self.deltas.follow(session_id)
 
     async def verify_session(self, session_id: str) -> VerificationView:
         """Fold the session's log from its start and check it against the stored snapshots,

@@ -42,6 +42,7 @@ from apomesh.runtime.protocol import (
     MEMORY_DECODER,
     REGISTER_REPLY_DECODER,
     REPLY_DECODER,
+    VERB_DELTA,
     VERB_DONE,
     VERB_HITL,
     VERB_JOB,
@@ -68,10 +69,12 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    TurnDelta,
     TurnReport,
     beat_subject,
     check_worker_id,
     control_subject,
+    delta_pieces,
     dispatch_subject,
 )
 
@@ -347,6 +350,12 @@ class Worker:
         async def send(report: Report) -> Reply:
             return await self.send(report, run.daemon)
 
+        async def publish_delta(turn: TurnDelta) -> None:
+            subject = control_subject(run.daemon, VERB_DELTA, self.worker_id)
+            for piece in delta_pieces(turn.delta):
+                message = msgspec.structs.replace(turn, delta=piece)
+                await self.nc.publish(subject, ENCODER.encode(message))
+
         try:
             if run.memory_pages:
                 run = msgspec.structs.replace(run, memory=await self._fetch_memory(run, send))
@@ -358,6 +367,7 @@ class Worker:
                 providers=self.providers,
                 supervisors=self.supervisors,
                 send=send,
+                publish_delta=publish_delta,
             )
             await send(done)
         except DaemonGone as exc:
