@@ -2,7 +2,9 @@
 worker processes against the replayed answers of OpenAI, vLLM, Ollama, llama.cpp server and
 Anthropic: the pieces of each model turn reach an SSE client live (while the model is still
 writing), as frames without an ``id``, before the turn's events; the log keeps the whole turn and
-a reconnect resumes from the log; a delta sent by a worker that does not run the agent is never
+a reconnect resumes from the log; the token usage the API counted (the last chunk's, or
+Anthropic's ``message_start`` and ``message_delta``) shows on the session view and in /metrics on
+both providers, streaming or not; a delta sent by a worker that does not run the agent is never
 shown; a worker killed while the model writes loses only the preview (the model is asked again,
 its tool call is not run again)."""
 
@@ -75,8 +77,9 @@ def system(
         nats.stop()
 
 
-def agent(flavour: str) -> dict[str, Any]:
-    """One agent; only the provider and the credential change."""
+def agent(flavour: str, model: str | None = None) -> dict[str, Any]:
+    """One agent; only the provider, the credential and the model's name (by default one per
+    flavour, for each flavour's own /metrics series) change."""
     return {
         "name": "note-taker",
         "coordination": "solo",
@@ -84,7 +87,7 @@ def agent(flavour: str) -> dict[str, Any]:
         "tools": ["fs.write"],
         "model": {
             "provider": "anthropic" if flavour == "anthropic" else "openai",
-            "model": "m",
+            "model": model or f"m-{flavour}",
             "credential": flavour,
             "stream": True,
         },
@@ -120,6 +123,22 @@ def deltas(items: list[SseItem], kind: str, step: int | None = None) -> list[dic
         and item.data["delta"]["kind"] == kind
         and (step is None or item.data["step"] == step)
     ]
+
+
+def assert_usage(
+    system: Mesh, ended: dict[str, Any], flavour: str, model: str, prompt: int, completion: int
+) -> None:
+    """The session view's usage (the session's and its agent's) and /metrics count the two
+    model calls with the tokens the API gave."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "model_calls": 2}
+    assert ended["usage"] == usage
+    assert [a["usage"] for a in ended["agents"]] == [usage]
+    metrics = httpx.get(f"{system.url}/metrics").text
+    provider = "anthropic" if flavour == "anthropic" else "openai"
+    labels = f'provider="{provider}",model="{model}"'
+    assert f'apomesh_model_calls_total{{{labels},outcome="ok"}} 2' in metrics
+    assert f'apomesh_model_tokens_total{{{labels},kind="prompt"}} {prompt}' in metrics
+    assert f'apomesh_model_tokens_total{{{labels},kind="completion"}} {completion}' in metrics
 
 
 def first(items: list[SseItem], event: str) -> int:
@@ -170,6 +189,7 @@ def test_deltas_reach_the_client_live_and_the_log_keeps_the_turn(
     assert len(seen_while_writing) < len(TEXT)
     ended = wait_status(system.url, session_id, ("completed",))
     assert ended["output"] == TEXT
+    assert_usage(system, ended, flavour, f"m-{flavour}", prompt=90 + 120, completion=20 + 12)
 
     frames = [item for item in items if item.event == "ModelDelta"]
     assert frames and all(item.id is None for item in frames)
@@ -224,9 +244,14 @@ def test_the_same_agent_on_anthropic_without_streaming_sends_no_deltas(
     system: Mesh, servers: dict[str, ReplayServer]
 ) -> None:
     server = servers["anthropic"]
-    server.tool_call("fs__write", {"path": "whole.txt", "content": "hello"}, prompt_tokens=50)
+    server.tool_call(
+        "fs__write",
+        {"path": "whole.txt", "content": "hello"},
+        prompt_tokens=50,
+        completion_tokens=7,
+    )
     server.text(TEXT, prompt_tokens=80, completion_tokens=10)
-    definition = agent("anthropic")
+    definition = agent("anthropic", model="m-anthropic-whole")
     definition["model"]["stream"] = False
     created = httpx.post(
         f"{system.url}/v1/sessions", json={"goal": "write a note", "definition": definition}
@@ -239,7 +264,9 @@ def test_the_same_agent_on_anthropic_without_streaming_sends_no_deltas(
             for item in sse(client, system.url, session_id, params={"deltas": "true"})
             if item.comment is None
         ]
-    assert wait_status(system.url, session_id, ("completed",))["output"] == TEXT
+    ended = wait_status(system.url, session_id, ("completed",))
+    assert ended["output"] == TEXT
+    assert_usage(system, ended, "anthropic", "m-anthropic-whole", prompt=50 + 80, completion=17)
     assert "ToolCallRecorded" in [item.event for item in items]
     assert all(item.event != "ModelDelta" for item in items)
     assert "stream" not in server.requests[-1].body

@@ -81,6 +81,7 @@ class Answer:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     hold: Hold | None = None
+    cut_after: int | None = None
 
 
 def pieces(text: str, size: int) -> list[str]:
@@ -491,12 +492,17 @@ class ReplayServer(LocalHTTPServer):
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         hold_after: int | None = None,
+        cut_after: int | None = None,
     ) -> Hold | None:
-        """Queue a text answer."""
-        return self._queue(
-            Answer(text=text, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
-            hold_after,
+        """Queue a text answer; ``cut_after=n`` closes the connection after its first ``n``
+        events, as a dropped connection cuts a stream mid-way."""
+        answer = Answer(
+            text=text,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cut_after=cut_after,
         )
+        return self._queue(answer, hold_after)
 
     def tool_call(
         self,
@@ -581,15 +587,22 @@ class ReplayServer(LocalHTTPServer):
                         return
                     self._json(200, anthropic_message(answer))
                     return
-                self._stream(fake._events(answer, body), answer.hold)
+                self._stream(fake._events(answer, body), answer.hold, answer.cut_after)
 
-            def _stream(self, events: list[bytes], hold: Hold | None) -> None:
+            def _stream(
+                self, events: list[bytes], hold: Hold | None, cut_after: int | None = None
+            ) -> None:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream; charset=utf-8")
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 for number, event in enumerate(events):
+                    if number == cut_after:
+                        # The connection drops: no last chunk, the answer is cut off.
+                        self.wfile.flush()
+                        self.close_connection = True
+                        return
                     if hold is not None and number == hold.after:
                         self.wfile.flush()
                         hold.reached.set()

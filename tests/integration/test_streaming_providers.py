@@ -15,7 +15,7 @@ from tests.fakes.stream_server import FLAVOURS, LEAKED_KEY, ReplayServer
 from apomesh.builtin.anthropic_model import AnthropicProvider
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.tools import BUILTIN_TOOLS
-from apomesh.core.definition import ModelSpec, ToolCallSpec
+from apomesh.core.definition import ModelRetry, ModelSpec, ToolCallSpec
 from apomesh.core.errors import DefinitionError
 from apomesh.plugins.api import (
     MODEL_DELTAS,
@@ -26,6 +26,7 @@ from apomesh.plugins.api import (
     ModelRequest,
     describe_tool,
 )
+from apomesh.runtime.model_calls import FailedAttempt, call_model
 
 pytestmark = pytest.mark.anyio
 
@@ -97,6 +98,48 @@ async def test_a_streamed_tool_call_then_a_streamed_answer(server: ReplayServer)
     texts = [d.text for d in deltas if d.kind == "text"]
     assert len(texts) > 1 and "".join(texts) == TEXT
     assert all(d.kind != "tool_call" for d in deltas)
+
+
+async def test_the_retry_layer_covers_streamed_calls(server: ReplayServer) -> None:
+    """A refusal before the stream starts (a 429 with its Retry-After) or an error inside it,
+    then a stream whose connection drops mid-way: both tried again, the third call answers."""
+    model = make_model(server, stream=True)
+    if server.flavour == "openai":
+        server.refuse(429)
+    else:
+        server.stream_error()
+    server.text(TEXT, prompt_tokens=500, completion_tokens=500, cut_after=3)
+    server.tool_call("fs__write", ARGS, prompt_tokens=96, completion_tokens=22)
+    failures: list[FailedAttempt] = []
+    deltas: list[ModelDelta] = []
+
+    async def failed(attempt: FailedAttempt) -> None:
+        failures.append(attempt)
+
+    async def sink(delta: ModelDelta) -> None:
+        deltas.append(delta)
+
+    token = MODEL_DELTAS.set(sink)
+    try:
+        answer = await call_model(
+            model,
+            request([Message(role="user", content="write a note")]),
+            ModelRetry(attempts=3, initial_delay=0.01, max_delay=0.01),
+            time_left=lambda: None,
+            on_failure=failed,
+        )
+    finally:
+        MODEL_DELTAS.reset(token)
+
+    assert answer.attempts == 3
+    assert answer.response.tool_calls == [ToolCallSpec("fs.write", ARGS)]
+    # Only the answer that completed counts its tokens.
+    assert (answer.response.prompt_tokens, answer.response.completion_tokens) == (96, 22)
+    assert [f.error.retryable for f in failures] == [True, True]
+    assert "broke before the answer was complete" in failures[1].error.message
+    if server.flavour == "openai":
+        assert (failures[0].error.status, failures[0].retry_in) == (429, 2.0)
+    assert [d.kind for d in deltas].count("start") == 3, "each attempt starts its preview over"
 
 
 async def test_an_error_inside_the_stream_is_a_short_typed_error(server: ReplayServer) -> None:

@@ -556,7 +556,8 @@ def check_stream_option(options: Mapping[str, Any], where: str) -> None:
 
 @contextlib.contextmanager
 def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
-    """Transport failures of a call to ``url`` as retryable ``ModelError``s."""
+    """Transport failures of a call to ``url`` as retryable ``ModelError``s: a timeout, a
+    connection that broke mid-answer (a stream cut off), an endpoint that cannot be reached."""
     try:
         yield
     except httpx.TimeoutException:
@@ -566,6 +567,13 @@ def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
     except httpx_sse.SSEError:
         raise ModelError(
             f"{url} did not answer with an event stream", provider=provider, retryable=False
+        ) from None
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        raise ModelError(
+            f"the connection to {url} broke before the answer was complete:"
+            f" {type(exc).__name__}: {exc}",
+            provider=provider,
+            retryable=True,
         ) from None
     except httpx.HTTPError as exc:
         raise ModelError(
