@@ -562,7 +562,9 @@ class ReplayServer(LocalHTTPServer):
                     return
                 with fake._lock:
                     fake.requests.append(
-                        RecordedRequest(self.path, dict(self.headers.items()), body)
+                        RecordedRequest(
+                            self.path, dict(self.headers.items()), body, self.client_address[1]
+                        )
                     )
                 if self.path != path:
                     self._json(404, fake._error_body(404))

@@ -222,3 +222,34 @@ def test_stream_must_be_a_boolean(flavour: str) -> None:
     with pytest.raises(DefinitionError) as caught:
         host.check(spec)
     assert "[model].stream" in str(caught.value)
+
+
+@pytest.mark.parametrize("flavour", ["openai", "anthropic"])
+async def test_streamed_and_whole_calls_share_the_providers_pooled_connection(
+    flavour: str,
+) -> None:
+    with ReplayServer(flavour) as server:
+        provider_type = AnthropicProvider if flavour == "anthropic" else OpenAIProvider
+        provider = provider_type(
+            credentials={"replay": Credential(base_url=server.base_url)}, environ={}
+        )
+        models = [
+            provider.create(
+                ModelSpec(provider=provider.name, model=name, options={"credential": "replay"})
+            )
+            for name in ("a", "b")
+        ]
+        streaming = provider.create(
+            ModelSpec(
+                provider=provider.name, model="c", options={"credential": "replay", "stream": True}
+            )
+        )
+        calls = [streaming, *models, streaming] if flavour == "anthropic" else [streaming] * 3
+        for _ in calls:
+            server.text(TEXT, prompt_tokens=5, completion_tokens=2)
+        for model in calls:
+            await model.respond(request([Message(role="user", content="go")]))
+        await provider.aclose()
+    # Kept alive: every call of the provider's models came over one connection.
+    assert len(server.requests) == len(calls)
+    assert len({r.client_port for r in server.requests}) == 1

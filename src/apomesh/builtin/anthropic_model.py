@@ -37,7 +37,6 @@ before ``message_stop`` is a retryable one.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +45,6 @@ import httpx
 import httpx_sse
 
 from apomesh.builtin.openai_model import (
-    DEFAULT_TIMEOUT,
     NO_RESULT,
     PLAN_INSTRUCTIONS,
     Credential,
@@ -54,6 +52,7 @@ from apomesh.builtin.openai_model import (
     api_tool_name,
     http_errors,
     model_response,
+    read_to_end,
     refusal,
     stream_error,
     tool_name_table,
@@ -61,7 +60,6 @@ from apomesh.builtin.openai_model import (
 from apomesh.core.definition import ModelSpec
 from apomesh.core.errors import DefinitionError
 from apomesh.plugins.api import (
-    Model,
     ModelDelta,
     ModelError,
     ModelRequest,
@@ -75,7 +73,6 @@ DEFAULT_API_KEY_ENV = "ANTHROPIC_API_KEY"
 API_VERSION = "2023-06-01"
 """The ``anthropic-version`` header: the Messages API version this provider speaks."""
 DEFAULT_MAX_TOKENS = 4096
-OWN_OPTIONS = frozenset({"credential", "timeout", "model", "stream"})
 OPTIONS: dict[str, str] = {
     "credential": "the worker's configured credential (endpoint and key) to call, default `default`",
     "timeout": "seconds one call may take (between two pieces of a stream), default 60",
@@ -271,11 +268,13 @@ class AnthropicModel:
                 if reply.status_code >= 300:
                     await reply.aread()
                     raise refusal(reply, PROVIDER_NAME, secret=self.api_key)
-                async for event in httpx_sse.EventSource(reply).aiter_sse():
+                events = httpx_sse.EventSource(reply).aiter_sse()
+                async for event in events:
                     for delta in message.feed(event.event, event.data):
                         await emit_delta(delta)
                     if message.stopped:
                         break
+                await read_to_end(events)
         return message.response(request)
 
 
@@ -387,10 +386,12 @@ class MessageStream:
 
 class AnthropicProvider(OpenAIProvider):
     """The ``anthropic`` provider: named credentials exactly as ``openai`` has them (checked the
-    same way), calling the Messages API."""
+    same way), the same pooled client and ``create`` (building an ``AnthropicModel``), calling
+    the Messages API."""
 
     name: str = PROVIDER_NAME
     options: Mapping[str, str] = OPTIONS
+    model_class = AnthropicModel
 
     def check(self, spec: ModelSpec, where: str = "[model]") -> Credential:
         credential = super().check(spec, where)
@@ -400,18 +401,3 @@ class AnthropicProvider(OpenAIProvider):
                 "`max_tokens` must be a positive whole number", where=f"{where}.max_tokens"
             )
         return credential
-
-    def create(self, spec: ModelSpec) -> Model:
-        credential = self.check(spec)
-        options = dict(spec.options)
-        environ = os.environ if self._environ is None else self._environ
-        key = environ.get(credential.api_key_env) if credential.api_key_env else None
-        return AnthropicModel(
-            model=str(spec.model or options.get("model")),
-            base_url=credential.base_url,
-            api_key=key or None,
-            timeout=float(options.get("timeout", DEFAULT_TIMEOUT)),
-            passthrough={k: v for k, v in options.items() if k not in OWN_OPTIONS},
-            client=self._pool.client,
-            stream=options.get("stream", False) is True,
-        )

@@ -49,7 +49,7 @@ import email.utils
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,7 @@ DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_CREDENTIAL = "default"
 DEFAULT_TIMEOUT = 60.0
 OWN_OPTIONS = frozenset({"credential", "timeout", "model", "stream"})
+"""Options the provider reads itself (both providers): never sent in the request body."""
 OPTIONS: dict[str, str] = {
     "credential": "the worker's configured credential (endpoint and key) to call, default `default`",
     "timeout": "seconds one call may take before it is abandoned (and tried again), default 60",
@@ -471,6 +472,8 @@ class OpenAIProvider:
 
     name: str = PROVIDER_NAME
     options: Mapping[str, str] = OPTIONS
+    model_class: Callable[..., Model] = OpenAIModel
+    """What ``create`` builds (``anthropic`` builds its own model the same way)."""
 
     def __init__(
         self,
@@ -533,7 +536,7 @@ class OpenAIProvider:
         options = dict(spec.options)
         environ = os.environ if self._environ is None else self._environ
         key = environ.get(credential.api_key_env) if credential.api_key_env else None
-        return OpenAIModel(
+        return self.model_class(
             model=str(spec.model or options.get("model")),
             base_url=credential.base_url,
             api_key=key or None,
@@ -579,6 +582,20 @@ def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
         raise ModelError(
             f"cannot reach {url}: {type(exc).__name__}: {exc}", provider=provider, retryable=True
         ) from None
+
+
+DRAIN_SECONDS = 1.0
+"""How long a finished stream's remaining bytes (its last, empty chunk) are waited for."""
+
+
+async def read_to_end(events: AsyncIterator[Any]) -> None:
+    """Read what follows the end of an answer in its stream, so that its kept-alive connection
+    goes back to the pool (a response left half-read closes it); a server that keeps the
+    stream open past ``DRAIN_SECONDS`` or breaks it now costs only that connection."""
+    with contextlib.suppress(httpx.HTTPError, TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for _ in events:
+                pass
 
 
 def stream_error(error: Any, provider: str, secret: str | None = None) -> ModelError:
@@ -743,11 +760,13 @@ async def respond_streaming(
             if reply.status_code >= 300:
                 await reply.aread()
                 raise refusal(reply, PROVIDER_NAME, secret=model.api_key)
-            async for event in httpx_sse.EventSource(reply).aiter_sse():
+            events = httpx_sse.EventSource(reply).aiter_sse()
+            async for event in events:
                 if event.data.strip() == "[DONE]":
                     break
                 for delta in stream.feed(event.data):
                     await emit_delta(delta)
+            await read_to_end(events)
     content, raw_calls, usage = stream.result()
     return model_response(request, names, content, raw_calls, usage)
 
