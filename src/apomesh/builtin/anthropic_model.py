@@ -7,10 +7,10 @@ with the key in ``ANTHROPIC_API_KEY``), ``timeout`` in seconds (default 60), ``m
 API requires one; default 4096), ``stream`` (``true``: the answer streams and its pieces reach the
 session's live readers as it is written), and the request parameters it declares
 (``OPTIONS``, its ``ModelProvider.options``: ``temperature``, ``top_p``, ``top_k``,
-``stop_sequences`` ...), sent in the request body unchanged; any other key is refused at submit. Endpoints and
-keys are the worker's configuration, never the definition's, exactly as for the ``openai``
-provider (whose credential checks this one shares): the key goes in ``x-api-key`` to its own
-credential's ``base_url`` only, redirects are not followed.
+``stop_sequences`` ...), sent in the request body unchanged; any other key is refused at submit.
+Endpoints and keys are the worker's configuration, never the definition's, exactly as for the
+``openai`` provider (whose credential checks this one shares): the key goes in ``x-api-key`` to
+its own credential's ``base_url`` only, redirects are not followed.
 
 Mapping: the agent's instructions (and for ``purpose="plan"`` the planning instructions) become
 ``system``; tools become ``{name, description, input_schema}`` with the same reversible name
