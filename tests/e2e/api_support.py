@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from apomesh.testing import Mesh
 
@@ -195,6 +196,16 @@ def view(url: str, session_id: str, token: str | None = None) -> dict[str, Any]:
     assert response.status_code == 200, response.text
     body: dict[str, Any] = response.json()
     return body
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample of a daemon's ``/metrics`` (``None`` when it serves no such series)."""
+    wanted = tuple(sorted(labels.items()))
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and tuple(sorted(sample.labels.items())) == wanted:
+                return float(sample.value)
+    return None
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 60.0, what: str = "the condition") -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from tests.e2e.api_support import metric
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.fakes.openai_shapes import OLLAMA, OPENAI, WRITE_ARGS
 
@@ -164,20 +164,13 @@ def test_a_session_rides_through_a_429_a_503_and_a_timeout_and_completes(
     assert retries[0]["delay"] == 2.0
     assert "within 0.5 s" in retries[2]["reason"]
 
-    metrics = {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(httpx.get(f"{system.url}/metrics").text)
-        for sample in family.samples
-    }
-    labels = (("model", "gpt-4o-mini"), ("provider", "openai"))
-
-    def sample(name: str, **extra: str) -> float | None:
-        return metrics.get((name, tuple(sorted((*labels, *extra.items())))))
-
-    assert sample("apomesh_model_call_seconds_count", outcome="ok") == 2
-    assert sample("apomesh_model_call_seconds_count", outcome="error") == 3
-    assert sample("apomesh_model_tokens_total", kind="prompt") == prompt
-    assert sample("apomesh_model_tokens_total", kind="completion") == completion
+    labels = {"provider": "openai", "model": "gpt-4o-mini"}
+    assert metric(system.url, "apomesh_model_call_seconds_count", outcome="ok", **labels) == 2
+    assert metric(system.url, "apomesh_model_call_seconds_count", outcome="error", **labels) == 3
+    assert metric(system.url, "apomesh_model_tokens_total", kind="prompt", **labels) == prompt
+    assert (
+        metric(system.url, "apomesh_model_tokens_total", kind="completion", **labels) == completion
+    )
 
 
 def test_a_401_stops_the_session_with_the_provider_message_and_the_operator_resumes_it(

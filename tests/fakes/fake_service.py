@@ -72,7 +72,9 @@ from apomesh.core.views import (
     session_view,
     unknown_outcomes,
 )
+from apomesh.runtime.live_deltas import LiveDeltas
 from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.protocol import TurnDelta
 
 SKILL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -117,6 +119,8 @@ class FakeService:
         self.skills: dict[str, SkillView] = {}
         self.agents: dict[tuple[str, str], AgentRecordView] = {}
         self.metrics = DaemonMetrics()
+        self.deltas = LiveDeltas()
+        """Publish ``TurnDelta``s here to show them to the sessions' live event streams."""
         self.calls: list[tuple[Any, ...]] = []
         self.max_skill_bytes = max_skill_bytes
         self.broken: Exception | None = None  # raised by the next service call, once
@@ -316,6 +320,9 @@ class FakeService:
                     return
         finally:
             await tail.aclose()  # type: ignore[attr-defined]
+
+    def live_deltas(self, session_id: str) -> AsyncIterator[TurnDelta]:
+        return self.deltas.follow(session_id)
 
     async def verify_session(self, session_id: str) -> VerificationView:
         """The fake stores no snapshots: it folds the log and checks its event ids."""

@@ -4,10 +4,21 @@ A fake subclasses ``LocalHTTPServer`` and passes its request handler class to ``
 
 from __future__ import annotations
 
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A client dropping a kept-alive connection (a pooled client never closed, a stream cut on
+    purpose) is ordinary for a server, not an error worth a traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class LocalHTTPServer:
@@ -26,7 +37,7 @@ class LocalHTTPServer:
         raise NotImplementedError
 
     def serve(self, handler: type[BaseHTTPRequestHandler], port: int = 0) -> None:
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self._server = _QuietServer(("127.0.0.1", port), handler)
         self._server.daemon_threads = True
         # A short poll interval keeps ``stop`` (shutdown waits for one poll) quick.
         self._thread = threading.Thread(

@@ -431,3 +431,20 @@ def test_declared_options_and_a_retry_table_are_taken() -> None:
     with pytest.raises(DefinitionError) as negative:
         parse_definition(minimal(model={**model, "retry": {"attempts": 0}}))
     assert negative.value.where.endswith("$.model.retry.attempts")
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_stream_is_a_declared_option_of_both_http_providers(provider: str) -> None:
+    from apomesh.plugins.manager import PluginHost
+    from apomesh.runtime.composition import check_model_options
+
+    host = PluginHost()
+    host.model_providers()[provider].use_credentials(  # type: ignore[attr-defined]
+        {"default": Credential(base_url="http://127.0.0.1:1/v1")}
+    )
+    model = {"provider": provider, "model": "m", "stream": True, "temperature": 0.2}
+    check_model_options(parse_definition(minimal(model=model)), host)
+    with pytest.raises(DefinitionError) as caught:
+        check_model_options(parse_definition(minimal(model={**model, "strem": True})), host)
+    assert caught.value.where == "$.model.strem"
+    assert "did you mean `stream`" in caught.value.message

@@ -183,7 +183,7 @@ def test_the_builtin_plugin_registers_everything_apomesh_ships() -> None:
         "checkpoint.now",
         "jobs.sleep",
     }
-    assert set(host.model_providers()) == {"scripted", "openai"}
+    assert set(host.model_providers()) == {"scripted", "openai", "anthropic"}
     assert set(host.checkpoint_sources()) == set(BUILTIN_CHECKPOINT_SOURCES)
     assert set(host.coordination_kinds()) == {kind.name for kind in COORDINATION_KINDS}
     assert list(host.supervisor_policies()) == ["loop-guard"]

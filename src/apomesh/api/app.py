@@ -323,9 +323,12 @@ class _Api:
             after = start_after(request.headers, request.query_params)
         except InvalidStart as exc:
             raise BadRequest("invalid_query", str(exc)) from None
+        deltas = request.query_params.get("deltas", "false")
+        if deltas not in ("true", "false"):
+            raise BadRequest("invalid_query", "deltas must be true or false")
         # Read before answering, so an unknown session is a plain 404 rather than a broken stream.
         replay = await self.service.read_events(session_id, after)
-        frames = session_frames(self.service, session_id, after, replay)
+        frames = session_frames(self.service, session_id, after, replay, deltas=deltas == "true")
         authorization = request.headers.get("authorization")
         return EventStreamResponse(
             frames,

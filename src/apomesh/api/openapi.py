@@ -197,7 +197,7 @@ class Media:
 @dataclass(frozen=True, slots=True)
 class QueryParam:
     name: str
-    kind: str  # "string" | "integer"
+    kind: str  # "string" | "integer" | "boolean"
     description: str
 
 
@@ -231,7 +231,8 @@ class RouteSpec:
 _SSE = Media(
     "text/event-stream",
     "Server-sent events: `id: <index>`, `event: <EventName>`, "
-    "`data: <envelope JSON>`; ends after SessionEnded",
+    "`data: <envelope JSON>`; ends after SessionEnded. With `deltas=true`, also "
+    "`event: ModelDelta` frames without an id while a streaming model writes",
 )
 _TEXT_METRICS = Media("text/plain; version=0.0.4", "Prometheus text exposition")
 _HTML = Media("text/html", "The operator console")
@@ -323,6 +324,12 @@ ROUTES: tuple[RouteSpec, ...] = (
                 "integer",
                 "start after this index (the Last-Event-ID "
                 "header wins when both are given); -1 replays everything",
+            ),
+            QueryParam(
+                "deltas",
+                "boolean",
+                "true: the live part also carries the pieces of model turns as streaming models "
+                "write them (`event: ModelDelta` frames without an id, never replayed)",
             ),
         ),
     ),

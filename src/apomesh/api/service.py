@@ -37,6 +37,7 @@ from apomesh.core.views import (
     VerificationView,
     WorkerView,
 )
+from apomesh.runtime.protocol import TurnDelta
 
 
 class DaemonService(Protocol):
@@ -93,6 +94,11 @@ class DaemonService(Protocol):
         as they are appended, in order and without gaps, through resumes. It ends after the
         session's terminal event (``SessionEnded``), at once if that is at or before ``after``.
         The caller may stop early (closing the iterator). Raises ``NotFound``."""
+        ...
+
+    def live_deltas(self, session_id: str) -> AsyncIterator[TurnDelta]:
+        """The pieces of the session's model turns published from now on, as streaming models
+        write them (a preview, never replayed), until the caller stops."""
         ...
 
     async def verify_session(self, session_id: str) -> VerificationView:

@@ -8,7 +8,18 @@ Each event is one frame::
     data: {"v":1,"session_id":...,"index":...,"ts":...,"event_id":...,"kind":...,"event":{...}}
 
 (bytes fields in ``event`` are base64 strings). A client resumes with ``Last-Event-ID: <index>``
-(or ``?after=<index>``) and gets exactly the events after it. ``: keep-alive`` comment lines keep
+(or ``?after=<index>``) and gets exactly the events after it.
+
+With ``?deltas=true``, while a streaming model writes an agent's turn, the live part of the
+stream interleaves the pieces as they come, each a frame *without* an ``id`` (so a client's
+``Last-Event-ID`` stays the last event's index)::
+
+    event: ModelDelta
+    data: {"session_id":...,"agent":"root","step":3,"delta":{"kind":"text","text":"Hel"}}
+
+``delta`` is a ``ModelDelta`` (``kind`` ``start``, ``text`` or ``tool_call`` with ``call``,
+``tool`` and ``arguments``). They are a preview: never replayed, dropped for a client that falls
+behind; the turn itself arrives as events like any other, after its pieces. ``: keep-alive`` comment lines keep
 idle connections open through proxies. The stream ends after the terminal ``SessionEnded`` event.
 The token a stream was opened with is checked again every ``AUTH_RECHECK_SECONDS``: once it is
 revoked or expired the stream sends one ``event: error`` frame (``{"error": "unauthorized",
@@ -17,6 +28,7 @@ revoked or expired the stream sends one ``event: error`` frame (``{"error": "una
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
@@ -32,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 from apomesh.api.service import DaemonService
 from apomesh.core.envelope import Envelope
 from apomesh.core.events import SessionEnded, event_name
+from apomesh.runtime.protocol import TurnDelta
 
 log = logging.getLogger("apomesh.api.sse")
 
@@ -84,6 +97,25 @@ def frame(env: Envelope) -> bytes:
     return encoded
 
 
+DELTA_EVENT = "ModelDelta"
+"""The SSE event name of a frame carrying a piece of a model turn."""
+LIVE_QUEUE = 256
+"""Live items (events and deltas) a stream holds for its client; deltas beyond it are dropped."""
+
+
+def delta_frame(delta: TurnDelta) -> bytes:
+    """The frame of a piece of a model turn: no ``id`` line (it is not in the log)."""
+    data = msgspec.json.encode(
+        {
+            "session_id": delta.session_id,
+            "agent": delta.agent,
+            "step": delta.step,
+            "delta": delta.delta,
+        }
+    )
+    return b"event: %s\ndata: %s\n\n" % (DELTA_EVENT.encode(), data)
+
+
 class InvalidStart(ValueError):
     """A ``Last-Event-ID`` header or ``after`` parameter that is not an index."""
 
@@ -107,35 +139,100 @@ def start_after(headers: Mapping[str, str], query: Mapping[str, str]) -> int:
 
 
 async def session_frames(
-    service: DaemonService, session_id: str, after: int, replay: list[Envelope]
+    service: DaemonService,
+    session_id: str,
+    after: int,
+    replay: list[Envelope],
+    *,
+    deltas: bool = False,
 ) -> AsyncIterator[bytes]:
     """Frames of ``replay`` (read before the response started, so an unknown session was a 404),
-    then of the live tail, without repeats or gaps, ending after ``SessionEnded``."""
-    last = after
-    for env in replay:
-        if env.index <= last:
-            continue
-        yield frame(env)
-        last = env.index
-        if isinstance(env.event, SessionEnded):
-            return
-    view = await service.get_session(session_id)
-    if view.terminal and view.last_index <= last:
-        return
-    tail = service.tail_events(session_id, last)
+    then of the live tail, without repeats or gaps, ending after ``SessionEnded``. With
+    ``deltas`` the live tail is interleaved with the pieces of model turns, followed from before
+    the first frame (pieces written during the replay come after it)."""
+    pieces = service.live_deltas(session_id) if deltas else None
     try:
-        async for env in tail:
+        last = after
+        for env in replay:
             if env.index <= last:
                 continue
             yield frame(env)
             last = env.index
             if isinstance(env.event, SessionEnded):
                 return
+        view = await service.get_session(session_id)
+        if view.terminal and view.last_index <= last:
+            return
+        async for item in live_items(service, session_id, last, pieces):
+            if isinstance(item, TurnDelta):
+                yield delta_frame(item)
+                continue
+            if item.index <= last:
+                continue
+            yield frame(item)
+            last = item.index
+            if isinstance(item.event, SessionEnded):
+                return
     finally:
-        closer = getattr(tail, "aclose", None)
+        closer = getattr(pieces, "aclose", None)
         if closer is not None:
             with anyio.CancelScope(shield=True):
                 await closer()
+
+
+async def live_items(
+    service: DaemonService,
+    session_id: str,
+    after: int,
+    pieces: AsyncIterator[TurnDelta] | None,
+) -> AsyncIterator[Envelope | TurnDelta]:
+    """The session's live tail after ``after``, interleaved with ``pieces`` (the pieces of model
+    turns) as they arrive when given; ends with the tail (an error of the tail is raised here)."""
+    if pieces is None:
+        tail = service.tail_events(session_id, after)
+        try:
+            async for env in tail:
+                yield env
+        finally:
+            closer = getattr(tail, "aclose", None)
+            if closer is not None:
+                with anyio.CancelScope(shield=True):
+                    await closer()
+        return
+    queue: asyncio.Queue[Envelope | TurnDelta | BaseException | None] = asyncio.Queue(LIVE_QUEUE)
+
+    async def events() -> None:
+        tail = service.tail_events(session_id, after)
+        try:
+            async for env in tail:
+                await queue.put(env)
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            closer = getattr(tail, "aclose", None)
+            if closer is not None:
+                await closer()
+
+    async def forward(source: AsyncIterator[TurnDelta]) -> None:
+        async for delta in source:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(delta)
+
+    tasks = [asyncio.create_task(events()), asyncio.create_task(forward(pieces))]
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class EventStreams:

@@ -29,36 +29,56 @@ HTTP errors and an unreachable endpoint raise ``ModelError`` (retryable for 429,
 connection errors; ``retry_after`` from ``Retry-After``) with the status, the API's short error
 code (``rate_limit_exceeded``) and its own message, made fit for the log by ``scrub`` (one short
 printable line, anything shaped like a key replaced): the runtime, not the provider, tries again.
+
+With ``stream = true`` the call asks for an event stream (and the usage in its last chunk,
+``stream_options.include_usage``) on the same pooled client: ``respond_streaming`` hands every
+piece of text and of a tool call to ``emit_delta`` as it arrives and assembles the same
+``ModelResponse`` (``ChatStream``, which reads the chunk shapes of OpenAI, vLLM, Ollama and
+llama.cpp server alike; ``model_response`` builds the answer of both paths). A refusal before the
+stream starts is the same ``ModelError`` as without streaming; an error inside the stream
+(``stream_error``) and a stream cut off before its end are ``ModelError``s too, the latter
+retryable, so the runtime's retries cover streamed calls alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import msgspec
+import httpx_sse
 
 from apomesh.core.definition import ModelSpec, ToolCallSpec
 from apomesh.core.errors import DefinitionError
-from apomesh.plugins.api import Message, Model, ModelError, ModelRequest, ModelResponse
+from apomesh.plugins.api import (
+    Message,
+    Model,
+    ModelDelta,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    emit_delta,
+)
 
 PROVIDER_NAME = "openai"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_CREDENTIAL = "default"
 DEFAULT_TIMEOUT = 60.0
-OWN_OPTIONS = frozenset({"credential", "timeout", "model"})
+OWN_OPTIONS = frozenset({"credential", "timeout", "model", "stream"})
+"""Options the provider reads itself (both providers): never sent in the request body."""
 OPTIONS: dict[str, str] = {
     "credential": "the worker's configured credential (endpoint and key) to call, default `default`",
     "timeout": "seconds one call may take before it is abandoned (and tried again), default 60",
+    "stream": "true: stream the answer, its pieces shown live on the session's event stream",
     "temperature": "sampling temperature, sent as is",
     "top_p": "nucleus sampling, sent as is",
     "max_tokens": "the most tokens one answer may have, sent as is",
@@ -99,9 +119,9 @@ class Credential:
     api_key_env: str = ""
 
 
-def check_credential(name: str, credential: Credential) -> None:
+def check_credential(name: str, credential: Credential, provider: str = PROVIDER_NAME) -> None:
     """Refuse a credential that is not an http(s) endpoint or whose key is apomesh's own secret."""
-    where = f"[providers.openai.credentials.{name}]"
+    where = f"[providers.{provider}.credentials.{name}]"
     if not credential.base_url.startswith(("http://", "https://")):
         raise DefinitionError(
             f"`base_url` {credential.base_url!r} is not an http(s) URL", where=where
@@ -245,6 +265,7 @@ class OpenAIModel:
         timeout: float,
         passthrough: dict[str, Any],
         client: Callable[[], httpx.AsyncClient] | None = None,
+        stream: bool = False,
     ) -> None:
         self.model = model
         self.url = base_url.rstrip("/") + "/chat/completions"
@@ -252,6 +273,7 @@ class OpenAIModel:
         self.timeout = timeout
         self.passthrough = passthrough
         self._client = client or _ClientPool().client
+        self.stream = stream
 
     def request_body(self, request: ModelRequest) -> dict[str, Any]:
         extra = self.passthrough.get("extra_body") or {}
@@ -269,30 +291,15 @@ class OpenAIModel:
         names = tool_name_table(request.tools)
         body = self.request_body(request)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
+        if self.stream:
+            return await respond_streaming(self, request, names, body, headers)
+        with http_errors(PROVIDER_NAME, self.url, self.timeout):
             # Never follow a redirect: the key goes to this endpoint and nowhere else.
             reply = await self._client().post(
                 self.url, json=body, headers=headers, timeout=self.timeout, follow_redirects=False
             )
-        except httpx.TimeoutException:
-            raise ModelError(
-                f"no answer from {self.url} within {self.timeout:g} s",
-                provider=PROVIDER_NAME,
-                retryable=True,
-            ) from None
-        except httpx.HTTPError as exc:
-            raise ModelError(
-                f"cannot reach {self.url}: {type(exc).__name__}: {exc}",
-                provider=PROVIDER_NAME,
-                retryable=True,
-            ) from None
         if reply.status_code >= 300:
-            raise ModelError(
-                error_message(reply, secret=self.api_key),
-                provider=PROVIDER_NAME,
-                status=reply.status_code,
-                retry_after=retry_after(reply.headers),
-            )
+            raise refusal(reply, PROVIDER_NAME, secret=self.api_key)
         return parse_completion(reply, request, names, secret=self.api_key)
 
 
@@ -311,29 +318,12 @@ def parse_completion(
         message = data["choices"][0]["message"]
         content = _text(message.get("content"))
         raw_calls = message.get("tool_calls") or []
-        usage = data.get("usage") or {}
-        prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        completion_tokens = int(usage.get("completion_tokens") or 0)
-        tokens = int(usage.get("total_tokens") or 0) or prompt_tokens + completion_tokens
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        usage = data.get("usage")
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ModelError(
             f"unexpected response shape ({type(exc).__name__}: {exc})", provider=PROVIDER_NAME
         ) from None
-    answer = ModelResponse(
-        text=content,
-        tokens=tokens,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        memory=dict(request.memory),
-    )
-    if raw_calls:
-        calls = [_tool_call(raw, names) for raw in raw_calls]
-        return msgspec.structs.replace(answer, tool_calls=calls)
-    if request.purpose == "plan":
-        plan = parse_plan(content)
-        if plan is not None:
-            return msgspec.structs.replace(answer, plan=plan)
-    return msgspec.structs.replace(answer, final=content)
+    return model_response(request, names, content, raw_calls, usage)
 
 
 def _text(content: Any) -> str:
@@ -440,6 +430,17 @@ def retry_after(headers: httpx.Headers) -> float | None:
     return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
 
 
+def refusal(reply: httpx.Response, provider: str, secret: str | None = None) -> ModelError:
+    """The ``ModelError`` of an answer with an error status (read in full): its status, its
+    scrubbed message (``error_message``) and the delay it asks for (``retry_after``)."""
+    return ModelError(
+        error_message(reply, secret=secret),
+        provider=provider,
+        status=reply.status_code,
+        retry_after=retry_after(reply.headers),
+    )
+
+
 class _ClientPool:
     """One ``httpx.AsyncClient`` (a pool of kept-alive connections) for every model of a
     provider in this process, made on first use and made again on another event loop (a client
@@ -471,6 +472,8 @@ class OpenAIProvider:
 
     name: str = PROVIDER_NAME
     options: Mapping[str, str] = OPTIONS
+    model_class: Callable[..., Model] = OpenAIModel
+    """What ``create`` builds (``anthropic`` builds its own model the same way)."""
 
     def __init__(
         self,
@@ -489,7 +492,7 @@ class OpenAIProvider:
     def use_credentials(self, credentials: Mapping[str, Credential]) -> None:
         """Replace the configured credentials (each is checked first)."""
         for name, credential in credentials.items():
-            check_credential(name, credential)
+            check_credential(name, credential, self.name)
         self.credentials = dict(credentials)
 
     def check(self, spec: ModelSpec, where: str = "[model]") -> Credential:
@@ -498,12 +501,13 @@ class OpenAIProvider:
         options = dict(spec.options)
         model = spec.model or options.get("model")
         if not isinstance(model, str) or not model:
-            raise DefinitionError("the openai provider needs `model`", where=where)
+            raise DefinitionError(f"the {self.name} provider needs `model`", where=where)
         for key in WORKER_ONLY_OPTIONS:
             if key in options:
                 raise DefinitionError(
                     f"`{key}` is not set by a definition: the worker's config holds endpoints and"
-                    " keys ([providers.openai.credentials.<name>]); name one with `credential`",
+                    f" keys ([providers.{self.name}.credentials.<name>]); name one with"
+                    " `credential`",
                     where=f"{where}.{key}",
                 )
         name = options.get("credential", DEFAULT_CREDENTIAL)
@@ -524,6 +528,7 @@ class OpenAIProvider:
             raise DefinitionError(
                 f"`{key}` is set by apomesh, not by `extra_body`", where=f"{where}.extra_body.{key}"
             )
+        check_stream_option(options, where)
         return self.credentials[name]
 
     def create(self, spec: ModelSpec) -> Model:
@@ -531,11 +536,270 @@ class OpenAIProvider:
         options = dict(spec.options)
         environ = os.environ if self._environ is None else self._environ
         key = environ.get(credential.api_key_env) if credential.api_key_env else None
-        return OpenAIModel(
+        return self.model_class(
             model=str(spec.model or options.get("model")),
             base_url=credential.base_url,
             api_key=key or None,
             timeout=float(options.get("timeout", DEFAULT_TIMEOUT)),
             passthrough={k: v for k, v in options.items() if k not in OWN_OPTIONS},
             client=self._pool.client,
+            stream=options.get("stream", False) is True,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming: the chunks of a ``stream: true`` answer
+
+
+def check_stream_option(options: Mapping[str, Any], where: str) -> None:
+    """``stream``, when given, is ``true`` or ``false``."""
+    if "stream" in options and not isinstance(options["stream"], bool):
+        raise DefinitionError("`stream` must be true or false", where=f"{where}.stream")
+
+
+@contextlib.contextmanager
+def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
+    """Transport failures of a call to ``url`` as retryable ``ModelError``s: a timeout, a
+    connection that broke mid-answer (a stream cut off), an endpoint that cannot be reached."""
+    try:
+        yield
+    except httpx.TimeoutException:
+        raise ModelError(
+            f"no answer from {url} within {timeout:g} s", provider=provider, retryable=True
+        ) from None
+    except httpx_sse.SSEError:
+        raise ModelError(
+            f"{url} did not answer with an event stream", provider=provider, retryable=False
+        ) from None
+    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        raise ModelError(
+            f"the connection to {url} broke before the answer was complete:"
+            f" {type(exc).__name__}: {exc}",
+            provider=provider,
+            retryable=True,
+        ) from None
+    except httpx.HTTPError as exc:
+        raise ModelError(
+            f"cannot reach {url}: {type(exc).__name__}: {exc}", provider=provider, retryable=True
+        ) from None
+
+
+DRAIN_SECONDS = 1.0
+"""How long a finished stream's remaining bytes (its last, empty chunk) are waited for."""
+
+
+async def read_to_end(events: AsyncIterator[Any]) -> None:
+    """Read what follows the end of an answer in its stream, so that its kept-alive connection
+    goes back to the pool (a response left half-read closes it); a server that keeps the
+    stream open past ``DRAIN_SECONDS`` or breaks it now costs only that connection."""
+    with contextlib.suppress(httpx.HTTPError, TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for _ in events:
+                pass
+
+
+def stream_error(error: Any, provider: str, secret: str | None = None) -> ModelError:
+    """The ``ModelError`` for an error an endpoint sent inside an event stream (after its
+    ``200``): its short code or type and its own message, scrubbed (``scrub``) as a refusal's
+    is; retryable when it names a server error, an overload or a rate limit."""
+    status = None
+    code = None
+    message = ""
+    if isinstance(error, dict):
+        raw_status = error.get("code", error.get("status"))
+        if isinstance(raw_status, int) and not isinstance(raw_status, bool):
+            status = raw_status
+        for key in ("code", "type"):
+            value = error.get(key)
+            if isinstance(value, str) and _ERROR_CODE.match(value):
+                code = value
+                break
+        if isinstance(error.get("message"), str):
+            message = scrub(error["message"], secret)
+    elif isinstance(error, str):
+        message = scrub(error, secret)
+    retryable = (status is not None and (status == 429 or status >= 500)) or (
+        code is not None
+        and any(
+            word in code.lower() for word in ("overloaded", "rate_limit", "server", "api_error")
+        )
+    )
+    text = "the endpoint sent an error in its event stream" + (f" ({code})" if code else "")
+    return ModelError(
+        f"{text}: {message}" if message else text,
+        provider=provider,
+        status=status,
+        retryable=retryable,
+    )
+
+
+@dataclass
+class ChatStream:
+    """One streamed chat completion being assembled from its chunks (``feed``, in order).
+
+    Text arrives as ``delta.content`` pieces; a tool call as ``delta.tool_calls`` entries keyed by
+    their ``index`` (its ``id`` and name on the first, the JSON ``arguments`` in fragments after,
+    or whole in one entry as Ollama sends them); usage in the last chunk (``choices`` empty, or
+    beside the ``finish_reason`` as llama.cpp server sends it). An ``error`` object in a chunk (vLLM,
+    Ollama, llama.cpp server) is a ``ModelError``; a stream that stops before any
+    ``finish_reason`` is one too (retryable: the answer was cut off)."""
+
+    names: dict[str, str]
+    secret: str | None = None
+    content: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    usage: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+
+    def feed(self, data: str) -> list[ModelDelta]:
+        """Take one chunk (an event's ``data``); the deltas it adds."""
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            raise ModelError(
+                "the event stream carried a chunk that is not JSON", provider=PROVIDER_NAME
+            ) from None
+        if not isinstance(chunk, dict):
+            raise ModelError(
+                "the event stream carried a chunk that is not an object", provider=PROVIDER_NAME
+            )
+        if "error" in chunk or chunk.get("object") == "error":
+            raise stream_error(chunk.get("error", chunk), PROVIDER_NAME, self.secret)
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        deltas: list[ModelDelta] = []
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                self.finished = True
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                deltas += self._delta(delta)
+        return deltas
+
+    def _delta(self, delta: dict[str, Any]) -> list[ModelDelta]:
+        out: list[ModelDelta] = []
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            self.content.append(text)
+            out.append(ModelDelta("text", text=text))
+        for position, raw in enumerate(delta.get("tool_calls") or []):
+            if not isinstance(raw, dict):
+                continue
+            index = raw.get("index", position)
+            if not isinstance(index, int):
+                index = position
+            call = self.calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
+            function: dict[str, Any] = (
+                raw["function"] if isinstance(raw.get("function"), dict) else {}
+            )
+            first = not call["name"]
+            if isinstance(raw.get("id"), str):
+                call["id"] = raw["id"]
+            if isinstance(function.get("name"), str):
+                call["name"] += function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, dict):
+                arguments = json.dumps(arguments)
+            fragment = arguments if isinstance(arguments, str) else ""
+            call["arguments"] += fragment
+            if (first and call["name"]) or fragment:
+                api_name = call["name"]
+                out.append(
+                    ModelDelta(
+                        "tool_call",
+                        call=sorted(self.calls).index(index),
+                        tool=self.names.get(api_name, api_name.replace("__", ".")) if first else "",
+                        arguments=fragment,
+                    )
+                )
+        return out
+
+    def result(self) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """The assembled text, tool calls (in the non-streaming ``message.tool_calls`` shape) and
+        usage; a ``ModelError`` when the stream ended before the answer did."""
+        if not self.finished:
+            raise ModelError(
+                "the event stream ended before the answer was complete",
+                provider=PROVIDER_NAME,
+                retryable=True,
+            )
+        calls = [
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["name"], "arguments": call["arguments"] or "{}"},
+            }
+            for _, call in sorted(self.calls.items())
+        ]
+        return "".join(self.content), calls, self.usage
+
+
+async def respond_streaming(
+    model: OpenAIModel,
+    request: ModelRequest,
+    names: dict[str, str],
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> ModelResponse:
+    """``model``'s call with ``stream: true``: each chunk's text and tool-call fragments go out
+    as ``ModelDelta``s while the answer is assembled (``ChatStream``)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    stream = ChatStream(names, secret=model.api_key)
+    await emit_delta(ModelDelta("start"))
+    with http_errors(PROVIDER_NAME, model.url, model.timeout):
+        async with model._client().stream(
+            "POST",
+            model.url,
+            json=body,
+            headers=headers,
+            timeout=model.timeout,
+            follow_redirects=False,
+        ) as reply:
+            if reply.status_code >= 300:
+                await reply.aread()
+                raise refusal(reply, PROVIDER_NAME, secret=model.api_key)
+            events = httpx_sse.EventSource(reply).aiter_sse()
+            async for event in events:
+                if event.data.strip() == "[DONE]":
+                    break
+                for delta in stream.feed(event.data):
+                    await emit_delta(delta)
+            await read_to_end(events)
+    content, raw_calls, usage = stream.result()
+    return model_response(request, names, content, raw_calls, usage)
+
+
+def model_response(
+    request: ModelRequest,
+    names: dict[str, str],
+    content: str,
+    raw_calls: list[Any],
+    usage: Any,
+) -> ModelResponse:
+    """The ``ModelResponse`` of a completed answer (a whole response or an assembled stream):
+    tool calls, else a plan (for ``purpose="plan"``) or a final answer; with its token usage."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    tokens = _count(usage.get("total_tokens")) or prompt + completion
+    calls = [_tool_call(raw, names) for raw in raw_calls]
+    plan = parse_plan(content) if not calls and request.purpose == "plan" else None
+    return ModelResponse(
+        text=content,
+        tool_calls=calls,
+        plan=plan,
+        final=content if not calls and plan is None else None,
+        tokens=tokens,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        memory=dict(request.memory),
+    )
+
+
+def _count(value: Any) -> int:
+    """A token count from a usage object (absent, null or nonsense counts as 0)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)

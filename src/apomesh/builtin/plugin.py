@@ -3,8 +3,8 @@
 The plugin host always loads this module first. It registers the built-in coordination kinds,
 the closed set of built-in checkpoint sources, the ``entrypoint`` skill resolver (the
 ``directory`` resolver and the catalog resolver need configuration and are built by the runtime),
-the ``builtin`` recovery classifier, the built-in tools, the ``scripted`` and ``openai`` model
-providers, and the ``loop-guard`` supervisor policy.
+the ``builtin`` recovery classifier, the built-in tools, the ``scripted``, ``openai`` and ``anthropic``
+model providers, and the ``loop-guard`` supervisor policy.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+from apomesh.builtin.anthropic_model import AnthropicProvider
 from apomesh.builtin.classifier import BuiltinRecoveryClassifier
 from apomesh.builtin.models import ScriptedProvider
 from apomesh.builtin.openai_model import OpenAIProvider
@@ -100,6 +101,7 @@ def register_tools(register: Callable[[Tool], None]) -> None:
 def register_model_providers(register: Callable[[ModelProvider], None]) -> None:
     register(ScriptedProvider())
     register(OpenAIProvider())
+    register(AnthropicProvider())
 
 
 @hookimpl

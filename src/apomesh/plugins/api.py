@@ -8,7 +8,9 @@ implemented by the runtime; plugins only call them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -175,6 +177,37 @@ class ModelResponse(msgspec.Struct, frozen=True):
 
 class Model(Protocol):
     async def respond(self, request: ModelRequest) -> ModelResponse: ...
+
+
+class ModelDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A piece of a model's answer while it is written (a streaming provider sends them, in
+    order, through ``emit_delta``). ``kind`` is ``start`` when an answer begins (a retried call
+    starts over: drop what the previous attempt showed), ``text`` for ``text`` appended to the
+    answer, ``tool_call`` for tool call number ``call`` (0-based, in the answer's order): its
+    ``tool`` name on the call's first delta, then fragments of its JSON ``arguments``. Deltas are a
+    preview: the answer the model call returns is what the session records."""
+
+    kind: Literal["start", "text", "tool_call"]
+    text: str = ""
+    call: int = 0
+    tool: str = ""
+    arguments: str = ""
+
+
+DeltaSink = Callable[[ModelDelta], Awaitable[None]]
+MODEL_DELTAS: ContextVar[DeltaSink | None] = ContextVar("apomesh_model_deltas", default=None)
+"""Where the model call running in this context sends its deltas (set by the runtime around an
+agent's model calls; unset, deltas go nowhere)."""
+
+
+async def emit_delta(delta: ModelDelta) -> None:
+    """Hand ``delta`` to the runtime, which shows it to the session's live readers. Never
+    raises: a preview that cannot be sent must not fail the model call."""
+    sink = MODEL_DELTAS.get()
+    if sink is None:
+        return
+    with contextlib.suppress(Exception):  # a lost preview is harmless: the answer is recorded
+        await sink(delta)
 
 
 class ModelProvider(Protocol):

@@ -37,8 +37,10 @@ from apomesh.builtin.skills import skill_digest
 from apomesh.core.errors import ApomeshError, CorruptPin, Fenced
 from apomesh.core.journal import call_key, idempotency_key, pause_key
 from apomesh.plugins.api import (
+    MODEL_DELTAS,
     Message,
     Model,
+    ModelDelta,
     ModelProvider,
     ModelRequest,
     ModelResponse,
@@ -67,6 +69,7 @@ from apomesh.runtime.protocol import (
     Report,
     Run,
     ToolTiming,
+    TurnDelta,
     TurnReport,
 )
 from apomesh.runtime.tracing import NO_TRACE, DispatchTrace
@@ -270,9 +273,11 @@ async def run_agent(
     supervisors: list[SupervisorPolicy],
     send: Send,
     trace: DispatchTrace = NO_TRACE,
+    publish_delta: Callable[[TurnDelta], Awaitable[None]] | None = None,
 ) -> Done:
     """Run one dispatch of an agent until it ends, stalls or is fenced (``Fenced`` propagates).
-    ``trace`` gets a span per node, model call and tool run."""
+    ``trace`` gets a span per node, model call and tool run; ``publish_delta`` takes the pieces
+    of each model turn while a streaming model writes it."""
     memory = run.memory or AgentMemory()
     messages = list(memory.messages)
     model_memory = dict(memory.model)
@@ -373,6 +378,13 @@ async def run_agent(
         pending = []
         finished = []
 
+    async def stream_delta(delta: ModelDelta) -> None:
+        if publish_delta is not None:
+            await publish_delta(
+                TurnDelta(worker_id, run.session_id, run.agent, run.epoch, step + 1, delta)
+            )
+
+    streaming = MODEL_DELTAS.set(stream_delta if publish_delta is not None else None)
     try:
         while True:
             trace.start_node()
@@ -481,6 +493,8 @@ async def run_agent(
                     break
     except Stall as stall:
         return done(stall.outcome, reason=stall.reason)
+    finally:
+        MODEL_DELTAS.reset(streaming)
 
 
 async def _call_tool(

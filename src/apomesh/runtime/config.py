@@ -239,11 +239,28 @@ class OpenAIProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     )
 
 
+def _default_anthropic_credentials() -> dict[str, ProviderCredential]:
+    return {
+        "default": ProviderCredential(
+            base_url="https://api.anthropic.com/v1", api_key_env="ANTHROPIC_API_KEY"
+        )
+    }
+
+
+class AnthropicProviderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``anthropic`` provider's named credentials; a definition can only name one of these."""
+
+    credentials: dict[str, ProviderCredential] = msgspec.field(
+        default_factory=_default_anthropic_credentials
+    )
+
+
 class ProvidersConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where this process's model providers may send requests and with which keys. Set in the
     config file only (a table of tables has no environment-variable form)."""
 
     openai: OpenAIProviderConfig = OpenAIProviderConfig()
+    anthropic: AnthropicProviderConfig = AnthropicProviderConfig()
 
 
 class StoreConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -530,9 +547,18 @@ def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], defa
         raise _fail(
             f"endpoint {endpoint!r} is not an http(s) URL", "tracing", "endpoint", sources, default
         )
-    for name, credential in config.providers.openai.credentials.items():
+    provider_credentials = [
+        ("openai", config.providers.openai.credentials),
+        ("anthropic", config.providers.anthropic.credentials),
+    ]
+    for provider, name, credential in (
+        (provider, name, credential)
+        for provider, credentials in provider_credentials
+        for name, credential in credentials.items()
+    ):
         where = (
-            f"{sources.get(('providers', 'openai'), default)} $.providers.openai.credentials.{name}"
+            f"{sources.get(('providers', provider), default)}"
+            f" $.providers.{provider}.credentials.{name}"
         )
         if not credential.base_url.startswith(("http://", "https://")):
             raise DefinitionError(

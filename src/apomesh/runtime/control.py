@@ -10,7 +10,9 @@ its rights (JetStream, KV, the log) wherever the sender chose. It refuses a repo
 over the size limit, decodes it, checks that the sender bound in the subject is the worker the
 report names (fencing by identity), and routes it to its session's writer
 (``SessionRuntime.handle_report``, which fences by epoch and decides it); registrations and beats
-go to the worker pool. Every answer goes out through ``_reply``.
+go to the worker pool. Every answer goes out through ``_reply``. The pieces of model turns being
+written (``apomesh.ctl.<daemon_id>.delta.<worker_id>``, published, never requests) go to
+``LiveDeltas`` when they belong to a dispatch in flight on their sender, and are dropped otherwise.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ from nats.aio.msg import Msg
 
 from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.live_deltas import LiveDeltas
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
     BEAT_DECODER,
+    DELTA_DECODER,
     ENCODER,
     HB_PREFIX,
+    MAX_DELTA_BYTES,
     REGISTER_DECODER,
     REPORT_DECODER,
+    VERB_DELTA,
     VERB_REGISTER,
     RegisterReply,
     Reply,
@@ -62,6 +68,7 @@ class ControlPlane:
         route: Callable[[str], SessionRuntime | None],
         metrics: DaemonMetrics,
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        deltas: LiveDeltas | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
         self.nc = nc
@@ -70,6 +77,7 @@ class ControlPlane:
         self.route = route
         self.metrics = metrics
         self.spawn = spawn
+        self.deltas = deltas if deltas is not None else LiveDeltas()
         self.log = logger or log
         self._subs: list[Any] = []
         self._beat_sub: Any = None
@@ -152,13 +160,34 @@ class ControlPlane:
     # --- reports from workers --------------------------------------------------------------------
 
     async def _on_report(self, msg: Msg) -> None:
-        if subject_verb(msg.subject) == VERB_REGISTER:
+        verb = subject_verb(msg.subject)
+        if verb == VERB_REGISTER:
             return  # registrations have their own subscription
+        if verb == VERB_DELTA:
+            self._on_delta(msg)
+            return
         if self._answerable(msg):
             # nats-py runs one subscription's callbacks one after another: hand each report to
             # its own task so sessions proceed concurrently (one agent's reports are sequential
             # requests anyway).
             self.spawn(self._process_report(msg))
+
+    def _on_delta(self, msg: Msg) -> None:
+        """A piece of a model turn: passed on to the session's live streams only when its
+        sender is the worker it names and this daemon's dispatch of it, under its epoch, is in
+        flight there; anything else is dropped unanswered (it is only a preview)."""
+        if len(msg.data) > MAX_DELTA_BYTES:
+            return
+        try:
+            delta = DELTA_DECODER.decode(msg.data)
+        except Exception:
+            return
+        if subject_worker(msg.subject) != delta.worker_id or not self.workers.runs(
+            delta.worker_id, delta.session_id, delta.agent, delta.epoch
+        ):
+            self.metrics.fenced_reports.inc()
+            return
+        self.deltas.publish(delta)
 
     async def _process_report(self, msg: Msg) -> None:
         await _reply(msg, await self.answer(msg.data, subject_worker(msg.subject)))

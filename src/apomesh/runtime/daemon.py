@@ -40,6 +40,7 @@ from apomesh.core.state import SessionState
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import Config
 from apomesh.runtime.control import ControlPlane
+from apomesh.runtime.live_deltas import LiveDeltas
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.presence import Presence
 from apomesh.runtime.recovery import BootScan, Takeover
@@ -87,6 +88,8 @@ class Daemon:
         self.incarnation = uuid.uuid4().hex[:12]
         self.daemon_id = self.incarnation  # replaced by the data dir's stable id in start()
         self.metrics = DaemonMetrics()
+        self.deltas = LiveDeltas()
+        """The pieces of model turns being written, for the sessions' live event streams."""
         self.snapshots = SnapshotStore(store, compact_every=config.snapshots.compact_every)
         self.boot_report: dict[str, Any] = {}
         self._closing = False
@@ -155,6 +158,7 @@ class Daemon:
             route=self.registry.writer,
             metrics=self.metrics,
             spawn=self._spawn,
+            deltas=self.deltas,
             logger=log,
         )
         self.retention = Retention(

@@ -11,8 +11,9 @@ responder cannot reach them whatever reply subject a worker asks for. Several da
 the daemon and control logins: the control login hears every daemon's control subjects
 (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``), and each daemon subscribes to its own.
 ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat and its own bound
-control subjects (``apomesh.ctl.*.*.<worker_id>``: any daemon's, as itself), answer the dispatches
-it receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
+control subjects (``apomesh.ctl.*.*.<worker_id>``: any daemon's, as itself; its reports and the
+pieces of model turns it streams, ``apomesh.ctl.<daemon_id>.delta.<worker_id>``), answer the
+dispatches it receives, and subscribe only to its own dispatch subject and its own inboxes; the JetStream API,
 the log and the KV buckets are denied outright. ``leaf_permissions(worker_ids)`` is the hub's login for a leaf node: only its edge workers'
 own subjects cross the link. ``operator_permissions`` is for people inspecting
 a deployment and taking stream backups: read-only JetStream requests, never a write to the log.

@@ -62,6 +62,7 @@ from apomesh.adapters.private_files import (
     write_private_file,
 )
 from apomesh.adapters.replicated_store import STATE_BUCKET, ReplicatedStore
+from apomesh.builtin.anthropic_model import PROVIDER_NAME as ANTHROPIC_PROVIDER
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
@@ -263,22 +264,27 @@ def configured_skill_resolvers(config: Config) -> list[SkillResolver]:
 def make_plugin_host(config: Config, extra_plugins: Iterable[object] = ()) -> PluginHost:
     """The plugins ``[plugins]`` allows, the Python tool sets ``[plugins] tools`` names and
     ``extra_plugins`` (in-process plugin objects, such as ``ToolSet``s), with the built-in
-    ``openai`` provider given the ``[providers.openai]`` credentials (the only endpoints and keys
-    its models may use)."""
+    ``openai`` provider given the ``[providers.openai]`` and ``anthropic`` provider the
+    ``[providers.anthropic]`` credentials (the only endpoints and keys their models may use)."""
     extra = [s for spec in config.plugins.tools for s in load_tool_sets(spec)]
     host = PluginHost(
         allow=config.plugins.allow or None,
         block=config.plugins.block or None,
         extra_plugins=[*extra, *extra_plugins],
     )
-    openai = host.model_providers().get(OPENAI_PROVIDER)
-    if isinstance(openai, OpenAIProvider):
-        openai.use_credentials(
-            {
-                name: Credential(base_url=c.base_url, api_key_env=c.api_key_env)
-                for name, c in config.providers.openai.credentials.items()
-            }
-        )
+    providers = host.model_providers()
+    for name, credentials in (
+        (OPENAI_PROVIDER, config.providers.openai.credentials),
+        (ANTHROPIC_PROVIDER, config.providers.anthropic.credentials),
+    ):
+        provider = providers.get(name)
+        if isinstance(provider, OpenAIProvider):
+            provider.use_credentials(
+                {
+                    key: Credential(base_url=c.base_url, api_key_env=c.api_key_env)
+                    for key, c in credentials.items()
+                }
+            )
     return host
 
 
@@ -500,6 +506,7 @@ class Node:
             presence=daemon.presence,
             request_drain=daemon.request_drain,
             retention=daemon.retention,
+            deltas=daemon.deltas,
         )
         for worker_id in local_ids:
             user = self.credentials.local_workers[worker_id] if self.credentials else None

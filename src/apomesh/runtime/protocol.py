@@ -33,6 +33,11 @@ No message may outgrow the NATS ``max_payload``. A dispatch carries the agent's 
 only while it is small; a larger memory stays on the daemon and the worker fetches it page by page
 (``MemoryFetch`` on ``apomesh.ctl.<daemon_id>.memory.<worker_id>``, each page answered on the
 worker's own inbox and fenced by the dispatch's epoch like any report).
+
+While a streaming model writes its answer the worker publishes the pieces (``TurnDelta``, a
+plain publish, never a request: nothing waits for them and nothing is recorded) on
+``apomesh.ctl.<daemon_id>.delta.<worker_id>``; the daemon passes on only those of a dispatch it
+sent to that worker under that epoch, to the session's live event streams.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from apomesh.core.definition import AgentConfig
-from apomesh.plugins.api import Message, ModelResponse
+from apomesh.plugins.api import Message, ModelDelta, ModelResponse
 
 VERB_REGISTER = "register"
 VERB_NODE = "node"
@@ -54,6 +59,7 @@ VERB_JOB = "job"
 VERB_DONE = "done"
 VERB_MEMORY = "memory"
 VERB_MODEL = "model"
+VERB_DELTA = "delta"
 MODEL_CALL_FAILED = "held: the model call failed: "
 """How the reason of a dispatch that ends on a failed model call begins (``Done`` ``waiting``):
 the session waits for an operator (``model_failed`` on the recoverable list) to resume it once
@@ -461,8 +467,41 @@ class DispatchAck(msgspec.Struct):
     means the worker no longer runs it."""
 
 
+class TurnDelta(msgspec.Struct, tag=True):
+    """A piece of the model turn ``step`` of an agent, published while the model writes it."""
+
+    worker_id: str
+    session_id: str
+    agent: str
+    epoch: int
+    step: int
+    delta: ModelDelta
+
+
+MAX_DELTA_BYTES = 64 * 1024
+"""The largest ``TurnDelta`` a daemon passes on (a worker sends small pieces)."""
+DELTA_PIECE_CHARS = 8 * 1024
+"""The most characters of text or arguments one ``TurnDelta`` carries (``delta_pieces``)."""
+
+
+def delta_pieces(delta: ModelDelta, size: int = DELTA_PIECE_CHARS) -> list[ModelDelta]:
+    """``delta`` cut so that none carries more than ``size`` characters of text or arguments
+    (a server may send a whole tool call, arguments and all, in one chunk); the tool's name
+    stays on the first piece."""
+    if len(delta.text) <= size and len(delta.arguments) <= size:
+        return [delta]
+    field = "text" if delta.kind == "text" else "arguments"
+    whole: str = getattr(delta, field)
+    pieces = [
+        msgspec.structs.replace(delta, **{field: whole[i : i + size]})
+        for i in range(0, len(whole), size)
+    ]
+    return [pieces[0], *(msgspec.structs.replace(p, tool="") for p in pieces[1:])]
+
+
 ENCODER = msgspec.msgpack.Encoder()
 REPORT_DECODER = msgspec.msgpack.Decoder(Report)
+DELTA_DECODER = msgspec.msgpack.Decoder(TurnDelta)
 REGISTER_DECODER = msgspec.msgpack.Decoder(Register)
 REGISTER_REPLY_DECODER = msgspec.msgpack.Decoder(RegisterReply)
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)

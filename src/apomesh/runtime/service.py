@@ -82,6 +82,7 @@ from apomesh.runtime.catalog import Catalog, skill_names
 from apomesh.runtime.composition import compose_shape
 from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.conversation import load_conversation
+from apomesh.runtime.live_deltas import LiveDeltas
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import (
     AGENT_PIN,
@@ -92,6 +93,7 @@ from apomesh.runtime.pinning import (
     published_agent,
 )
 from apomesh.runtime.presence import Presence
+from apomesh.runtime.protocol import TurnDelta
 from apomesh.runtime.registry import (
     IDEMPOTENCY_DB,
     IdempotencyRecord,
@@ -154,6 +156,7 @@ class Service:
         presence: Presence | None = None,
         request_drain: Callable[[str], Awaitable[None]] | None = None,
         retention: Retention | None = None,
+        deltas: LiveDeltas | None = None,
     ) -> None:
         self.registry = registry
         self.workers = workers
@@ -177,6 +180,7 @@ class Service:
         self._idempotency_locks = KeyedLocks()
         # Every event-stream reader of a session shares one tail of its log.
         self.tails = SessionTails(log_adapter)
+        self.deltas = deltas if deltas is not None else LiveDeltas()
 
     # --- sessions ------------------------------------------------------------------------------------
 
@@ -391,6 +395,9 @@ class Service:
     async def tail_events(self, session_id: str, after: int) -> AsyncIterator[Envelope]:
         async for env in self.tails.follow(session_id, after):
             yield env
+
+    def live_deltas(self, session_id: str) -> AsyncIterator[TurnDelta]:
+        return self.deltas.follow(session_id)
 
     async def verify_session(self, session_id: str) -> VerificationView:
         """Fold the session's log from its start and check it against the stored snapshots,

@@ -43,6 +43,7 @@ from apomesh.runtime.protocol import (
     MEMORY_DECODER,
     REGISTER_REPLY_DECODER,
     REPLY_DECODER,
+    VERB_DELTA,
     VERB_DONE,
     VERB_HITL,
     VERB_JOB,
@@ -69,10 +70,12 @@ from apomesh.runtime.protocol import (
     Report,
     Reregister,
     Run,
+    TurnDelta,
     TurnReport,
     beat_subject,
     check_worker_id,
     control_subject,
+    delta_pieces,
     dispatch_subject,
 )
 
@@ -349,6 +352,12 @@ class Worker:
         async def send(report: Report) -> Reply:
             return await self.send(report, run.daemon)
 
+        async def publish_delta(turn: TurnDelta) -> None:
+            subject = control_subject(run.daemon, VERB_DELTA, self.worker_id)
+            for piece in delta_pieces(turn.delta):
+                message = msgspec.structs.replace(turn, delta=piece)
+                await self.nc.publish(subject, ENCODER.encode(message))
+
         trace = tracing.dispatch_trace(
             headers,
             {
@@ -371,6 +380,7 @@ class Worker:
                 supervisors=self.supervisors,
                 send=send,
                 trace=trace,
+                publish_delta=publish_delta,
             )
             outcome = done.outcome
             await send(done)

@@ -349,6 +349,14 @@ class WorkerPool:
         self._in_flight_keys.setdefault(worker_id, Counter())[dispatch.key] += 1
         return dispatch
 
+    def runs(self, worker_id: str, session_id: str, agent: str, epoch: int) -> bool:
+        """Whether this daemon's dispatch of ``agent`` under ``epoch`` is in flight on
+        ``worker_id``."""
+        return any(
+            d.session_id == session_id and d.agent == agent and d.epoch == epoch
+            for d in self._in_flight.get(worker_id, ())
+        )
+
     def untrack(self, dispatch: Dispatch) -> None:
         pending = self._in_flight.get(dispatch.worker_id)
         if pending is None or dispatch not in pending:
