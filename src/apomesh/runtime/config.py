@@ -2,7 +2,7 @@
 
 ``Config`` is a tree of frozen ``msgspec`` structs, one per section of the TOML file
 (``[nats]``, ``[daemon]``, ``[http]``, ``[liveness]``, ``[snapshots]``, ``[limits]``, ``[plugins]``,
-``[workers]``, ``[providers]``, ``[store]``, ``[skills]``); ``Config()`` is the whole default configuration, and the sample file
+``[workers]``, ``[providers]``, ``[store]``, ``[skills]``, ``[mcp]``); ``Config()`` is the whole default configuration, and the sample file
 ``apomesh config sample`` prints (``sample_config()``) shows every key at exactly that default.
 ``load_config`` layers, later winning: the TOML file, then environment variables
 ``APOMESH_<SECTION>_<KEY>`` (lists comma-separated, numbers and booleans parsed by the key's type),
@@ -23,6 +23,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from apomesh.builtin.mcp_tools import McpServer, server_problems
 from apomesh.core.errors import DefinitionError
 from apomesh.runtime.protocol import DEFAULT_DAEMON_GONE_AFTER, DEFAULT_MAX_AGENTS
 
@@ -239,6 +240,14 @@ class SkillsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Path(self.directory).expanduser().absolute() if self.directory else None
 
 
+class McpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The MCP servers whose tools workers offer (``[mcp.servers.<name>]``, see docs/tools.md):
+    a worker connects to each and offers its tools as ``<name>.<tool>``; the daemon accepts those
+    names in a definition. Set in the config file only."""
+
+    servers: dict[str, McpServer] = {}
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The whole daemon configuration; ``Config()`` is every default."""
 
@@ -253,6 +262,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     providers: ProvidersConfig = ProvidersConfig()
     store: StoreConfig = StoreConfig()
     skills: SkillsConfig = SkillsConfig()
+    mcp: McpConfig = McpConfig()
 
     def nats_store_path(self) -> Path:
         """Where the embedded nats-server keeps JetStream: ``embedded_store_dir`` or
@@ -274,6 +284,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "providers": ProvidersConfig,
     "store": StoreConfig,
     "skills": SkillsConfig,
+    "mcp": McpConfig,
 }
 
 
@@ -469,6 +480,9 @@ def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], defa
                 sources,
                 default,
             )
+    for name, problem in server_problems(config.mcp.servers):
+        where = f"{sources.get(('mcp', 'servers'), default)} $.mcp.servers.{name}"
+        raise DefinitionError(problem, where=where)
     for name, credential in config.providers.openai.credentials.items():
         where = (
             f"{sources.get(('providers', 'openai'), default)} $.providers.openai.credentials.{name}"

@@ -261,6 +261,7 @@ def make_plugin_host(config: Config) -> PluginHost:
     """The plugins ``[plugins]`` allows, with the built-in ``openai`` provider given the
     ``[providers.openai]`` credentials (the only endpoints and keys its models may use)."""
     host = PluginHost(allow=config.plugins.allow or None, block=config.plugins.block or None)
+    host.tool_servers = frozenset(config.mcp.servers)
     openai = host.model_providers().get(OPENAI_PROVIDER)
     if isinstance(openai, OpenAIProvider):
         openai.use_credentials(
@@ -303,6 +304,7 @@ async def start_local_worker(
         heartbeat_interval=config.liveness.heartbeat_interval,
         max_agents=config.workers.max_agents,
         daemon_gone_after=config.workers.daemon_gone_after,
+        mcp_servers=config.mcp.servers,
     )
     await worker.start()
     return nc, worker
