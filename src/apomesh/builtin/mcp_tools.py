@@ -83,6 +83,16 @@ def journal_policy(
     return True, False, on_unknown
 
 
+def reason_of(exc: BaseException) -> str:
+    """A failure's own message: the first leaf of an exception group (the ``mcp`` client's task
+    groups wrap what went wrong), an apomesh error's message, else its type and text."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, ApomeshError):
+        return exc.message
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def result_text(result: Any) -> str:
     """The text of a ``CallToolResult``: its text blocks, else its structured content as JSON,
     each other block named by its type."""
@@ -199,12 +209,16 @@ class McpConnection:
             raise
         except TimeoutError:
             await self.close()
-            raise ToolError(f"{where}: no answer from MCP server {self.name!r} within "
-                            f"{self.server.timeout:g} s") from None
+            raise ToolError(
+                f"{where}: no answer from MCP server {self.name!r} within "
+                f"{self.server.timeout:g} s; whether the call took effect is not known"
+            ) from None
         except Exception as exc:
             await self.close()
-            raise ToolError(f"{where}: MCP server {self.name!r} failed the call: "
-                            f"{type(exc).__name__}: {exc}") from None
+            raise ToolError(
+                f"{where}: the call to MCP server {self.name!r} broke off ({reason_of(exc)}); "
+                "whether it took effect is not known"
+            ) from None
         text = result_text(result)
         if result.is_error:
             raise ToolError(f"{where}: {text or 'the MCP server reported an error'}")
@@ -212,8 +226,8 @@ class McpConnection:
 
 
 class McpTools:
-    """The MCP servers a worker connects to, and the tools they offer; an async context manager
-    (enter and leave it in one task: the connections' task groups live there)."""
+    """The MCP servers a worker connects to, and the tools they offer: entering connects to each
+    and lists its tools, leaving closes every connection."""
 
     def __init__(self, servers: dict[str, McpServer]) -> None:
         self.connections = {name: McpConnection(name, server) for name, server in servers.items()}
@@ -227,9 +241,11 @@ class McpTools:
                 with anyio.fail_after(connection.server.timeout):
                     found = await connection.tools(connection.server.on_unknown)
             except Exception as exc:
-                reason = exc.message if isinstance(exc, ApomeshError) else f"{type(exc).__name__}: {exc}"
+                reason = reason_of(exc)
                 self.unreachable[name] = reason
-                log.error("MCP server %r is unreachable, its tools are not offered: %s", name, reason)
+                log.error(
+                    "MCP server %r is unreachable, its tools are not offered: %s", name, reason
+                )
                 await connection.close()
                 continue
             self.tools.extend(found)

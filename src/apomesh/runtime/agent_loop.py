@@ -401,7 +401,7 @@ async def _call_tool(
     tool = tools.get(name)
     if tool is None or name not in allowed:
         return f"error: tool {name!r} is not available to this agent"
-    if not tool.side_effect and not tool.async_job:
+    if not tool.journaled(args) and not tool.async_job:
         try:
             return await tool.run(ctx, args)
         except Stall:
