@@ -37,7 +37,11 @@ def test_the_annotations_decide_the_journal_policy() -> None:
         ("[mcp.servers.shop]\nenv = {}", "exactly one", "shop"),
         ('[mcp.servers.shop]\nurl = "ftp://h/mcp"', "http:// or https://", "shop"),
         ('[mcp.servers.Shop]\ncommand = ["x"]', "lower-case", "Shop"),
-        ('[mcp.servers.shop]\ncommand = ["x"]\non_unknown = "rerun"', "Invalid enum", "[...].on_unknown"),
+        (
+            '[mcp.servers.shop]\ncommand = ["x"]\non_unknown = "rerun"',
+            "Invalid enum",
+            "[...].on_unknown",
+        ),
     ],
 )
 def test_a_server_the_config_cannot_use_is_refused_with_its_path(
@@ -52,7 +56,7 @@ def test_a_server_the_config_cannot_use_is_refused_with_its_path(
 
 def test_the_daemon_accepts_a_named_server_tools_and_pins_nothing_for_them() -> None:
     host = PluginHost.for_tests()
-    with pytest.raises(DefinitionError, match="unknown tool 'shop.charge'"):
+    with pytest.raises(DefinitionError, match=r"unknown tool 'shop\.charge'"):
         pins_for(host, "solo", ["shop.charge"], [])
     host.tool_servers = frozenset({"shop"})
     assert pins_for(host, "solo", ["shop.charge"], []) == pins_for(host, "solo", [], [])
@@ -77,7 +81,7 @@ async def test_a_stdio_server_tools_are_apomesh_tools(tmp_path: Path) -> None:
         assert charge.parameters["required"] == ["amount"]
         assert await tools["shop.lookup"].run(Ctx(), {"item": "pear"}) == "pear costs 5"
         assert await charge.run(Ctx(), {"amount": 2}) == "charged 2"
-        with pytest.raises(ToolError, match="shop.fail: .*out of pears"):
+        with pytest.raises(ToolError, match=r"shop\.fail: .*out of pears"):
             await tools["shop.fail"].run(Ctx(), {"reason": "out of pears"})
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert calls == ["lookup pear", "charge 2 key=key-1"]
