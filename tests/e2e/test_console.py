@@ -127,7 +127,7 @@ async def test_a_fanout_session_is_followed_through_a_worker_kill(page: Any, mes
     assert indexes[-1] == (await anyio.to_thread.run_sync(view, mesh, session_id))["last_index"]
     await page.screenshot(path=str(SHOTS / "console-e2e-session.png"), full_page=True)
     for index in range(3):
-        lines = journal_lines(mesh.daemon.workspace, f"console-{index}.txt")
+        lines = journal_lines(mesh.daemon.workspace / session_id, f"console-{index}.txt")
         assert len(lines) == len(set(lines)) == 5
 
     # The sessions list shows it, and the workers page the one killed and its replacement.
@@ -203,7 +203,7 @@ async def test_a_session_stranded_by_a_daemon_kill_is_resumed_after_its_preview(
     await wait_for(page, by_testid("stream-state", state="ended"))
     indexes = await timeline_indexes(page)
     assert indexes == list(range(len(indexes)))
-    lines = journal_lines(mesh.daemon.workspace, "console-resume.txt")
+    lines = journal_lines(mesh.daemon.workspace / session_id, "console-resume.txt")
     assert len(lines) == len(set(lines)) >= 5
 
     await page.click(by_testid("nav-recoverable"))

@@ -22,6 +22,7 @@ journal keys are derived from the call, so nothing is asked or run twice).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -91,7 +92,7 @@ class LoopContext:
 
     @property
     def workspace(self) -> Path:
-        return self.workspace_root
+        return agent_workspace(self.workspace_root, self.run)
 
     @property
     def session_id(self) -> str:
@@ -125,6 +126,23 @@ class LoopContext:
 
     async def checkpoint_now(self) -> None:
         self.explicit_checkpoint = True
+
+
+SESSION_DIR = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+"""A session id usable as its workspace directory's name (one path component, never ``..``)."""
+
+
+def agent_workspace(root: Path, run: Run) -> Path:
+    """The directory an agent's tools act in: ``<root>/<session id>/`` for a session workspace
+    (the default), ``root`` itself when the agent asked for the shared one."""
+    if run.config.workspace == "shared":
+        return root
+    if not SESSION_DIR.match(run.session_id):
+        raise ApomeshError(
+            f"session id {run.session_id!r} cannot name a workspace directory (letters, digits,"
+            " '-' and '_' only); give the agent `workspace = \"shared\"`"
+        )
+    return root / run.session_id
 
 
 async def _checked(awaitable: Awaitable[Reply]) -> Reply:
@@ -243,6 +261,7 @@ async def run_agent(
         prompt = run.prompt
     recorder = TurnRecorder(send)
     ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step)
+    ctx.workspace.mkdir(parents=True, exist_ok=True)
     provider = providers.get(run.config.model.provider)
 
     def done(outcome: Any, **kw: Any) -> Done:
