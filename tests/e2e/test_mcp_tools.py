@@ -1,6 +1,8 @@
-"""MCP tool servers on real processes: a worker offers the tools of a real MCP server process
-(``tests/fakes/mcp_server.py``, on the official ``mcp`` package) and is SIGKILLed in the middle of
-three calls; the tools' annotations decide what happens to each, and no effect runs twice.
+"""Real tools on real processes: MCP tool servers, ``http.request`` and the workspace per session.
+
+A worker offers the tools of a real MCP server process (``tests/fakes/mcp_server.py``, on the
+official ``mcp`` package) and is SIGKILLed in the middle of three calls; the tools' annotations
+decide what happens to each, and no effect runs twice.
 
 The server counts what it does in files: every call it gets in ``calls.txt``, every effect in
 ``effects.txt``. While the test holds ``hold`` the server's calls wait after their effect, so the
@@ -18,6 +20,7 @@ from typing import Any
 import anyio
 import pytest
 from tests.e2e.chaos_kit import check_session
+from tests.fakes.echo_http import Recorder
 
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core.journal import call_key, idempotency_key
@@ -174,3 +177,69 @@ async def test_the_annotations_decide_what_a_killed_worker_leaves_and_no_effect_
         f"charge 7 key={idempotency_key(ids['charge'], 'root', call_key('shop.charge', calls['charge']))}"
     ]
     assert shop.lines("effects.txt").count("charge 7") == 1
+
+
+def writer(name: str, content: str, **extra: Any) -> dict[str, Any]:
+    """A solo agent writing ``note.txt`` with ``content``, then answering."""
+    call = {"tool": "fs.write", "args": {"path": "note.txt", "content": content}}
+    return {
+        "name": name,
+        "version": "1.0.0",
+        "tools": ["fs.write"],
+        "model": {"provider": "scripted", "turns": [{"tool_calls": [call]}, {"final": "noted"}]},
+        **extra,
+    }
+
+
+@pytest.mark.anyio
+async def test_each_session_writes_in_its_own_workspace_unless_it_asks_for_the_shared_one(
+    mesh: Mesh,
+) -> None:
+    root = mesh.daemon.workspace
+    async with Client(mesh.url) as client:
+        first = await client.start_session("one", definition=writer("first", "from one"))
+        second = await client.start_session("two", definition=writer("second", "from two"))
+        shared = await client.start_session(
+            "shared", definition=writer("sharer", "for all", workspace="shared")
+        )
+        for session_id in (first, second, shared):
+            assert (await client.wait(session_id, timeout=60)).status == "completed"
+    assert (root / first / "note.txt").read_text() == "from one"
+    assert (root / second / "note.txt").read_text() == "from two"
+    assert (root / "note.txt").read_text() == "for all"
+    assert not (root / shared).exists()
+
+
+@pytest.mark.anyio
+async def test_http_request_journals_a_post_with_its_idempotency_key_and_not_a_get(
+    mesh: Mesh,
+) -> None:
+    with Recorder() as server:
+        calls = [
+            {"url": f"{server.url}/stock"},
+            {"url": f"{server.url}/orders", "method": "POST", "body": "apple"},
+        ]
+        definition = {
+            "name": "orderer",
+            "version": "1.0.0",
+            "tools": ["http.request"],
+            "model": {
+                "provider": "scripted",
+                "turns": [
+                    *({"tool_calls": [{"tool": "http.request", "args": c}]} for c in calls),
+                    {"final": "ordered"},
+                ],
+            },
+        }
+        async with Client(mesh.url) as client:
+            session_id = await client.start_session("order", definition=definition)
+            records = await records_of(client, session_id)
+    assert of_kind(records, "SessionEnded")[-1]["status"] == "completed"
+    key = call_key("http.request", calls[1])
+    assert [(i["tool"], i["key"]) for i in of_kind(records, "ToolCallIntent")] == [
+        ("http.request", key)
+    ]
+    got, posted = server.requests
+    assert got["method"] == "GET" and "Idempotency-Key" not in got["headers"]
+    assert posted["method"] == "POST" and posted["body"] == "apple"
+    assert posted["headers"]["Idempotency-Key"] == idempotency_key(session_id, "root", key)
