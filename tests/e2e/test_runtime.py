@@ -305,7 +305,7 @@ def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
         ended = wait_ended(mesh.url, session_id)
         assert ended["status"] == "completed", ended
         assert ended["output"] == "the file is written"
-        assert (mesh.daemon.workspace / "openai.txt").read_text() == "from the model"
+        assert (mesh.daemon.workspace / session_id / "openai.txt").read_text() == "from the model"
         (root,) = ended["agents"]
         assert root["worker"].startswith("keyed")
         assert len(fake.requests) == 2

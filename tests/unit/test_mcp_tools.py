@@ -1,15 +1,19 @@
 """MCP tool servers without a mesh: the config that names them, the journal policy their
-annotations give, the daemon accepting their tools at submit, and a real stdio server's tools
-(``tests/fakes/mcp_server.py``) called through ``McpTools``."""
+annotations give, the daemon accepting their tools at submit, and a real server's tools
+(``tests/fakes/mcp_server.py``, over stdio and streamable HTTP) called through ``McpTools``."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 from mcp_types import ToolAnnotations
 
+from apomesh.adapters.natsserver import free_port
 from apomesh.builtin.mcp_tools import McpServer, McpTools, journal_policy
 from apomesh.core.errors import DefinitionError, ToolError
 from apomesh.plugins.manager import PluginHost
@@ -85,3 +89,36 @@ async def test_a_stdio_server_tools_are_apomesh_tools(tmp_path: Path) -> None:
             await tools["shop.fail"].run(Ctx(), {"reason": "out of pears"})
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert calls == ["lookup pear", "charge 2 key=key-1"]
+
+
+@pytest.mark.anyio
+async def test_a_streamable_http_server_tools_are_apomesh_tools(tmp_path: Path) -> None:
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed with the process below
+    process = subprocess.Popen(
+        [sys.executable, str(SERVER), str(tmp_path), "--http", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/mcp"
+        with anyio.fail_after(60):
+            while True:  # until the server listens
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=1):
+                        break
+                except OSError:
+                    assert process.poll() is None, (tmp_path / "server.log").read_text()
+                    await anyio.sleep(0.1)
+        async with McpTools({"shop": McpServer(url=url)}) as mcp:
+            tools = {tool.name: tool for tool in mcp.tools}
+            assert not mcp.unreachable
+            put = tools["shop.put"]
+            assert (put.side_effect, put.idempotent, put.on_unknown) == (True, True, "rerun")
+            assert await put.run(Ctx(), {"item": "fig", "value": "ripe"}) == "fig is ripe"
+            assert await put.run(Ctx(), {"item": "fig", "value": "ripe"}) == "fig is ripe"
+        assert (tmp_path / "effects.txt").read_text().splitlines() == ["put fig=ripe"]
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
