@@ -171,7 +171,7 @@ class McpConnection:
         listed: list[Any] = []
         cursor: str | None = None
         while True:
-            page = await client.list_tools(cursor=cursor) if cursor else await client.list_tools()
+            page = await client.list_tools(cursor=cursor)
             listed.extend(page.tools)
             cursor = page.next_cursor
             if not cursor:
