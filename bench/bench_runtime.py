@@ -96,6 +96,7 @@ def agent_definition(tool: str, steps: int) -> dict[str, Any]:
         "version": "1.0.0",
         "instructions": "Work through the script.",
         "coordination": "solo",
+        "workspace": "shared",  # the read-only steps read the seed files
         "tools": [tool],
         "model": {"provider": "scripted", "turns": turns},
         "budget": {"max_steps": steps + 10},

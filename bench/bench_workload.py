@@ -89,6 +89,7 @@ def workload_definition(steps: int) -> dict[str, Any]:
         "version": "1.0.0",
         "instructions": "Work through the script.",
         "coordination": "solo",
+        "workspace": "shared",  # every session appends under bench/, counted as one
         "tools": ["bench.lookup", "bench.append"],
         "model": {"provider": "scripted", "turns": turns},
         "budget": {"max_steps": steps + 10},

@@ -174,6 +174,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             heartbeat_interval=config.liveness.heartbeat_interval,
             max_agents=config.workers.max_agents,
             daemon_gone_after=config.workers.daemon_gone_after,
+            mcp_servers=config.mcp.servers,
         )
         await worker.start()
         _announce(

@@ -41,6 +41,14 @@ class Record(Protocol):
     def event(self) -> dict[str, Any]: ...
 
 
+def files_of(workspace: Path, records: list[Any], session_id: str) -> Path:
+    """The directory a session's file tools act in: ``<workspace>/<session id>/``, or the shared
+    workspace when its root agent asked for it (as its ``SessionStarted`` says)."""
+    started = next((r.event for r in records if r.kind == "SessionStarted"), None)
+    scope = started["shape"]["root"].get("workspace", "shared") if started else "session"
+    return workspace if scope == "shared" else workspace / session_id
+
+
 @dataclass
 class Audit:
     session_id: str
@@ -109,7 +117,9 @@ def audit_session(
     session_id: str = "?",
     timed_out: bool = False,
 ) -> Audit:
-    """Count what went wrong in one session (see the module doc)."""
+    """Count what went wrong in one session (see the module doc); ``workspace`` is the workers'
+    (the session's own directory in it is found here)."""
+    workspace = files_of(workspace, records, session_id)
     ended = [r for r in records if r.kind == "SessionEnded"]
     status = str(ended[-1].event.get("status")) if ended else "running"
     audit = Audit(session_id, status)

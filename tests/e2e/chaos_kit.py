@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from tests.e2e.chaos_audit import files_of
 from tests.fakes.fresh_model import fresh_model_config, fresh_model_env
 
 from apomesh.core import envelope
@@ -196,8 +197,10 @@ class Tally:
 def check_session(
     records: list[EventRecord], verification: dict[str, Any], workspace: Path
 ) -> SessionCheck:
-    """Every invariant a session must keep through kills and restarts (see the module doc)."""
+    """Every invariant a session must keep through kills and restarts (see the module doc);
+    ``workspace`` is the workers' (the session's own directory in it is found here)."""
     session_id = records[0].session_id if records else "?"
+    workspace = files_of(workspace, records, session_id)
     ended = [r for r in records if r.kind == "SessionEnded"]
     status = str(ended[-1].event.get("status")) if ended else "running"
     check = SessionCheck(session_id, status, events=len(records), records=records)

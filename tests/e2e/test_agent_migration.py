@@ -106,11 +106,11 @@ def lines(path: Path) -> list[str]:
 
 def test_an_operator_moves_a_stranded_session_to_a_new_agent_version(mesh: Mesh) -> None:
     url = mesh.url
-    out = mesh.daemon.workspace / "out.txt"
     publish(url, writer("1.0.0"), STYLE_V1)
     start = httpx.post(f"{url}/v1/sessions", json={"goal": "write", "agent": "writer@1.0.0"})
     assert start.status_code == 201, start.text
     session_id = start.json()["session_id"]
+    out = mesh.daemon.workspace / session_id / "out.txt"
 
     # A side effect is on the log and the session still runs: killed now, it needs an operator.
     wait_for(lambda: phase(url, session_id, "root/0") == "completed", "the first part")

@@ -407,7 +407,7 @@ def test_the_documented_example_runs(cli_mesh: Mesh, tmp_path: Path) -> None:
     definition, script = fenced_blocks("toml")[:2]
     (tmp_path / "writer.toml").write_text(definition)
     (tmp_path / "writer-worker.script.toml").write_text(script)
-    for earlier in cli_mesh.daemon.workspace.glob("done-*.txt"):
+    for earlier in cli_mesh.daemon.workspace.glob("*/done-*.txt"):
         earlier.unlink()
     result = apomesh(
         "run",
@@ -421,14 +421,16 @@ def test_the_documented_example_runs(cli_mesh: Mesh, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "completed: all parts written"
-    assert (cli_mesh.daemon.workspace / "done-2.txt").read_text() == "gamma done"
+    (done,) = cli_mesh.daemon.workspace.glob("*/done-2.txt")  # in the session's own directory
+    assert done.read_text() == "gamma done"
     # The JSON form, as the API takes it.
     response = httpx.post(f"{cli_mesh.url}/v1/sessions", json=json.loads(fenced_blocks("json")[0]))
     assert response.status_code == 201, response.text
+    session_id = response.json()["session_id"]
     with SyncClient(cli_mesh.url) as client:
-        ended = client.wait(response.json()["session_id"], timeout=60)
+        ended = client.wait(session_id, timeout=60)
     assert (ended.status, ended.output) == ("completed", "wrote hello")
-    assert (cli_mesh.daemon.workspace / "out.txt").read_text() == "hello"
+    assert (cli_mesh.daemon.workspace / session_id / "out.txt").read_text() == "hello"
 
 
 # --- output for people and scripts ------------------------------------------------------------------

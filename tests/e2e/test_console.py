@@ -142,7 +142,7 @@ async def test_a_fanout_session_is_followed_through_a_worker_kill(page: Any, mes
     assert indexes[-1] == (await anyio.to_thread.run_sync(view, mesh, session_id))["last_index"]
     await page.screenshot(path=str(SHOTS / "console-e2e-session.png"), full_page=True)
     for index in range(3):
-        lines = journal_lines(mesh.daemon.workspace, f"console-{index}.txt")
+        lines = journal_lines(mesh.daemon.workspace / session_id, f"console-{index}.txt")
         assert len(lines) == len(set(lines)) == 5
 
     # The agent timeline beside the tree: a bar per agent, the killed one with its resume mark.
@@ -362,7 +362,7 @@ async def test_a_session_stranded_by_a_daemon_kill_is_resumed_after_its_preview(
     await wait_for(page, by_testid("stream-state", state="ended"))
     indexes = await timeline_indexes(page)
     assert indexes == list(range(len(indexes)))
-    lines = journal_lines(mesh.daemon.workspace, "console-resume.txt")
+    lines = journal_lines(mesh.daemon.workspace / session_id, "console-resume.txt")
     assert len(lines) == len(set(lines)) >= 5
     done = await wait_for(page, by_testid("agent-node", agent_ref="root", phase="completed"))
     assert await done.get_attribute("data-resuming") == "false"

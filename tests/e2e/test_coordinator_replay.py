@@ -209,7 +209,7 @@ def test_operator_resume_does_not_run_a_failed_childs_effect_again(mesh: Mesh) -
         ),
         what="the charge to fail",
     )
-    ledger = mesh.daemon.workspace / "ledger.txt"
+    ledger = mesh.daemon.workspace / session_id / "ledger.txt"
     assert sorted(ledger.read_text().splitlines()) == ["approve-B", "charge-A"]
     restart_daemon(mesh)  # the batch is not joined yet: approve-B still waits for its answer
 

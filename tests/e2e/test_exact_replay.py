@@ -243,7 +243,7 @@ def test_a_kill_at_every_point_of_a_step_runs_each_effect_once_and_ends_with_the
         # Only the step lost before its turn was recorded was asked for twice.
         asked = asked_per_step(server)
         assert sorted(asked.values()) == [1, 1, 2], asked
-        lines = (system.mesh.daemon.workspace / "fresh").glob("*.txt")
+        lines = (system.mesh.daemon.workspace / session_id / "fresh").glob("*.txt")
         written = [line for path in lines for line in path.read_text().splitlines()]
         # Exactly once: the append cut short between its intent and its effect is put to
         # fs.append's probe, which finds it did not happen, so it runs once on the replay.
@@ -272,7 +272,7 @@ def test_a_fanout_root_lost_before_its_plan_is_done_replays_the_plan_and_its_chi
         assert children == ["root/0", "root/1"], agents
         assert [agents[ref]["task"] for ref in children] == json.loads(plan)
         assert all(agents[ref]["phase"] == "completed" for ref in children), agents
-        files = sorted((system.mesh.daemon.workspace / "fresh").glob("*.txt"))
+        files = sorted((system.mesh.daemon.workspace / session_id / "fresh").glob("*.txt"))
         assert len(files) == 2 and all(len(f.read_text().splitlines()) == 1 for f in files)
         assert ended["output"] in finals(server)
 

@@ -105,6 +105,7 @@ def deployer(tool: str) -> dict[str, Any]:
         "name": "deployer",
         "version": "1.0.0",
         "coordination": "solo",
+        "workspace": "shared",  # one deploys.log for the whole test
         "tools": [tool],
         "model": scripted(
             [
@@ -207,6 +208,7 @@ def test_a_hold_stops_the_sibling_agents_before_the_session_waits(mesh: Mesh) ->
         "name": "launchers",
         "version": "1.0.0",
         "coordination": "fanout",
+        "workspace": "shared",  # one deploys.log for the whole test
         "coordination_params": {"max_parallel": 2},
         "tools": [],
         "model": scripted([{"plan": ["first", "second"]}, {"final": "both launched"}]),

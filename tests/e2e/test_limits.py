@@ -195,7 +195,7 @@ def test_a_tool_argument_over_the_limit_fails_the_agent_naming_the_limit(
     assert "tool arguments of" in json.dumps(view) and "over the limit" in json.dumps(view)
     kinds = [record["kind"] for record in events(system, session_id)]
     assert "ToolCallIntent" not in kinds  # refused before anything was journaled
-    assert not (system.base / "workspace-worker-a" / "big.txt").exists()
+    assert not (system.base / "workspace-worker-a" / session_id / "big.txt").exists()
 
 
 def test_a_snapshot_over_the_limit_fails_the_agent_naming_the_limit(system: SecureSystem) -> None:
@@ -207,6 +207,7 @@ def test_a_snapshot_over_the_limit_fails_the_agent_naming_the_limit(system: Secu
             {"final": "read it"},
         ],
         ["fs.read"],
+        workspace="shared",  # it reads the file the test put there
     )
     session_id, view = run_to_end(system, definition)
     assert view["status"] == "failed", view
@@ -260,6 +261,7 @@ def test_tool_workspaces_refuse_traversal_absolute_paths_and_escaping_symlinks(
     definition = agent(
         [{"tool_calls": [call]} for call in escapes] + [{"final": "tried"}],
         ["fs.write", "fs.append"],
+        workspace="shared",  # where the test made the symlink
     )
     session_id, view = run_to_end(system, definition)
     assert view["status"] == "completed", view

@@ -50,6 +50,7 @@ def reader() -> dict[str, Any]:
         "name": "big-reader",
         "version": "1.0.0",
         "coordination": "solo",
+        "workspace": "shared",  # it reads files the test put there
         "tools": ["fs.read"],
         "model": {"provider": "scripted", "turns": turns},
     }

@@ -23,5 +23,5 @@ def test_fanout_session_completes_on_worker_processes(mesh: Mesh) -> None:
         time.sleep(0.1)
     assert view["status"] == "completed", view
     for i in range(3):
-        lines = (mesh.daemon.workspace / f"chapter-{i}.txt").read_text().splitlines()
+        lines = (mesh.daemon.workspace / session_id / f"chapter-{i}.txt").read_text().splitlines()
         assert len(lines) == len(set(lines)) == 4

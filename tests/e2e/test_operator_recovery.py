@@ -177,7 +177,7 @@ async def test_hold_holds_a_new_unknown_outcome_after_an_earlier_operator_resume
     recorded = [r.event for r in records if r.kind == "ToolCallRecorded"]
     assert [r["outcome"] for r in recorded] == ["unknown", "unknown"]
     assert all("held for an operator" in r["result"] for r in recorded)
-    assert not (mesh.daemon.workspace / "charges.txt").exists()  # neither charge ever ran
+    assert not (mesh.daemon.workspace / session_id / "charges.txt").exists()  # neither charge ever ran
 
 
 # --- bulk resume, from the CLI and the API; two resumes of one session ----------------------------
@@ -190,7 +190,7 @@ async def stranded_sessions(mesh: Mesh, goals: list[str]) -> list[str]:
     for goal in goals:
         session_id = uuid.uuid4().hex
         args = {"path": f"chaos/{goal}.txt", "line": f"{goal} line 0"}
-        done = mesh.daemon.workspace / args["path"]  # the effect the log records as done
+        done = mesh.daemon.workspace / session_id / args["path"]  # the effect the log records
         done.parent.mkdir(parents=True, exist_ok=True)
         done.write_text(args["line"] + "\n")
         logs.append(

@@ -82,6 +82,8 @@ def solo(tool: str, args: list[dict[str, Any]]) -> dict[str, Any]:
         "name": "probed",
         "version": "1.0.0",
         "coordination": "solo",
+        # The test holds a file's lock in the shared workspace before the session exists.
+        "workspace": "shared",
         "tools": [tool],
         "model": {"provider": "scripted", "turns": [*turns, {"final": "done"}]},
     }
@@ -258,6 +260,7 @@ async def test_a_tool_without_a_probe_follows_on_unknown_and_the_operator_sees_i
         "name": "mixed",
         "version": "1.0.0",
         "coordination": "solo",
+        "workspace": "shared",
         "tools": ["fs.append", "pinprobe.mark"],
         "model": {
             "provider": "scripted",

@@ -127,7 +127,7 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
     assert [i.get("resolution", "") for i in intents if i["args"] == args] == ["", "not_happened"]
     assert [r.event["action"] for r in records if r.kind == "OperatorAction"] == ["resume"]
     assert [r.event["reason"] for r in records if r.kind == "AgentResuming"] == ["operator resume"]
-    lines = (mesh.daemon.workspace / args["path"]).read_text().splitlines()
+    lines = (mesh.daemon.workspace / session_id / args["path"]).read_text().splitlines()
     assert lines.count(f"{goal} line 0") == 1 and f"{goal} line 1" in lines
 
 
@@ -231,7 +231,7 @@ async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(me
     assert check.status == "completed"
     # The log alone said which lines were written: each exactly once (or at most once when the
     # kill cut a call short), and the restarted agent replayed them from the log's journal.
-    lines = (mesh.daemon.workspace / f"chaos/{goal}.txt").read_text().splitlines()
+    lines = (mesh.daemon.workspace / session_id / f"chaos/{goal}.txt").read_text().splitlines()
     assert len(lines) == len(set(lines))
     intents = [r for r in records if r.kind == "ToolCallIntent"]
     assert len(intents) == len({r.event["key"] for r in intents}) == 6

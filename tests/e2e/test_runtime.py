@@ -85,7 +85,7 @@ def test_solo_session_writes_its_file_and_completes(mesh: Mesh) -> None:
     assert ended["status"] == "completed", ended
     assert ended["output"] == "wrote hello world"
     assert ended["side_effects"] == 1
-    assert (mesh.daemon.workspace / "solo.txt").read_text() == "hello world"
+    assert (mesh.daemon.workspace / session_id / "solo.txt").read_text() == "hello world"
     records = log_of(mesh.url, session_id)
     assert kinds(records)[0] == "SessionStarted"
     assert kinds(records)[-1] == "SessionEnded"
@@ -101,9 +101,9 @@ def test_fanout_sub_agents_write_their_files(mesh: Mesh) -> None:
     assert ended["output"] == "all parts written"
     tasks = ["alpha", "beta", "gamma"]
     for index, task in enumerate(tasks):
-        lines = (mesh.daemon.workspace / f"part-{index}.txt").read_text().splitlines()
+        lines = (mesh.daemon.workspace / session_id / f"part-{index}.txt").read_text().splitlines()
         assert lines == [f"{task}: first line", f"{task}: second line"]
-        assert (mesh.daemon.workspace / f"done-{index}.txt").read_text() == f"{task} done"
+        assert (mesh.daemon.workspace / session_id / f"done-{index}.txt").read_text() == f"{task} done"
     children = [a for a in ended["agents"] if a["parent"] == "root"]
     assert sorted(a["task"] for a in children) == tasks
     assert all(a["phase"] == "completed" for a in children)
@@ -121,7 +121,7 @@ def test_refine_iterates_once_then_answers(mesh: Mesh) -> None:
     assert ended["status"] == "completed", ended
     assert ended["output"] == "refined after two rounds"
     # One sub-agent per round: the first plan, then the plan the critique asked for.
-    assert (mesh.daemon.workspace / "refine.txt").read_text().splitlines() == ["draft", "revise"]
+    assert (mesh.daemon.workspace / session_id / "refine.txt").read_text().splitlines() == ["draft", "revise"]
     children = [a for a in ended["agents"] if a["parent"] == "root"]
     assert [(a["task"], a["batch"], a["phase"]) for a in children] == [
         ("draft", "iter-1", "completed"),
@@ -163,7 +163,7 @@ def test_hitl_pause_answered_through_the_cli(mesh: Mesh) -> None:
     (pause,) = paused["hitl_pending"]
     assert pause["agent"] == "root"
     assert pause["question"] == "Which colour should the cover be?"
-    assert not (mesh.daemon.workspace / "after-answer.txt").exists()
+    assert not (mesh.daemon.workspace / session_id / "after-answer.txt").exists()
     result = subprocess.run(
         [
             sys.executable,
@@ -186,7 +186,7 @@ def test_hitl_pause_answered_through_the_cli(mesh: Mesh) -> None:
     assert ended["status"] == "completed", ended
     assert ended["output"] == "cover chosen"
     assert ended["hitl_pending"] == []
-    assert (mesh.daemon.workspace / "after-answer.txt").read_text() == "the human answered"
+    assert (mesh.daemon.workspace / session_id / "after-answer.txt").read_text() == "the human answered"
     _check_answered_log(log_of(mesh.url, session_id), "blue")
     # The pause is closed: answering it again is refused.
     again = httpx.post(
@@ -305,7 +305,7 @@ def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
         ended = wait_ended(mesh.url, session_id)
         assert ended["status"] == "completed", ended
         assert ended["output"] == "the file is written"
-        assert (mesh.daemon.workspace / "openai.txt").read_text() == "from the model"
+        assert (mesh.daemon.workspace / session_id / "openai.txt").read_text() == "from the model"
         (root,) = ended["agents"]
         assert root["worker"].startswith("keyed")
         assert len(fake.requests) == 2

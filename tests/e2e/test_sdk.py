@@ -281,7 +281,7 @@ async def test_a_tail_survives_a_worker_kill_and_a_daemon_restart_then_a_resume(
     assert "OperatorAction" in kinds and "SessionRecovered" in kinds
     assert done.recoveries >= 1 and done.resumes >= 1
     for index in range(3):
-        lines = journal_lines(mesh.daemon.workspace, f"sdk-{index}.txt")
+        lines = journal_lines(mesh.daemon.workspace / session_id, f"sdk-{index}.txt")
         assert len(lines) == len(set(lines)), lines
 
 
@@ -323,7 +323,7 @@ def test_cli_lists_and_resumes_a_recoverable_session(mesh: Mesh) -> None:
         assert client.list_recoverable() == []
     again = cli(mesh.url, "recover", "resume", session_id, "--yes")
     assert again.returncode == 1
-    lines = journal_lines(mesh.daemon.workspace, "cli.txt")
+    lines = journal_lines(mesh.daemon.workspace / session_id, "cli.txt")
     assert len(lines) == len(set(lines)) >= 5
     down = subprocess.run(
         [sys.executable, "-m", "apomesh", "recover", "list", "--url", "http://127.0.0.1:9"],

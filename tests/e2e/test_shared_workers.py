@@ -51,6 +51,8 @@ def gated_writer(path: str) -> dict[str, Any]:
     return {
         "name": "gated",
         "version": "1",
+        # The test holds a file's lock in the shared workspace before the session exists.
+        "workspace": "shared",
         "tools": ["fs.write"],
         "model": {
             "provider": "scripted",

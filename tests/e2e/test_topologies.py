@@ -102,7 +102,7 @@ def test_cluster_of_three_with_replicated_streams(
 
     assert view["status"] == "completed", view
     assert {a["worker"] for a in view["agents"]} == {worker_id}
-    assert (daemon.workspace / "done-2.txt").read_text() == "gamma done"
+    assert (daemon.workspace / view["session_id"] / "done-2.txt").read_text() == "gamma done"
     assert holds_connection(other, "apomesh-worker-routed")
     assert not holds_connection(other, "apomesh-daemon")
     assert stream_replicas(nats_cluster.urls, LOG_STREAM) == 3
@@ -132,7 +132,7 @@ def test_worker_behind_a_leaf_node(
     assert view["output"] == "wrote from the edge"
     (root,) = view["agents"]
     assert root["worker"] == worker_id
-    assert (daemon.workspace / "solo.txt").read_text() == "from the edge"
+    assert (daemon.workspace / view["session_id"] / "solo.txt").read_text() == "from the edge"
     # No control-plane identity configured: the daemon's one connection does the control work,
     # and its log says so.
     assert "no control-plane identity in [nats]" in daemon.log_file.read_text()

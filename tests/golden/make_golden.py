@@ -106,7 +106,8 @@ turns = [
 
 
 def _configs(toml: str) -> tuple[SessionShape, AgentConfig, AgentConfig]:
-    definition = parse_definition(tomllib.loads(toml))
+    # These sessions were recorded before agents had a workspace of their own: shared.
+    definition = parse_definition({**tomllib.loads(toml), "workspace": "shared"})
     skills = [HOUSE_STYLE] if definition.skills else []
     root = role_config(definition, "root", skills)
     worker = role_config(definition, "worker", skills)

@@ -58,7 +58,7 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
         journal = await node.daemon.store.scan("journal", f"{session_id}/root\x00")
 
     assert runtime.state.status == "completed"
-    workspace = config.daemon.workspace_path()
+    workspace = config.daemon.workspace_path() / session_id
     assert [(workspace / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == [
         "one",
         "two",

@@ -179,6 +179,7 @@ def test_the_builtin_plugin_registers_everything_apomesh_ships() -> None:
         "fs.list",
         "fs.write",
         "fs.append",
+        "http.request",
         "ask_human",
         "checkpoint.now",
         "jobs.sleep",

@@ -1,4 +1,5 @@
-"""The built-in tools: workspace file tools, asking a human, explicit checkpoints and a sleep job.
+"""The built-in tools: workspace file tools, an HTTP client, asking a human, explicit checkpoints
+and a sleep job.
 
 File tools are confined to the ``ToolContext``'s workspace. A path is resolved the way
 ``openat2(RESOLVE_BENEATH)`` does it: one component at a time, each directory opened with
@@ -22,6 +23,13 @@ digest of the bytes it adds), (5) changes the file, (6) records itself done. The
 about an unknown outcome, take the same lock, settle the pending entry, raise the agent's epoch on
 the file (fencing the older dispatch from then on) and answer from the ledger: the effect happened
 (with its result) or did not (the call may run now); a lock not had in time cannot tell.
+
+``http.request`` sends one HTTP request from the worker. A GET or HEAD is read-only (not
+journaled); any other method is a side effect whose request carries the call's idempotency key
+in its ``Idempotency-Key`` header, so a service that deduplicates by that header applies it once;
+an unknown outcome is held for an operator. Redirects are not followed (a redirect is an answer
+the model sees), proxies from the environment are not used, and the answer's body is cut at
+``MAX_HTTP_BODY`` bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import httpx
 
 from apomesh.core.errors import ToolError
 from apomesh.plugins.api import ProbeResult, Tool, ToolContext, ToolProbe
@@ -541,6 +550,72 @@ def _file_probe(tool: str) -> ToolProbe:
     return probe
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+HTTP_READ_ONLY = ("GET", "HEAD")
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+MAX_HTTP_BODY = 64 * 1024
+"""``http.request`` answers with at most this many bytes of a response's body."""
+HTTP_TIMEOUT = 30.0
+"""Seconds ``http.request`` waits for a response (connecting, sending, each read)."""
+
+
+def _http_method(args: dict[str, Any]) -> str:
+    method = args.get("method", "GET")
+    return method.upper() if isinstance(method, str) else ""
+
+
+def http_read_only(args: dict[str, Any]) -> bool:
+    """Whether an ``http.request`` call is read-only (a GET or a HEAD)."""
+    return _http_method(args) in HTTP_READ_ONLY
+
+
+async def http_request(ctx: ToolContext, args: dict[str, Any]) -> str:
+    tool = "http.request"
+    url = _str_arg(tool, args, "url")
+    method = _http_method(args)
+    if method not in HTTP_METHODS:
+        raise ToolError(f"{tool}: `method` must be one of {', '.join(HTTP_METHODS)}")
+    if not url.startswith(("http://", "https://")):
+        raise ToolError(f"{tool}: `url` must be an http:// or https:// URL")
+    given = args.get("headers", {})
+    if not isinstance(given, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in given.items()
+    ):
+        raise ToolError(f"{tool}: `headers` must map names to string values")
+    headers = {k: v for k, v in given.items() if k.lower() != IDEMPOTENCY_HEADER.lower()}
+    if method not in HTTP_READ_ONLY:
+        key = getattr(ctx, "idempotency_key", "")
+        if not key:
+            raise ToolError(f"{tool}: a {method} needs the call's idempotency key")
+        headers[IDEMPOTENCY_HEADER] = key
+    body = _str_arg(tool, args, "body", "")
+    try:
+        async with (
+            httpx.AsyncClient(timeout=HTTP_TIMEOUT, trust_env=False) as client,
+            client.stream(method, url, headers=headers, content=body.encode() or None) as response,
+        ):
+            data = b""
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > MAX_HTTP_BODY:
+                    break
+    except httpx.HTTPError as exc:
+        raise ToolError(f"{tool}: {method} {url} failed: {type(exc).__name__}: {exc}") from None
+    text = data[:MAX_HTTP_BODY].decode(response.encoding or "utf-8", errors="replace")
+    if len(data) > MAX_HTTP_BODY:
+        text += f"\n[cut at {MAX_HTTP_BODY} bytes]"
+    kind = response.headers.get("content-type", "")
+    answer = f"HTTP {response.status_code} {response.reason_phrase}" + (
+        f"\ncontent-type: {kind}" if kind else ""
+    )
+    if "location" in response.headers:
+        answer += f"\nlocation: {response.headers['location']}"
+    answer += f"\n\n{text}" if text else ""
+    if response.status_code >= 400:
+        raise ToolError(f"{tool}: {answer}")
+    return answer
+
+
 async def ask_human(ctx: ToolContext, args: dict[str, Any]) -> str:
     question = _str_arg("ask_human", args, "question")
     if not question.strip():
@@ -610,6 +685,31 @@ BUILTIN_TOOLS: list[Tool] = [
         idempotent=False,
         on_unknown="fail",
         probe=_file_probe("fs.append"),
+    ),
+    Tool(
+        name="http.request",
+        description=(
+            "Send an HTTP request and read the answer. GET and HEAD only read; any other method "
+            "changes something and is sent at most once."
+        ),
+        run=http_request,
+        parameters=_schema(
+            {
+                "url": {"type": "string", "description": "An http:// or https:// URL."},
+                "method": {"type": "string", "enum": list(HTTP_METHODS), "default": "GET"},
+                "headers": {
+                    "type": "object",
+                    "additionalProperties": {"type": "string"},
+                    "description": "Request headers.",
+                },
+                "body": {"type": "string", "description": "The request body, as text."},
+            },
+            ["url"],
+        ),
+        side_effect=True,
+        idempotent=False,
+        on_unknown="hold",
+        read_only_when=http_read_only,
     ),
     Tool(
         name="ask_human",

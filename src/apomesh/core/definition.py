@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -80,6 +80,10 @@ class RoleSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     affinity: str | None = None
 
 
+WorkspaceScope = Literal["session", "shared"]
+"""Which directory an agent's file tools act in (``AgentDefinition.workspace``)."""
+
+
 class AgentDefinition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An agent as a user writes it (see docs/formats.md)."""
 
@@ -95,6 +99,9 @@ class AgentDefinition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     roles: dict[str, RoleSpec] = {}
     affinity: str | None = None
     description: str = ""
+    workspace: WorkspaceScope = "session"
+    """``session``: the session's own directory ``<workspace>/<session id>/``; ``shared``: the
+    worker's whole workspace, as every session that asks for it sees it."""
 
 
 class PinnedSkill(msgspec.Struct, frozen=True):
@@ -119,6 +126,9 @@ class AgentConfig(msgspec.Struct, frozen=True):
     skills: list[PinnedSkill]
     budget: Budget
     affinity: str | None = None
+    workspace: WorkspaceScope = "shared"
+    """As the definition says (its default is ``session``); a config pinned before agents had
+    their own workspace decodes as ``shared``, where that session's files already are."""
 
 
 _decoder_cache: dict[type, Any] = {}
@@ -275,6 +285,7 @@ def role_config(definition: AgentDefinition, role: str, skills: list[PinnedSkill
             skills=skills,
             budget=definition.budget,
             affinity=definition.affinity,
+            workspace=definition.workspace,
         )
     wanted = set(spec.skills) if spec.skills is not None else {s.name for s in skills}
     return AgentConfig(
@@ -289,4 +300,5 @@ def role_config(definition: AgentDefinition, role: str, skills: list[PinnedSkill
         skills=[s for s in skills if s.name in wanted],
         budget=spec.budget if spec.budget is not None else definition.budget,
         affinity=spec.affinity if spec.affinity is not None else definition.affinity,
+        workspace=definition.workspace,
     )

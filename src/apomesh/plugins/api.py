@@ -99,7 +99,9 @@ class Tool(msgspec.Struct, frozen=True):
     ``side_effect`` tools are journaled (intent, effect, result) and a repeated call is served from
     the journal. ``on_unknown`` says what happens to a side effect whose outcome is unknown after a
     crash: ``rerun`` (only sensible when ``idempotent``), ``fail`` (the call fails with a clear
-    reason the model sees) or ``hold`` (the agent waits for an operator).
+    reason the model sees) or ``hold`` (the agent waits for an operator). ``read_only_when``, on a
+    side-effecting tool, names the calls that are read-only after all (asked with the call's
+    arguments; True: not journaled), as ``http.request`` does for GET and HEAD.
     """
 
     name: str
@@ -111,6 +113,13 @@ class Tool(msgspec.Struct, frozen=True):
     on_unknown: UnknownOutcomePolicy = "fail"
     async_job: bool = False
     probe: ToolProbe | None = None
+    read_only_when: Callable[[dict[str, Any]], bool] | None = None
+
+    def journaled(self, args: dict[str, Any]) -> bool:
+        """Whether a call with ``args`` goes through the journal (a side effect)."""
+        if not self.side_effect:
+            return False
+        return self.read_only_when is None or not self.read_only_when(args)
 
 
 def describe_tool(tool: Tool) -> dict[str, Any]:

@@ -154,6 +154,9 @@ class PluginHost:
         self._loaded: list[_Loaded] = []
         self._registries: dict[RegistryKind, dict[str, _Entry]] = {}
         self._skipped: list[str] = []
+        self.tool_servers: frozenset[str] = frozenset()
+        """The names of the tool servers outside the plugins (the MCP servers the config names):
+        their tools are ``<server>.<tool>``, offered by the workers that reach the server."""
 
         self._load_builtin()
         if load_entry_points:
@@ -429,6 +432,12 @@ class PluginHost:
         if entry is None:
             raise NotFound(f"{kind.replace('_', ' ')} {name!r}")
         return PluginPin(name=entry.owner.distribution, version=entry.owner.version)
+
+    def served_remotely(self, tool: str) -> bool:
+        """Whether ``tool`` is no plugin's but a tool server's (``tool_servers``): a definition may
+        name it, nothing pins it, and only a worker that reaches its server offers it."""
+        server, dot, rest = tool.partition(".")
+        return bool(dot and rest) and server in self.tool_servers and tool not in self.tools()
 
     def installed_versions(self) -> dict[str, str]:
         """Each loaded plugin distribution's version, by distribution name."""

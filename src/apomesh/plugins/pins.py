@@ -33,10 +33,11 @@ def pins_for(
     deduplicated and sorted by (name, version).
 
     Raises ``DefinitionError`` naming what is unknown (and what is installed) when a kind, tool
-    or provider was registered by no plugin.
+    or provider was registered by no plugin. A tool of a tool server the config names (an MCP
+    server, ``PluginHost.served_remotely``) is no plugin's and pins nothing.
     """
     wanted: list[tuple[RegistryKind, str]] = [("coordination", coordination)]
-    wanted += [("tool", name) for name in tools]
+    wanted += [("tool", name) for name in tools if not host.served_remotely(name)]
     wanted += [("model_provider", name) for name in providers]
     pins: set[tuple[str, str]] = set()
     for kind, name in wanted:

@@ -25,6 +25,7 @@ tracing on, each node, model call and tool run is a span of the dispatch (``runt
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ class LoopContext:
 
     @property
     def workspace(self) -> Path:
-        return self.workspace_root
+        return agent_workspace(self.workspace_root, self.run)
 
     @property
     def session_id(self) -> str:
@@ -146,6 +147,23 @@ class LoopContext:
 
     async def checkpoint_now(self) -> None:
         self.explicit_checkpoint = True
+
+
+SESSION_DIR = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+"""A session id usable as its workspace directory's name (one path component, never ``..``)."""
+
+
+def agent_workspace(root: Path, run: Run) -> Path:
+    """The directory an agent's tools act in: ``<root>/<session id>/`` for a session workspace
+    (the default), ``root`` itself when the agent asked for the shared one."""
+    if run.config.workspace == "shared":
+        return root
+    if not SESSION_DIR.match(run.session_id):
+        raise ApomeshError(
+            f"session id {run.session_id!r} cannot name a workspace directory (letters, digits,"
+            " '-' and '_' only); give the agent `workspace = \"shared\"`"
+        )
+    return root / run.session_id
 
 
 async def _checked(awaitable: Awaitable[Reply]) -> Reply:
@@ -297,6 +315,7 @@ async def run_agent(
         prompt = run.prompt
     recorder = TurnRecorder(send)
     ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step, trace=trace)
+    ctx.workspace.mkdir(parents=True, exist_ok=True)
     provider = providers.get(run.config.model.provider)
 
     def done(outcome: Any, **kw: Any) -> Done:
@@ -512,7 +531,7 @@ async def _call_tool(
     tool = tools.get(name)
     if tool is None or name not in allowed:
         return f"error: tool {name!r} is not available to this agent"
-    if not tool.side_effect and not tool.async_job:
+    if not tool.journaled(args) and not tool.async_job:
         try:
             return await tool.run(ctx, args)
         except Stall:

@@ -2,7 +2,7 @@
 
 ``Config`` is a tree of frozen ``msgspec`` structs, one per section of the TOML file
 (``[nats]``, ``[daemon]``, ``[http]``, ``[liveness]``, ``[snapshots]``, ``[limits]``, ``[plugins]``,
-``[workers]``, ``[providers]``, ``[store]``, ``[skills]``, ``[log]``, ``[tracing]``); ``Config()`` is the whole default configuration, and the sample file
+``[workers]``, ``[providers]``, ``[store]``, ``[skills]``, ``[log]``, ``[tracing]``, ``[retention]``, ``[mcp]``); ``Config()`` is the whole default configuration, and the sample file
 ``apomesh config sample`` prints (``sample_config()``) shows every key at exactly that default.
 ``load_config`` layers, later winning: the TOML file, then environment variables
 ``APOMESH_<SECTION>_<KEY>`` (lists comma-separated, numbers and booleans parsed by the key's type),
@@ -23,6 +23,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from apomesh.builtin.mcp_tools import McpServer, server_problems
 from apomesh.core.errors import DefinitionError
 from apomesh.runtime.protocol import DEFAULT_DAEMON_GONE_AFTER, DEFAULT_MAX_AGENTS
 
@@ -306,6 +307,14 @@ class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
+class McpConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The MCP servers whose tools workers offer (``[mcp.servers.<name>]``, see docs/tools.md):
+    a worker connects to each and offers its tools as ``<name>.<tool>``; the daemon accepts those
+    names in a definition. Set in the config file only."""
+
+    servers: dict[str, McpServer] = {}
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The whole daemon configuration; ``Config()`` is every default."""
 
@@ -323,6 +332,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log: LogConfig = LogConfig()
     tracing: TracingConfig = TracingConfig()
     retention: RetentionConfig = RetentionConfig()
+    mcp: McpConfig = McpConfig()
 
     def nats_store_path(self) -> Path:
         """Where the embedded nats-server keeps JetStream: ``embedded_store_dir`` or
@@ -347,6 +357,7 @@ SECTIONS: Final[dict[str, type[msgspec.Struct]]] = {
     "log": LogConfig,
     "tracing": TracingConfig,
     "retention": RetentionConfig,
+    "mcp": McpConfig,
 }
 
 
@@ -542,6 +553,9 @@ def _check_consistency(config: Config, sources: dict[tuple[str, ...], str], defa
                 sources,
                 default,
             )
+    for name, problem in server_problems(config.mcp.servers):
+        where = f"{sources.get(('mcp', 'servers'), default)} $.mcp.servers.{name}"
+        raise DefinitionError(problem, where=where)
     endpoint = config.tracing.endpoint
     if endpoint and not endpoint.startswith(("http://", "https://")):
         raise _fail(

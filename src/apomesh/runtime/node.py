@@ -272,6 +272,7 @@ def make_plugin_host(config: Config, extra_plugins: Iterable[object] = ()) -> Pl
         block=config.plugins.block or None,
         extra_plugins=[*extra, *extra_plugins],
     )
+    host.tool_servers = frozenset(config.mcp.servers)
     providers = host.model_providers()
     for name, credentials in (
         (OPENAI_PROVIDER, config.providers.openai.credentials),
@@ -319,6 +320,7 @@ async def start_local_worker(
         heartbeat_interval=config.liveness.heartbeat_interval,
         max_agents=config.workers.max_agents,
         daemon_gone_after=config.workers.daemon_gone_after,
+        mcp_servers=config.mcp.servers,
     )
     await worker.start()
     return nc, worker

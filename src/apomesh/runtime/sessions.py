@@ -853,6 +853,7 @@ class SessionRuntime:
                 idempotency_key=idempotency_key(self.session_id, job.agent, job.job_id),
             )
             try:
+                ctx.workspace.mkdir(parents=True, exist_ok=True)
                 result, ok = await tool.run(ctx, job.args), True
             except Exception as exc:
                 result, ok = f"{type(exc).__name__}: {exc}", False

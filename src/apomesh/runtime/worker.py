@@ -8,7 +8,9 @@ once (one more is refused, and said so). It registers with each daemon that asks
 asks when its incarnation is missing from the worker's beats) and reports a dispatch only to the
 daemon that sent it (``runtime.protocol``). A new incarnation of a daemon abandons that daemon's
 older dispatches and nobody else's (the new incarnation re-dispatches them under new epochs); a
-dispatch whose daemon stops answering for ``daemon_gone_after`` seconds is abandoned too.
+dispatch whose daemon stops answering for ``daemon_gone_after`` seconds is abandoned too. Its
+tools are its plugins' and those of the MCP servers it reaches (``builtin.mcp_tools``), connected
+at ``start``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from apomesh.builtin.mcp_tools import McpServer, McpTools
 from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.plugins.api import ModelProvider, SupervisorPolicy, Tool
 from apomesh.runtime import tracing
@@ -127,6 +130,7 @@ class Worker:
         plugin_versions: dict[str, str] | None = None,
         max_agents: int = DEFAULT_MAX_AGENTS,
         daemon_gone_after: float = DEFAULT_DAEMON_GONE_AFTER,
+        mcp_servers: dict[str, McpServer] | None = None,
     ) -> None:
         self.nc = nc
         self.local_links: dict[str, Callable[[bytes], Awaitable[Reply]]] = {}
@@ -135,7 +139,9 @@ class Worker:
         self.plugin_versions = dict(plugin_versions or {})
         """Sent on ``Register``: the daemon places on this worker only agents whose session pins
         these versions."""
-        self.tools = tools
+        self.tools = dict(tools)
+        self.mcp = McpTools(mcp_servers or {})
+        """The MCP servers this worker connects to at ``start``: it offers their tools too."""
         self.providers = providers
         self.supervisors = supervisors or []
         self.workspace = workspace
@@ -166,6 +172,12 @@ class Worker:
         """Listen for dispatches and start beating: every daemon that hears the beats asks this
         worker to register with it."""
         self.workspace.mkdir(parents=True, exist_ok=True)
+        await self.mcp.__aenter__()
+        for tool in self.mcp.tools:
+            if tool.name in self.tools:
+                log.error("MCP tool %s is not offered: a plugin's tool has that name", tool.name)
+                continue
+            self.tools[tool.name] = tool
         self._sub = await self.nc.subscribe(dispatch_subject(self.worker_id), cb=self._on_dispatch)
         self._beat_task = asyncio.create_task(self._beat_forever(), name=f"beat-{self.worker_id}")
 
@@ -190,6 +202,7 @@ class Worker:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+        await self.mcp.__aexit__(None, None, None)
         for provider in self.providers.values():
             # A provider's pooled HTTP client (the ``openai`` one's); it is made again on use.
             close = getattr(provider, "aclose", None)
