@@ -41,12 +41,13 @@ def provide_chromium() -> None:
         )
     if shutil.which("apt-get") is None:
         pytest.exit(f"{CHROMIUM} is missing and there is no apt-get to install it", returncode=4)
-    installed = subprocess.run(
-        INSTALL_CHROMIUM,
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-        capture_output=True,
-        text=True,
-    )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    print(f"\n{CHROMIUM} is missing: installing Debian's chromium ({command}) ...", flush=True)
+    installed = subprocess.run(INSTALL_CHROMIUM, env=env, capture_output=True, text=True)
+    if installed.returncode != 0:
+        # A fresh machine may have no package lists yet: read them, then try once more.
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True)
+        installed = subprocess.run(INSTALL_CHROMIUM, env=env, capture_output=True, text=True)
     if installed.returncode != 0 or not Path(CHROMIUM).exists():
         pytest.exit(
             f"`{command}` did not provide {CHROMIUM} (exit {installed.returncode}):"
