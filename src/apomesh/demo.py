@@ -216,7 +216,7 @@ async def run_demo(console: Console, nats_url: str | None = None) -> int:
             kill_task.cancel()
             ok = status == "completed"
             for i in range(3):
-                path = workspace / f"chapter-{i}.txt"
+                path = workspace / session_id / f"chapter-{i}.txt"
                 lines = path.read_text().splitlines() if path.exists() else []
                 unique = len(set(lines)) == len(lines) == STEPS
                 ok = ok and unique

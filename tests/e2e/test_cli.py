@@ -720,3 +720,20 @@ def test_a_table_on_a_narrow_terminal_keeps_every_id_whole(cli_mesh: Mesh) -> No
     os.close(main)
     assert shown.wait(60) == 0, output
     assert session_id in output.decode(errors="replace")
+
+
+def test_the_demo_kills_a_worker_and_every_line_is_written_exactly_once() -> None:
+    """The README's first command, as a new user runs it: embedded nats-server, the daemon, two
+    worker processes, one SIGKILLed mid-run; every chapter line is in its file exactly once."""
+    done = subprocess.run(
+        [sys.executable, "-m", "apomesh", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "demo ok"
+    assert any("SIGKILL" in line for line in lines) or "no worker was killed" in done.stdout
+    assert sum("lines, exactly once" in line for line in lines) == 3
