@@ -285,3 +285,57 @@ def test_a_run_without_chromium_stops_at_once_with_the_command_to_install_it() -
         assert plain.returncode == 0 and "1 passed" in plain.stdout, plain.stdout + plain.stderr
     finally:
         shutil.rmtree(probes, ignore_errors=True)
+
+
+FAKE_APT_GET = """#!/bin/sh
+# apt-get on a fresh machine: no package lists until `update`, then `install` provides chromium.
+echo "$*" >> "$APT_LOG"
+case "$1" in
+  update) touch "$APT_LISTS"; exit 0 ;;
+  install) [ -e "$APT_LISTS" ] || { echo "E: Unable to locate package chromium" >&2; exit 100; }
+           touch "$APOMESH_CHROMIUM"; exit 0 ;;
+esac
+exit 1
+"""
+
+
+def test_a_root_run_without_chromium_installs_it_before_any_test(tmp_path: Path) -> None:
+    """As root on a fresh machine (no chromium, no package lists yet): the run installs the
+    package, reading the package lists when the first try finds none, before any test starts."""
+    root = Path(__file__).parents[2]
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    (probes / "test_console_probe.py").write_text(PROBE)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    apt_get = bin_dir / "apt-get"
+    apt_get.write_text(FAKE_APT_GET)
+    apt_get.chmod(0o755)
+    env = {
+        **os.environ,
+        "APOMESH_CHROMIUM": str(tmp_path / "chromium"),
+        "APT_LOG": str(tmp_path / "apt.log"),
+        "APT_LISTS": str(tmp_path / "lists"),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(root),
+    }
+    collected = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider"),
+            *("-p", "tests.conftest", "--rootdir", str(probes), str(probes)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=root,
+    )
+    output = collected.stdout + collected.stderr
+    assert collected.returncode == 0, output
+    assert "installing Debian's chromium" in output
+    assert (tmp_path / "apt.log").read_text().splitlines() == [
+        "install -y --no-install-recommends chromium",
+        "update",
+        "install -y --no-install-recommends chromium",
+    ]
+    assert (tmp_path / "chromium").exists()
