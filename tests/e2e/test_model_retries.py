@@ -142,7 +142,8 @@ def test_a_session_rides_through_a_429_a_503_and_a_timeout_and_completes(
     ended = wait_for(system.url, session_id, ("completed", "failed", "cancelled", "recoverable"))
     assert ended["status"] == "completed", ended
     assert ended["output"] == OPENAI.final["choices"][0]["message"]["content"]
-    assert (system.daemon.workspace / "notes.txt").read_text() == WRITE_ARGS["content"]
+    notes = system.daemon.workspace / session_id / "notes.txt"
+    assert notes.read_text() == WRITE_ARGS["content"]
     assert len(model_api.requests) == 5
     (root,) = ended["agents"]
     assert root.get("retrying") is None

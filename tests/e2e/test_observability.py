@@ -112,7 +112,8 @@ def observed(
 def test_the_session_completes_with_a_model_call_and_a_tool_call(observed: Observed) -> None:
     assert observed.view["status"] == "completed", observed.view
     assert observed.view["output"] == "written"
-    assert (observed.mesh.daemon.workspace / "observed.txt").read_text() == "seen"
+    written = observed.mesh.daemon.workspace / observed.session_id / "observed.txt"
+    assert written.read_text() == "seen"
     assert len(observed.model_server.requests) == 2
 
 

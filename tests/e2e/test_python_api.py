@@ -189,7 +189,8 @@ def test_the_docs_example_runs_as_a_script(notes_dir: Path) -> None:
     script = Script(notes_dir, "notes.py", (notes_dir / "notes.py").read_text())
     code, out, err = script.run_to_end()
     assert (code, out) == (0, "kept two notes\n"), err
-    kept = sorted(p.read_text() for p in (notes_dir / ".apomesh/notes/workspace/notes").iterdir())
+    # The session's own workspace: <data dir>/workspace/<session id>/notes.
+    kept = sorted(p.read_text() for p in (notes_dir / ".apomesh/notes/workspace").glob("*/notes/*"))
     assert kept == ["[home] buy milk", "[misc] call ada"]
 
 
