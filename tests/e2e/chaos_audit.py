@@ -43,9 +43,10 @@ class Record(Protocol):
 
 def files_of(workspace: Path, records: list[Any], session_id: str) -> Path:
     """The directory a session's file tools act in: ``<workspace>/<session id>/``, or the shared
-    workspace when its root agent asked for it (as its ``SessionStarted`` says)."""
+    workspace when its root agent asked for it (as its ``SessionStarted`` says; a log from before
+    workspaces per session, or records without a start, name none: the shared one)."""
     started = next((r.event for r in records if r.kind == "SessionStarted"), None)
-    scope = started["shape"]["root"].get("workspace", "shared") if started else "session"
+    scope = started["shape"]["root"].get("workspace", "shared") if started else "shared"
     return workspace if scope == "shared" else workspace / session_id
 
 

@@ -230,7 +230,7 @@ def test_the_docs_tools_serve_a_fleet_pinned_by_module_and_digest(
         worker.stop()
         daemon.stop()
     assert (view.status, view.output) == ("completed", "kept two notes"), daemon.output_tail()
-    kept = sorted(p.read_text() for p in (notes_dir / "fleet" / "notes").iterdir())
+    kept = sorted(p.read_text() for p in (notes_dir / "fleet").glob("*/notes/*"))  # per session
     assert kept == ["[home] buy milk", "[misc] call ada"]
     (tool_set,) = tool_sets(notes.tools)
     pins = started[0].event["shape"]["plugins"]

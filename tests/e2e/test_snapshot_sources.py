@@ -31,7 +31,7 @@ class ReportingWorker(Worker):
         self.replies: dict[str, Reply] = {}
         self.reported = asyncio.Event()
 
-    async def _run(self, run: Run) -> None:
+    async def _run(self, run: Run, headers: dict[str, str] | None = None) -> None:
         for step, source in enumerate(self.sources, start=1):
             report = NodeReport(
                 self.worker_id,
