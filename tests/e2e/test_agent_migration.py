@@ -194,11 +194,18 @@ def test_an_operator_moves_a_stranded_session_to_a_new_agent_version(mesh: Mesh)
     after = lines(out)
     assert after[: len(before)] == before
     assert sorted(after) == sorted(set(after))  # nothing appended twice
-    assert [line for line in after if line.startswith("1.0.0")] == [
-        line for line in before if line.startswith("1.0.0")
+    # A 1.0.0 call in flight at the kill may land after ``before`` was read: a probe settles it.
+    settled = [
+        r
+        for r in log
+        if r["kind"] == "ToolCallRecorded"
+        and r["index"] > moved_at
+        and r["event"].get("resolved_by") == "probe"
     ]
-    new_lines = after[len(before) :]
-    assert new_lines and all(line.startswith("1.1.0 ") for line in new_lines)
+    late = [line for line in after[len(before) :] if line.startswith("1.0.0 ")]
+    assert len(late) <= len(settled), (late, settled)
+    new_lines = [line for line in after[len(before) :] if line.startswith("1.1.0 ")]
+    assert new_lines and all(line.startswith(("1.0.0 ", "1.1.0 ")) for line in after)
     parts = {line.split(" ", 1)[1] for line in after}
     assert parts == {"alpha", "beta", "gamma"}
     # Each result recorded after the move is a line written after it, but for a call whose effect
