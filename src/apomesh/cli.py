@@ -1048,7 +1048,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-agents",
         type=int,
-        help="how many agents it runs at once, for every daemon together (default 8;"
+        help="how many agents it runs at once, for every daemon together (default 32;"
         " [workers] max_agents)",
     )
     p.add_argument(

@@ -70,7 +70,7 @@ CTL_BOUND_WILDCARD = "apomesh.ctl.*.*.*"
 HB_PREFIX = "apomesh.hb."
 DISPATCH_PREFIX = "apomesh.dispatch."
 WORKER_INBOX_PREFIX = "_INBOX.worker."
-DEFAULT_MAX_AGENTS = 8
+DEFAULT_MAX_AGENTS = 32
 """How many agents a worker runs at once unless told otherwise (``[workers] max_agents``)."""
 DEFAULT_DAEMON_GONE_AFTER = 30.0
 """Seconds a daemon may leave a dispatch's reports unanswered before the worker abandons it
