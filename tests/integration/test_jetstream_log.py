@@ -336,3 +336,36 @@ async def test_heartbeats_keep_the_latest_beat_of_every_worker(nc: NATS, log: Je
     assert workers[0] not in await heartbeats.latest()
     with pytest.raises(ValueError):
         beat_subject("a.b")
+
+
+async def test_replies_answer_each_request_with_its_own_reply_and_say_why_none_came(
+    nc: NATS,
+) -> None:
+    """The appends' request path (``Replies``): concurrent requests each get their own answer,
+    a subject nobody listens on is ``NoRespondersError`` and a listener that never answers a
+    ``TimeoutError`` after the timeout, with nothing left waiting."""
+    from apomesh.adapters.nats_connect import Replies
+
+    async def echo(msg: Any) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    await nc.subscribe("replies.echo", cb=echo)
+    await nc.subscribe("replies.silent")
+    replies = Replies(nc)
+    answers = []
+    async with anyio.create_task_group() as group:
+
+        async def ask(n: int) -> None:
+            msg = await replies.request(
+                "replies.echo", str(n).encode(), timeout=5, headers={"N": str(n)}
+            )
+            answers.append((n, msg.data))
+
+        for n in range(50):
+            group.start_soon(ask, n)
+    assert sorted(answers) == [(n, b"re:" + str(n).encode()) for n in range(50)]
+    with pytest.raises(nats.errors.NoRespondersError):
+        await replies.request("replies.nobody", b"x", timeout=5, headers={"N": "0"})
+    with pytest.raises(nats.errors.TimeoutError):
+        await replies.request("replies.silent", b"x", timeout=0.2, headers={"N": "0"})
+    assert not replies._waiting

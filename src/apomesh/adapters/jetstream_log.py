@@ -84,6 +84,7 @@ from apomesh.adapters.nats_connect import (
     JS_API_PREFIX,
     NATS,
     UNAVAILABLE_ERRORS,
+    Replies,
     api_request,
     direct_get_batch,
     unavailable_as_log_error,
@@ -184,6 +185,7 @@ class JetStreamLog:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
         self._nc = nc
+        self._replies = Replies(nc)
         self._js = nc.jetstream(timeout=timeout)
         self.replicas = replicas
         self.stream = stream
@@ -368,7 +370,7 @@ class JetStreamLog:
                     "Nats-Msg-Id": f"{session_id}:{outgoing.index}",
                     "Nats-Expected-Last-Subject-Sequence": str(expected_seq),
                 }
-                reply = await self._nc.request(
+                reply = await self._replies.request(
                     subject, outgoing.payload, timeout=timeout, headers=headers
                 )
             else:
@@ -421,7 +423,7 @@ class JetStreamLog:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_seq)
             if position == last:
                 headers["Nats-Batch-Commit"] = "1"
-                return await self._nc.request(
+                return await self._replies.request(
                     subject, outgoing.payload, timeout=timeout, headers=headers
                 )
             await self._nc.publish(subject, outgoing.payload, headers=headers)

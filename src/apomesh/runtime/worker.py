@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from apomesh.adapters.nats_connect import Replies
 from apomesh.builtin.mcp_tools import McpServer, McpTools
 from apomesh.core.errors import ApomeshError, Fenced
 from apomesh.plugins.api import ModelProvider, SupervisorPolicy, Tool
@@ -133,6 +134,7 @@ class Worker:
         mcp_servers: dict[str, McpServer] | None = None,
     ) -> None:
         self.nc = nc
+        self._replies = Replies(nc)
         self.local_links: dict[str, Callable[[bytes], Awaitable[Reply]]] = {}
         """Daemons in this very process (``ControlPlane.local_link``), by id: reports to them skip
         the NATS round trip; registration and heartbeats still go over NATS like any worker's."""
@@ -454,7 +456,7 @@ class Worker:
         delay = 0.1
         while True:
             try:
-                msg = await self.nc.request(subject, data, timeout=self.request_timeout)
+                msg = await self._replies.request(subject, data, timeout=self.request_timeout)
                 return REPLY_DECODER.decode(msg.data)
             except (TimeoutError, NatsTimeout, NoRespondersError):
                 silent = time.monotonic() - started
