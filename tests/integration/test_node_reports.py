@@ -48,6 +48,15 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
         for _, worker in node.workers:
             await worker.wait_registered()
         agent = writer([[write("a.txt", "one")], [write("b.txt", "two"), write("c.txt", "three")]])
+        store = node.daemon.store
+        batches: list[list[str]] = []
+        write_batch = store.write_batch
+
+        async def counted(puts: Any, deletes: Any = ()) -> None:
+            batches.append([db for db, _, _ in puts])
+            await write_batch(puts, deletes)
+
+        store.write_batch = counted  # type: ignore[method-assign]
         session_id = await node.service.create_session(
             "write", agent=None, definition=agent, by="t"
         )
@@ -82,6 +91,13 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
     ]
     records = [msgspec.msgpack.decode(value) for _, value in journal]
     assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]
+    # The journal copies ride in the snapshot commits: each node's results in its node's
+    # snapshot, the earlier call of the second node (a JournalFinish) in one of its own, and no
+    # commit holds only an intent's copy.
+    with_journal = [b for b in batches if "journal" in b]
+    assert len(with_journal) == 3, batches
+    assert sum(b.count("journal") for b in with_journal) == 3
+    assert sum("snapshots" in b for b in with_journal) == 2
     assert runtime.state.side_effects == 3
 
 

@@ -44,7 +44,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.adapters.lmdb_store import AsyncStore, journal_key
 from apomesh.core import decisions, envelope
 from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import (
@@ -227,7 +227,9 @@ class SessionRuntime:
         """Set by ``drain`` (a graceful shutdown): nothing more is dispatched, every running
         dispatch stops at its next node boundary, and once ``SessionSuspended`` is logged
         nothing more is appended here."""
-        self._journal_copies: dict[str, set[asyncio.Task[Any]]] = {}
+        self._unwritten_copies: dict[str, dict[str, bytes]] = {}
+        """LMDB copies of journal intents on the log, by agent key and call key, stored with the
+        agent's next store write (``_copy_to_journal``)."""
         self._jobs: dict[tuple[str, str], asyncio.Task[Any]] = {}
         """The async jobs this writer runs, by (agent, job id)."""
         self._drivers: set[asyncio.Task[Any]] = set()
@@ -508,23 +510,19 @@ class SessionRuntime:
             ]
             return list(recorded), recorded
 
-        snapshot = self.deps.snapshots.write(
-            agent_key, agent.config, report, after_id=agent.snapshot_id or 0
-        )
-        # The node's results and its snapshot bytes do not depend on each other: log the one
-        # while LMDB takes the other. The pointer waits for the bytes.
-        (snapshot_id, written), recorded = await asyncio.gather(snapshot, self.decide(results))
-        events = self._pointer_events(slot, report, snapshot_id, written)
-
-        async def copy_results() -> None:
-            # LMDB's journal copy of a result follows the log's (so it goes with the pointer) and
-            # replaces the copy of its intent (so it waits for that one).
-            await self._journal_copies_written(agent_key)
-            for r in recorded:
-                record = {"tool": r.tool, "outcome": r.outcome, "result": r.result}
-                await self.deps.store.put_journal(agent_key, r.key, msgspec.msgpack.encode(record))
-
-        await asyncio.gather(self.append(*events), copy_results())
+        # The results go on the log first; LMDB then takes the snapshot bytes and the journal
+        # copies (a result's copy follows the log's and replaces its intent's) in one commit,
+        # and the pointer waits for those.
+        recorded = await self.decide(results)
+        copies = self._journal_copies(agent_key, recorded)
+        try:
+            snapshot_id, written = await self.deps.snapshots.write(
+                agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
+            )
+        except BaseException:
+            self._keep_copies(agent_key, copies)  # the worker sends the node again
+            raise
+        await self.append(*self._pointer_events(slot, report, snapshot_id, written))
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
@@ -623,9 +621,14 @@ class SessionRuntime:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
         agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
-        snapshot_id, written = await self.deps.snapshots.write(
-            agent_key, agent.config, report, after_id=agent.snapshot_id or 0
-        )
+        copies = self._journal_copies(agent_key, [])
+        try:
+            snapshot_id, written = await self.deps.snapshots.write(
+                agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
+            )
+        except BaseException:
+            self._keep_copies(agent_key, copies)
+            raise
         events = self._pointer_events(slot, report, snapshot_id, written)
         await self.append(*events)
         slot.running_logged = True
@@ -728,33 +731,29 @@ class SessionRuntime:
         return events, (Reply("ok", decision="failed", message=message), False)
 
     def _copy_to_journal(self, agent_key: str, call_key: str, record: dict[str, Any]) -> None:
-        """Write LMDB's copy of a journal entry the log already holds. The effect does not wait
-        for it (the log is what makes the intent durable; nothing decides from the copy), the
-        agent's next node report does, so the copy is on disk by the node boundary."""
-        task = self.deps.spawn(
-            self.deps.store.put_journal(agent_key, call_key, msgspec.msgpack.encode(record))
-        )
-        pending = self._journal_copies.setdefault(agent_key, set())
-        pending.add(task)
+        """Keep LMDB's copy of an intent the log already holds until the agent's next store
+        write (its node's snapshot, usually), which commits it with the snapshot. Nothing waits
+        for it: the log is what makes the intent durable, and nothing decides from the copy."""
+        self._unwritten_copies.setdefault(agent_key, {})[call_key] = msgspec.msgpack.encode(record)
 
-        def written(done: asyncio.Task[Any]) -> None:
-            pending.discard(done)
-            if not pending and self._journal_copies.get(agent_key) is pending:
-                del self._journal_copies[agent_key]
-            if not done.cancelled() and done.exception() is not None:
-                log.error(
-                    "journal copy of %s %s not written: %s",
-                    agent_key,
-                    call_key[:12],
-                    done.exception(),
-                )
+    def _keep_copies(self, agent_key: str, copies: dict[str, bytes]) -> None:
+        """Journal copies a failed store write did not take, kept for the next one (a copy
+        taken since, newer, wins)."""
+        kept = self._unwritten_copies.setdefault(agent_key, {})
+        for key, value in copies.items():
+            kept.setdefault(key, value)
 
-        task.add_done_callback(written)
-
-    async def _journal_copies_written(self, agent_key: str) -> None:
-        pending = self._journal_copies.get(agent_key)
-        if pending:
-            await asyncio.wait(list(pending))
+    def _journal_copies(
+        self, agent_key: str, recorded: Sequence[ToolCallRecorded]
+    ) -> dict[str, bytes]:
+        """The journal copies to store with the agent's next write, by call key: the intents
+        kept since its last one, each replaced by its result when ``recorded`` (already on the
+        log) holds it."""
+        copies = self._unwritten_copies.pop(agent_key, {})
+        for r in recorded:
+            record = {"tool": r.tool, "outcome": r.outcome, "result": r.result}
+            copies[r.key] = msgspec.msgpack.encode(record)
+        return copies
 
     async def _on_journal_finish(self, slot: DispatchSlot, report: JournalFinish) -> Reply:
         if report.resolved_by and (report.resolved_by != "probe" or report.key not in slot.probes):
@@ -780,9 +779,13 @@ class SessionRuntime:
         if early is not None:
             return early
         agent_key = f"{self.session_id}/{report.agent}"
-        await self._journal_copies_written(agent_key)
-        record = {"tool": report.tool, "outcome": report.outcome, "result": report.result}
-        await self.deps.store.put_journal(agent_key, report.key, msgspec.msgpack.encode(record))
+        record = ToolCallRecorded(
+            report.agent, report.key, report.tool, report.outcome, report.result
+        )
+        copies = self._journal_copies(agent_key, [record])
+        await self.deps.store.write_batch(
+            [("journal", journal_key(agent_key, k), v) for k, v in copies.items()], []
+        )
         return Reply("ok")
 
     async def _on_hitl(self, report: HitlAsk) -> Reply:

@@ -18,16 +18,21 @@ A model turn recorded before it is acted on (a ``TurnReport``, source ``turn``) 
 like any other: its record holds the turn (``SnapshotRecord.turn``, small: one model answer) and
 the node that completes the turn writes a record without it. The turn's assistant message joins
 the conversation only with that node, so a turn is never in the segments twice.
+
+The LMDB copies of the agent's journal entries (``journal``) that its writer has not stored yet
+travel in the same write as the snapshot (``write(journal=...)``): one commit per node instead of
+one per copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from apomesh.adapters.lmdb_store import AsyncStore, snapshot_key
+from apomesh.adapters.lmdb_store import AsyncStore, journal_key, snapshot_key
 from apomesh.core.definition import AgentConfig
 from apomesh.plugins.api import Message
 from apomesh.runtime.protocol import AgentMemory, BudgetState, NodeReport, RecordedTurn, TurnReport
@@ -122,11 +127,14 @@ class SnapshotStore:
         report: NodeReport | TurnReport,
         *,
         after_id: int = 0,
+        journal: Mapping[str, bytes] | None = None,
     ) -> tuple[int, int]:
         """Store one node's snapshot; answers (snapshot_id, bytes written).
 
         ``after_id`` is the latest snapshot id the log points to: new ids continue above it even
-        when the store lost its records, so a pointer on the log never names two snapshots."""
+        when the store lost its records, so a pointer on the log never names two snapshots.
+        ``journal`` (call key -> record) are journal copies stored in the same commit; they are
+        not counted in the bytes written (those are the snapshot's)."""
         tail = await self._tail(agent_key)
         tail.next_snapshot = max(tail.next_snapshot, after_id + 1)
         puts: list[tuple[str, str, bytes]] = []
@@ -169,8 +177,11 @@ class SnapshotStore:
         snapshot_id = tail.next_snapshot
         tail.next_snapshot += 1
         puts.append(("snapshots", snapshot_key(agent_key, snapshot_id), _encoder.encode(record)))
+        written = sum(len(k) + len(v) for _, k, v in puts)
+        if journal:
+            puts.extend(("journal", journal_key(agent_key, k), v) for k, v in journal.items())
         await self.store.write_batch(puts, deletes)
-        return snapshot_id, sum(len(k) + len(v) for _, k, v in puts)
+        return snapshot_id, written
 
     async def load(self, agent_key: str, snapshot_id: int | None = None) -> AgentMemory | None:
         """The working memory at ``snapshot_id`` (default: the latest), or None when there is none."""
