@@ -91,13 +91,10 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
     ]
     records = [msgspec.msgpack.decode(value) for _, value in journal]
     assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]
-    # The journal copies ride in the snapshot commits: each node's results in its node's
-    # snapshot, the earlier call of the second node (a JournalFinish) in one of its own, and no
-    # commit holds only an intent's copy.
-    with_journal = [b for b in batches if "journal" in b]
-    assert len(with_journal) == 3, batches
-    assert sum(b.count("journal") for b in with_journal) == 3
-    assert sum("snapshots" in b for b in with_journal) == 2
+    # The journal copies ride in the snapshot commits (two per side-effecting step: the turn and
+    # the node), never in commits of their own.
+    assert all("snapshots" in b for b in batches), batches
+    assert len(batches) == 5 and sum(b.count("journal") for b in batches) == 5, batches
     assert runtime.state.side_effects == 3
 
 

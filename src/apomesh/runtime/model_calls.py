@@ -25,6 +25,9 @@ import anyio
 from apomesh.core.definition import ModelRetry
 from apomesh.plugins.api import Model, ModelError, ModelRequest, ModelResponse
 
+_JITTER = random.Random()
+"""The backoff's jitter (one generator per process: seeding one per call reads the OS's entropy)."""
+
 
 @dataclass(frozen=True)
 class FailedAttempt:
@@ -78,7 +81,7 @@ async def call_model(
 ) -> ModelAnswer:
     """``model.respond(request)``, tried again on retryable errors as the module says.
     ``time_left`` answers the seconds left in the agent's budget (None: unlimited)."""
-    rng = rng or random.Random()
+    rng = rng or _JITTER
     attempt = 0
     while True:
         attempt += 1

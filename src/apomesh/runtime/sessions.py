@@ -410,12 +410,7 @@ class SessionRuntime:
                     return self._stop_at_boundary(slot)
                 return reply
             if isinstance(report, TurnReport):
-                reply = await self._on_turn(slot, report)
-                if report.intent is None or reply.status != "ok":
-                    return reply
-                if self.draining:
-                    return self._stop_at_boundary(slot)  # the turn is kept; its effect waits
-                return await self._on_journal_begin(slot, report.intent)
+                return await self._on_turn(slot, report)
             if isinstance(report, JournalBegin):
                 return await self._on_journal_begin(slot, report)
             if isinstance(report, JournalFinish):
@@ -429,6 +424,7 @@ class SessionRuntime:
             if isinstance(report, ModelCallFailed):
                 return await self._on_model_failed(report)
             assert isinstance(report, Done)
+            await self._write_copies(f"{self.session_id}/{report.agent}")
             if not slot.future.done():
                 slot.future.set_result(report)
             return Reply("ok")
@@ -502,19 +498,10 @@ class SessionRuntime:
         agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
 
-        def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
-            recorded = [
-                ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
-                for call in report.results
-                if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
-            ]
-            return list(recorded), recorded
-
-        # The results go on the log first; LMDB then takes the snapshot bytes and the journal
-        # copies (a result's copy follows the log's and replaces its intent's) in one commit,
-        # and the pointer waits for those.
-        recorded = await self.decide(results)
-        copies = self._journal_copies(agent_key, recorded)
+        # LMDB takes the snapshot bytes (with the journal copies kept since the agent's last
+        # store write) first; the node's results and its pointer then go on the log in one
+        # append, and the results' copies wait for the agent's next store write.
+        copies = self._journal_copies(agent_key)
         try:
             snapshot_id, written = await self.deps.snapshots.write(
                 agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
@@ -522,7 +509,18 @@ class SessionRuntime:
         except BaseException:
             self._keep_copies(agent_key, copies)  # the worker sends the node again
             raise
-        await self.append(*self._pointer_events(slot, report, snapshot_id, written))
+        pointer = self._pointer_events(slot, report, snapshot_id, written)
+
+        def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
+            recorded = [
+                ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
+                for call in report.results
+                if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
+            ]
+            return [*recorded, *pointer], recorded
+
+        recorded = await self.decide(results)
+        self._copy_results(agent_key, recorded)
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
@@ -614,14 +612,19 @@ class SessionRuntime:
             return Reply("error", message="a turn's intent names another dispatch")
         node = (report.step, report.source, False)
         if node in slot.nodes:
-            return Reply("ok")  # a retry of a turn already stored
+            # A retry of a turn already stored (its reply was lost): its intent is asked again.
+            if intent is None:
+                return Reply("ok")
+            if self.draining:
+                return self._stop_at_boundary(slot)
+            return await self._on_journal_begin(slot, intent)
         size = len(ENCODER.encode(report))
         limit = self.deps.limits.max_snapshot_bytes
         if size > limit:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
         agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
-        copies = self._journal_copies(agent_key, [])
+        copies = self._journal_copies(agent_key)
         try:
             snapshot_id, written = await self.deps.snapshots.write(
                 agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
@@ -630,19 +633,31 @@ class SessionRuntime:
             self._keep_copies(agent_key, copies)
             raise
         events = self._pointer_events(slot, report, snapshot_id, written)
-        await self.append(*events)
+        if intent is not None and not self.draining:
+            # The turn's first intent is decided with its pointer, in one append.
+            reply = await self._on_journal_begin(slot, intent, before=events)
+        else:
+            await self.append(*events)
+            reply = Reply("ok")
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
         self._observe_answer(report)
-        return Reply("ok")
+        if intent is not None and self.draining:
+            return self._stop_at_boundary(slot)  # the turn is kept; its effect waits
+        return reply
 
-    async def _on_journal_begin(self, slot: DispatchSlot, report: JournalBegin) -> Reply:
+    async def _on_journal_begin(
+        self, slot: DispatchSlot, report: JournalBegin, before: Sequence[Event] = ()
+    ) -> Reply:
+        """Decide a side-effecting call's intent; ``before`` are events logged ahead of the
+        decision in the same append, whatever it is (the pointer of the turn that made the
+        call)."""
         agent_key = f"{self.session_id}/{report.agent}"
         size = len(msgspec.json.encode(report.args))
         limit = self.deps.limits.max_tool_args_bytes
 
-        def rule(state: SessionState) -> tuple[list[Event], tuple[Reply, bool]]:
+        def decision(state: SessionState) -> tuple[list[Event], tuple[Reply, bool]]:
             entry = state.journal.get((report.agent, report.key))
             if entry is not None and entry.outcome in ("ok", "error"):
                 self.deps.metrics.journal_hits.inc()
@@ -662,6 +677,10 @@ class SessionRuntime:
                 report.agent, report.key, report.tool, report.args, idempotent=report.idempotent
             )
             return [intent], (Reply("ok", decision="run"), True)
+
+        def rule(state: SessionState) -> tuple[list[Event], tuple[Reply, bool]]:
+            events, answer = decision(state)
+            return [*before, *events], answer
 
         reply, new_intent = await self.decide(rule)
         if reply.decision == "run":
@@ -731,9 +750,10 @@ class SessionRuntime:
         return events, (Reply("ok", decision="failed", message=message), False)
 
     def _copy_to_journal(self, agent_key: str, call_key: str, record: dict[str, Any]) -> None:
-        """Keep LMDB's copy of an intent the log already holds until the agent's next store
-        write (its node's snapshot, usually), which commits it with the snapshot. Nothing waits
-        for it: the log is what makes the intent durable, and nothing decides from the copy."""
+        """Keep LMDB's copy of a journal entry the log already holds (an intent, or a result
+        replacing it) until the agent's next store write (a snapshot, or its ``Done``), which
+        commits it with that. Nothing waits for it: the log is what makes the entry durable, and
+        nothing decides from the copy."""
         self._unwritten_copies.setdefault(agent_key, {})[call_key] = msgspec.msgpack.encode(record)
 
     def _keep_copies(self, agent_key: str, copies: dict[str, bytes]) -> None:
@@ -743,17 +763,28 @@ class SessionRuntime:
         for key, value in copies.items():
             kept.setdefault(key, value)
 
-    def _journal_copies(
-        self, agent_key: str, recorded: Sequence[ToolCallRecorded]
-    ) -> dict[str, bytes]:
-        """The journal copies to store with the agent's next write, by call key: the intents
-        kept since its last one, each replaced by its result when ``recorded`` (already on the
-        log) holds it."""
-        copies = self._unwritten_copies.pop(agent_key, {})
+    def _journal_copies(self, agent_key: str) -> dict[str, bytes]:
+        """The journal copies kept for the agent's next store write (taken: the caller writes
+        them, or gives them back with ``_keep_copies`` when its write fails)."""
+        return self._unwritten_copies.pop(agent_key, {})
+
+    def _copy_results(self, agent_key: str, recorded: Sequence[ToolCallRecorded]) -> None:
+        """Keep LMDB's copies of results the log now holds, each replacing its intent's."""
         for r in recorded:
             record = {"tool": r.tool, "outcome": r.outcome, "result": r.result}
-            copies[r.key] = msgspec.msgpack.encode(record)
-        return copies
+            self._copy_to_journal(agent_key, r.key, record)
+
+    async def _write_copies(self, agent_key: str) -> None:
+        """Store the agent's kept journal copies on their own (its dispatch has ended: no
+        snapshot of it will take them)."""
+        copies = self._journal_copies(agent_key)
+        if copies:
+            puts = [("journal", journal_key(agent_key, k), v) for k, v in copies.items()]
+            try:
+                await self.deps.store.write_batch(puts)
+            except BaseException:
+                self._keep_copies(agent_key, copies)
+                raise
 
     async def _on_journal_finish(self, slot: DispatchSlot, report: JournalFinish) -> Reply:
         if report.resolved_by and (report.resolved_by != "probe" or report.key not in slot.probes):
@@ -779,13 +810,8 @@ class SessionRuntime:
         if early is not None:
             return early
         agent_key = f"{self.session_id}/{report.agent}"
-        record = ToolCallRecorded(
-            report.agent, report.key, report.tool, report.outcome, report.result
-        )
-        copies = self._journal_copies(agent_key, [record])
-        await self.deps.store.write_batch(
-            [("journal", journal_key(agent_key, k), v) for k, v in copies.items()], []
-        )
+        record = {"tool": report.tool, "outcome": report.outcome, "result": report.result}
+        self._copy_to_journal(agent_key, report.key, record)  # stored with the node's snapshot
         return Reply("ok")
 
     async def _on_hitl(self, report: HitlAsk) -> Reply:
