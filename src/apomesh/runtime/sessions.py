@@ -498,18 +498,15 @@ class SessionRuntime:
         agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
 
-        # LMDB takes the snapshot bytes (with the journal copies kept since the agent's last
-        # store write) first; the node's results and its pointer then go on the log in one
-        # append, and the results' copies wait for the agent's next store write.
-        copies = self._journal_copies(agent_key)
-        try:
-            snapshot_id, written = await self.deps.snapshots.write(
-                agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
-            )
-        except BaseException:
-            self._keep_copies(agent_key, copies)  # the worker sends the node again
-            raise
-        pointer = self._pointer_events(slot, report, snapshot_id, written)
+        async def store() -> tuple[int, int]:
+            copies = self._journal_copies(agent_key)
+            try:
+                return await self.deps.snapshots.write(
+                    agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
+                )
+            except BaseException:
+                self._keep_copies(agent_key, copies)  # the worker sends the node again
+                raise
 
         def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
             recorded = [
@@ -517,10 +514,15 @@ class SessionRuntime:
                 for call in report.results
                 if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
             ]
-            return [*recorded, *pointer], recorded
+            return list(recorded), recorded
 
-        recorded = await self.decide(results)
+        # The node's results and its snapshot bytes (with the journal copies kept since the
+        # agent's last store write) do not depend on each other: log the one while LMDB takes
+        # the other. The pointer waits for the bytes; the results' copies wait for the agent's
+        # next store write.
+        (snapshot_id, written), recorded = await asyncio.gather(store(), self.decide(results))
         self._copy_results(agent_key, recorded)
+        await self.append(*self._pointer_events(slot, report, snapshot_id, written))
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
