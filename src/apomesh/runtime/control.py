@@ -221,7 +221,7 @@ class ControlPlane:
                 sender,
             )
             return Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
-        return await self._decide(report)
+        return await self._decide(report, len(data))
 
     def local_link(self, worker_id: str) -> Callable[[bytes], Awaitable[Reply]]:
         """How an in-process worker (same process, same event loop) sends its reports to this
@@ -235,8 +235,9 @@ class ControlPlane:
 
         return send
 
-    async def _decide(self, report: Report) -> Reply:
-        """The reply to a report from its session's writer (fenced when nobody here drives it)."""
+    async def _decide(self, report: Report, size: int) -> Reply:
+        """The reply to a report (``size`` bytes encoded) from its session's writer (fenced when
+        nobody here drives it)."""
         runtime = self.route(report.session_id)
         try:
             if runtime is None:
@@ -251,7 +252,7 @@ class ControlPlane:
                     "fenced", message=f"epoch {report.epoch} of {report.agent} is not current"
                 )
             else:
-                reply = await runtime.handle_report(report)
+                reply = await runtime.handle_report(report, size)
         except Held as exc:
             reply = Reply("ok", decision="hold", message=str(exc))
         except Fenced as exc:

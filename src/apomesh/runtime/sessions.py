@@ -367,8 +367,9 @@ class SessionRuntime:
 
     # --- reports from workers (routed here by the control plane) ---------------------------------
 
-    async def handle_report(self, report: Report) -> Reply:
-        """Fence a worker's report against the agent's current dispatch, then decide it."""
+    async def handle_report(self, report: Report, size: int) -> Reply:
+        """Fence a worker's report (``size`` bytes encoded, which the snapshot limit is checked
+        against) against the agent's current dispatch, then decide it."""
         slot = self.slots.get(report.agent)
         if slot is None or slot.epoch != report.epoch or slot.worker_id != report.worker_id:
             agent = self.state.agents.get(report.agent)
@@ -405,12 +406,12 @@ class SessionRuntime:
             if self.draining and isinstance(report, JournalBegin | HitlAsk | JobStart):
                 return self._stop_at_boundary(slot)  # nothing new starts while draining
             if isinstance(report, NodeReport):
-                reply = await self._on_node(slot, report)
+                reply = await self._on_node(slot, report, size)
                 if self.draining and reply.status == "ok" and _continues(report):
                     return self._stop_at_boundary(slot)
                 return reply
             if isinstance(report, TurnReport):
-                return await self._on_turn(slot, report)
+                return await self._on_turn(slot, report, size)
             if isinstance(report, JournalBegin):
                 return await self._on_journal_begin(slot, report)
             if isinstance(report, JournalFinish):
@@ -476,7 +477,7 @@ class SessionRuntime:
             if not task.done() and key in in_flight and in_flight[key].side_effect
         ]
 
-    async def _on_node(self, slot: DispatchSlot, report: NodeReport) -> Reply:
+    async def _on_node(self, slot: DispatchSlot, report: NodeReport, size: int) -> Reply:
         node = (report.step, report.source, report.reset)
         if node in slot.nodes:
             return Reply("ok")  # a retry of a node already stored
@@ -489,7 +490,6 @@ class SessionRuntime:
             known = ", ".join(sorted(sources))
             message = f"unknown snapshot source {report.source!r} (known: {known})"
             return Reply("error", message=message)
-        size = len(ENCODER.encode(report))
         limit = self.deps.limits.max_snapshot_bytes
         if size > limit:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
@@ -604,7 +604,7 @@ class SessionRuntime:
         start = report.page * slot.page_bytes
         return Reply("ok", data=slot.memory[start : start + slot.page_bytes])
 
-    async def _on_turn(self, slot: DispatchSlot, report: TurnReport) -> Reply:
+    async def _on_turn(self, slot: DispatchSlot, report: TurnReport, size: int) -> Reply:
         """A model turn the agent is about to act on: its snapshot (the turn in the record, the
         messages before it in a segment) is stored and its pointer (source ``turn``) appended
         before the worker hears back, so a later dispatch replays the turn instead of asking the
@@ -620,7 +620,6 @@ class SessionRuntime:
             if self.draining:
                 return self._stop_at_boundary(slot)
             return await self._on_journal_begin(slot, intent)
-        size = len(ENCODER.encode(report))
         limit = self.deps.limits.max_snapshot_bytes
         if size > limit:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
