@@ -8,7 +8,8 @@ environment under the data dir. Every write is one transaction, synced to disk b
 a half-written record. A full map surfaces as ``StoreFull`` naming the data dir and the
 ``[store] map_size`` setting; every other LMDB failure as ``StoreError``. The key helpers
 (``snapshot_key``, ``journal_key``) are the layout the in-memory twin uses too, so callers can build
-``write_batch`` records that either store understands. ``AsyncStore`` runs any ``StateStore`` off
+``write_batch`` records that either store understands, and ``StoreRecords`` holds the record
+helpers every store shares on top of its ``write_batch``, ``get`` and ``scan``. ``AsyncStore`` runs any ``StateStore`` off
 the event loop; its writes are group-committed by one writer thread (the writes that queue while
 one transaction commits share the next, and its fsync). The environment's directory is private
 (0700, refused when another user owns it) and its files 0600.
@@ -122,7 +123,49 @@ class StoreUsage(msgspec.Struct, frozen=True):
     map_size: int
 
 
-class LmdbStore:
+class StoreRecords:
+    """The record helpers every ``StateStore`` shares (snapshots, journal copies, the completed
+    index), written once on top of the store's own ``write_batch``, ``get`` and ``scan``."""
+
+    def write_batch(
+        self, puts: Sequence[tuple[str, str, bytes]], deletes: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        raise NotImplementedError
+
+    def get(self, db: str, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        raise NotImplementedError
+
+    def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
+        self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
+
+    def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
+        return self.get("snapshots", snapshot_key(agent_key, snapshot_id))
+
+    def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
+        """The agent's snapshot with the highest id as (id, bytes), or None when it has none."""
+        found = self.scan("snapshots", snapshot_prefix(agent_key))
+        return (parse_snapshot_key(found[-1][0])[1], found[-1][1]) if found else None
+
+    def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
+        self.write_batch([("journal", journal_key(agent_key, call_key), record)])
+
+    def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
+        return self.get("journal", journal_key(agent_key, call_key))
+
+    def put_completed(self, session_id: str, record: bytes) -> None:
+        self.write_batch([("completed", session_id, record)])
+
+    def get_completed(self, session_id: str) -> bytes | None:
+        return self.get("completed", session_id)
+
+    def list_completed(self) -> list[tuple[str, bytes]]:
+        return self.scan("completed", "")
+
+
+class LmdbStore(StoreRecords):
     """``StateStore`` on one LMDB environment in the directory ``path`` (created if missing).
 
     ``map_size`` caps the data on disk (LMDB maps it up front; the file grows only as written).
@@ -271,12 +314,6 @@ class LmdbStore:
 
     # -- snapshots --------------------------------------------------------------------------------
 
-    def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
-        self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
-
-    def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
-        return self.get("snapshots", snapshot_key(agent_key, snapshot_id))
-
     def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
         """The agent's snapshot with the highest id as (id, bytes), or None when it has none."""
         prefix = snapshot_prefix(agent_key).encode("utf-8")
@@ -312,23 +349,6 @@ class LmdbStore:
             return deleted
 
         return self._write("delete old snapshots", body)
-
-    # -- journal and completed index --------------------------------------------------------------
-
-    def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
-        self.write_batch([("journal", journal_key(agent_key, call_key), record)])
-
-    def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
-        return self.get("journal", journal_key(agent_key, call_key))
-
-    def put_completed(self, session_id: str, record: bytes) -> None:
-        self.write_batch([("completed", session_id, record)])
-
-    def get_completed(self, session_id: str) -> bytes | None:
-        return self.get("completed", session_id)
-
-    def list_completed(self) -> list[tuple[str, bytes]]:
-        return self.scan("completed", "")
 
     # -- lifecycle --------------------------------------------------------------------------------
 

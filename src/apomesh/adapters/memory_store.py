@@ -13,17 +13,16 @@ from types import TracebackType
 
 from apomesh.adapters.lmdb_store import (
     DATABASES,
+    StoreRecords,
     check_database,
     encode_key,
-    journal_key,
-    parse_snapshot_key,
     snapshot_key,
     snapshot_prefix,
 )
 from apomesh.core.errors import StoreError
 
 
-class MemoryStore:
+class MemoryStore(StoreRecords):
     """``StateStore`` on dicts; thread-safe; ``close()`` makes later calls raise ``StoreError``."""
 
     def __init__(self) -> None:
@@ -73,19 +72,6 @@ class MemoryStore:
                 (key, value) for key, value in self._records[db].items() if key.startswith(prefix)
             )
 
-    def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
-        self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
-
-    def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
-        return self.get("snapshots", snapshot_key(agent_key, snapshot_id))
-
-    def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
-        found = self.scan("snapshots", snapshot_prefix(agent_key))
-        if not found:
-            return None
-        key, value = found[-1]
-        return parse_snapshot_key(key)[1], value
-
     def delete_snapshots_before(self, agent_key: str, snapshot_id: int) -> int:
         prefix = snapshot_prefix(agent_key)
         end = snapshot_key(agent_key, snapshot_id)
@@ -96,21 +82,6 @@ class MemoryStore:
             for key in doomed:
                 del snapshots[key]
             return len(doomed)
-
-    def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
-        self.write_batch([("journal", journal_key(agent_key, call_key), record)])
-
-    def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
-        return self.get("journal", journal_key(agent_key, call_key))
-
-    def put_completed(self, session_id: str, record: bytes) -> None:
-        self.write_batch([("completed", session_id, record)])
-
-    def get_completed(self, session_id: str) -> bytes | None:
-        return self.get("completed", session_id)
-
-    def list_completed(self) -> list[tuple[str, bytes]]:
-        return self.scan("completed", "")
 
     def close(self) -> None:
         with self._lock:

@@ -54,10 +54,9 @@ from nats.js.api import KeyValueConfig, StorageType
 from apomesh.adapters import kv
 from apomesh.adapters.lmdb_store import (
     LmdbStore,
+    StoreRecords,
     check_database,
     encode_key,
-    journal_key,
-    parse_snapshot_key,
     snapshot_key,
     snapshot_prefix,
 )
@@ -440,7 +439,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class ReplicatedStore:
+class ReplicatedStore(StoreRecords):
     """``StateStore`` on LMDB (local store and cache) and the replicated bucket; see the module
     docstring. Build it with ``await ReplicatedStore.open(...)``."""
 
@@ -589,31 +588,6 @@ class ReplicatedStore:
         cached = dict(self.local.scan(db, prefix))
         self._cache([(db, key, value) for key, value in found if key not in cached])
         return found
-
-    def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
-        return self.get("snapshots", snapshot_key(agent_key, snapshot_id))
-
-    def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
-        self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
-
-    def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
-        found = self.scan("snapshots", snapshot_prefix(agent_key))
-        return (parse_snapshot_key(found[-1][0])[1], found[-1][1]) if found else None
-
-    def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
-        self.write_batch([("journal", journal_key(agent_key, call_key), record)])
-
-    def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
-        return self.get("journal", journal_key(agent_key, call_key))
-
-    def put_completed(self, session_id: str, record: bytes) -> None:
-        self.write_batch([("completed", session_id, record)])
-
-    def get_completed(self, session_id: str) -> bytes | None:
-        return self.get("completed", session_id)
-
-    def list_completed(self) -> list[tuple[str, bytes]]:
-        return self.scan("completed", "")
 
     # -- lifecycle --------------------------------------------------------------------------------
 
