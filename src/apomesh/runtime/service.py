@@ -107,6 +107,8 @@ from apomesh.runtime.workers import WorkerPool
 
 NEEDS_A_WORKER = frozenset({"born", "dispatched", "running"})
 """Agent phases in which an agent runs on (or waits for) a worker."""
+BULK_RESUME_CONCURRENCY = 32
+"""How many sessions a bulk resume (``resume_matching``) resumes at once."""
 
 
 class KeyedLocks:
@@ -466,30 +468,32 @@ class Service:
         )
 
     async def resume_matching(self, which: RecoverableFilter, *, by: str) -> list[ResumeOutcome]:
-        """Resume every recoverable session ``which`` matches, one by one, each exactly as
-        ``resume`` does (its unknown outcomes acknowledged); a session that cannot be resumed is
-        answered ``refused`` with its error and the others go on."""
+        """Resume every recoverable session ``which`` matches, each exactly as ``resume`` does
+        (its unknown outcomes acknowledged), up to ``BULK_RESUME_CONCURRENCY`` at once (each is
+        its own session's writer; a restart with many sessions waiting does not resume them one
+        round trip after another); a session that cannot be resumed is answered ``refused`` with
+        its error and the others go on. Outcomes come in the order of the list."""
         chosen = [
             session_id
             for session_id, rec in list(self.registry.stranded.items())
             if which.matches(self._recoverable_view(rec))
         ]
-        outcomes: list[ResumeOutcome] = []
-        for session_id in chosen:
-            try:
-                await self.resume(session_id, migrate_pins={}, by=by)
-            except ApomeshError as exc:
-                outcomes.append(
-                    ResumeOutcome(
+        room = asyncio.Semaphore(BULK_RESUME_CONCURRENCY)
+
+        async def resume_one(session_id: str) -> ResumeOutcome:
+            async with room:
+                try:
+                    await self.resume(session_id, migrate_pins={}, by=by)
+                except ApomeshError as exc:
+                    return ResumeOutcome(
                         session_id=session_id,
                         outcome="refused",
                         error=exc.code,
                         message=exc.message,
                     )
-                )
-                continue
-            outcomes.append(ResumeOutcome(session_id=session_id, outcome="resumed"))
-        return outcomes
+            return ResumeOutcome(session_id=session_id, outcome="resumed")
+
+        return list(await asyncio.gather(*(resume_one(s) for s in chosen)))
 
     async def _not_stranded(self, session_id: str, migrate_pins: dict[str, str] | None) -> NoReturn:
         """404 for an unknown session, else 409: only a session on the recoverable list resumes."""
