@@ -55,10 +55,14 @@ class LoopGuard:
         assistant = [m for m in recent if m.role == "assistant"][-self.repeats :]
         if len(assistant) < self.repeats or not all(m.tool_calls for m in assistant):
             return "continue"
-        signatures = {
-            tuple(canonical_bytes(call.tool, call.args) for call in m.tool_calls) for m in assistant
-        }
-        return "reset" if len(signatures) == 1 else "continue"
+
+        def signature(m: Message) -> tuple[bytes, ...]:
+            return tuple(canonical_bytes(call.tool, call.args) for call in m.tool_calls)
+
+        # Newest first, stopping at the first difference (nearly always the second message).
+        last = signature(assistant[-1])
+        repeated = all(signature(m) == last for m in reversed(assistant[:-1]))
+        return "reset" if repeated else "continue"
 
 
 @hookimpl
