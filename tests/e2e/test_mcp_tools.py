@@ -243,3 +243,56 @@ async def test_http_request_journals_a_post_with_its_idempotency_key_and_not_a_g
     assert got["method"] == "GET" and "Idempotency-Key" not in got["headers"]
     assert posted["method"] == "POST" and posted["body"] == "apple"
     assert posted["headers"]["Idempotency-Key"] == idempotency_key(session_id, "root", key)
+
+
+@pytest.mark.anyio
+async def test_a_call_whose_server_dies_mid_call_is_an_unknown_outcome_not_an_error(
+    mesh: Mesh, shop: Shop
+) -> None:
+    """The MCP server process is SIGKILLed while a call waits inside it after its effect (the
+    worker lives on): the idempotent call runs again under its key on a new server process and
+    is applied once; the plain side effect is not reported to the model as an error it might
+    retry: it is held for the operator as an unknown outcome, and its effect stays single."""
+    import os
+    import signal
+
+    calls = {"put": {"item": "pear", "value": "green"}, "charge": {"amount": 11}}
+    for tool, args in calls.items():
+        shop.hold()
+        async with Client(mesh.url) as client:
+            session_id = await client.start_session(
+                f"mcp broken {tool}", definition=buyer(f"broken-{tool}", tool, args)
+            )
+
+            sent = "put pear=green" if tool == "put" else "charge 11"
+
+            async def inside(sent: str = sent) -> bool:
+                return any(line.startswith(sent) for line in shop.lines("calls.txt"))
+
+            await wait_for(inside, f"the {tool} call is inside the MCP server")
+            os.kill(int(shop.lines("pids.txt")[-1]), signal.SIGKILL)
+            shop.release()
+            if tool == "put":
+                records = await records_of(client, session_id)
+                assert of_kind(records, "SessionEnded")[-1]["status"] == "completed"
+                key = call_key("shop.put", args)
+                assert [i["key"] for i in of_kind(records, "ToolCallIntent")] == [key, key]
+                assert [r["outcome"] for r in of_kind(records, "ToolCallRecorded")] == ["ok"]
+                assert shop.lines("effects.txt").count("put pear=green") == 1
+                continue
+
+            async def held(session_id: str = session_id) -> Any:
+                entries = {r.session_id: r for r in await client.list_recoverable()}
+                return entries.get(session_id)
+
+            entry = await wait_for(held, "the charge is held for an operator")
+            assert entry.category == "held"
+            assert [(u.tool, u.args) for u in entry.unknown_outcomes] == [("shop.charge", args)]
+            await client.resume(session_id, confirm=True)
+            records = await records_of(client, session_id)
+            recorded = of_kind(records, "ToolCallRecorded")
+            assert [r["outcome"] for r in recorded] == ["unknown"]
+            assert "interrupted" in recorded[0]["result"]
+            assert of_kind(records, "SessionEnded")[-1]["status"] == "completed"
+    assert shop.lines("effects.txt").count("charge 11") == 1
+    assert len([line for line in shop.lines("calls.txt") if line.startswith("charge 11")]) == 1

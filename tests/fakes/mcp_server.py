@@ -4,7 +4,9 @@ policy, that count their effects in files.
 ``python tests/fakes/mcp_server.py DIR`` serves stdio; ``... DIR --http PORT`` serves streamable
 HTTP on 127.0.0.1:PORT at ``/mcp``. Every call appends ``<tool> <args>`` to ``DIR/calls.txt`` when
 it starts; an effect appends one line to ``DIR/effects.txt``. While ``DIR/hold`` exists a call
-waits after its effect, before it answers, so a test can kill the worker mid-call.
+waits after its effect, before it answers, so a test can kill the worker mid-call; each server
+process appends its pid to ``DIR/pids.txt`` when it starts, so a test can kill the server
+itself mid-call.
 
 - ``lookup`` (``readOnlyHint``): no effect;
 - ``put`` (``idempotentHint``): sets a value, applied once per idempotency key (the request's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +87,7 @@ async def fail(reason: str) -> str:
 
 
 if __name__ == "__main__":
+    _append("pids.txt", str(os.getpid()))
     if "--http" in sys.argv:
         port = int(sys.argv[sys.argv.index("--http") + 1])
         server.run("streamable-http", host="127.0.0.1", port=port)

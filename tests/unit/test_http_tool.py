@@ -74,3 +74,41 @@ async def test_an_error_status_a_bad_call_and_a_large_body(server: Recorder) -> 
     answer = await HTTP.run(Ctx(), {"url": f"{server.url}/big"})
     assert answer.endswith(f"[cut at {MAX_HTTP_BODY} bytes]")
     assert answer.count("x") == MAX_HTTP_BODY
+
+
+async def test_a_post_whose_connection_breaks_after_it_was_sent_has_an_unknown_outcome() -> None:
+    """A server that reads the request and hangs up without answering: a POST's outcome is
+    unknown (``OutcomeUnknown``, decided by the journal, never an error the model might retry),
+    a GET's is an error; a request that never reached a server is an error for both."""
+    import socket
+    import threading
+
+    from apomesh.adapters.natsserver import free_port
+    from apomesh.core.errors import OutcomeUnknown
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    received: list[bytes] = []
+
+    def hang_up() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            received.append(conn.recv(65536))
+            conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(OutcomeUnknown, match="not known"):
+            await HTTP.run(Ctx(), {"url": f"http://127.0.0.1:{port}/pay", "method": "POST"})
+        with pytest.raises(ToolError) as got:
+            await HTTP.run(Ctx(), {"url": f"http://127.0.0.1:{port}/stock"})
+        assert not isinstance(got.value, OutcomeUnknown)
+    finally:
+        thread.join(5)
+        listener.close()
+    assert received[0].startswith(b"POST /pay") and b"key-of-this-call" in received[0]
+    closed = free_port()  # nothing listens there
+    with pytest.raises(ToolError) as refused:
+        await HTTP.run(Ctx(), {"url": f"http://127.0.0.1:{closed}/pay", "method": "POST"})
+    assert not isinstance(refused.value, OutcomeUnknown)

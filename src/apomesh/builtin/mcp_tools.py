@@ -5,7 +5,8 @@ A server is a stdio command (the worker starts it as its child) or a streamable 
 (``McpServer``); the connection is the official ``mcp`` package's ``Client`` (the optional extra
 ``apomesh[mcp]``). A worker that cannot reach a server at start logs why and goes on without its
 tools, so an agent that needs them is placed on a worker that has them. A connection that breaks
-is opened again at the next call.
+is opened again at the next call; a call it broke (or one left unanswered past the server's
+``timeout``) is ``OutcomeUnknown``, decided by the journal as below.
 
 The tool's MCP annotations decide how the journal treats a call (``journal_policy``): a
 ``readOnlyHint`` tool is read-only (not journaled; re-run freely after a crash); an
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from apomesh.core.errors import ApomeshError, ToolError
+from apomesh.core.errors import ApomeshError, OutcomeUnknown, ToolError
 from apomesh.plugins.api import Tool, ToolContext, UnknownOutcomePolicy
 
 log = logging.getLogger("apomesh.mcp")
@@ -197,25 +198,35 @@ class McpConnection:
 
     async def call(self, tool: str, args: dict[str, Any], idempotency_key: str) -> str:
         """Call ``tool`` on the server; its error result is a ``ToolError`` the model sees. A
-        broken connection is dropped (the next call opens a new one) and the call fails: it is
-        never sent twice from here."""
+        connection that breaks or goes silent mid-call is dropped (the next call opens a new one)
+        and the call is ``OutcomeUnknown``: never sent twice from here, decided by the journal
+        like an intent a crash left without its result (a re-run under the same idempotency
+        key for an idempotent tool, else the server's ``on_unknown``)."""
         meta = {IDEMPOTENCY_META: idempotency_key} if idempotency_key else None
         where = f"{self.name}.{tool}"
         try:
             client = await self.open()
+        except ApomeshError:
+            raise
+        except Exception as exc:
+            raise ToolError(
+                f"{where}: MCP server {self.name!r} cannot be reached ({reason_of(exc)}); the"
+                " call was not sent"
+            ) from None
+        try:
             with anyio.fail_after(self.server.timeout):
                 result = await client.call_tool(tool, args, meta=meta)
         except ApomeshError:
             raise
         except TimeoutError:
             await self.close()
-            raise ToolError(
+            raise OutcomeUnknown(
                 f"{where}: no answer from MCP server {self.name!r} within "
                 f"{self.server.timeout:g} s; whether the call took effect is not known"
             ) from None
         except Exception as exc:
             await self.close()
-            raise ToolError(
+            raise OutcomeUnknown(
                 f"{where}: the call to MCP server {self.name!r} broke off ({reason_of(exc)}); "
                 "whether it took effect is not known"
             ) from None

@@ -53,7 +53,7 @@ import anyio
 import anyio.to_thread
 import httpx
 
-from apomesh.core.errors import ToolError
+from apomesh.core.errors import OutcomeUnknown, ToolError
 from apomesh.plugins.api import ProbeResult, Tool, ToolContext, ToolProbe
 
 log = logging.getLogger("apomesh.tools")
@@ -599,8 +599,15 @@ async def http_request(ctx: ToolContext, args: dict[str, Any]) -> str:
                 data += chunk
                 if len(data) > MAX_HTTP_BODY:
                     break
-    except httpx.HTTPError as exc:
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.UnsupportedProtocol) as exc:
+        # Never sent: the call did not happen.
         raise ToolError(f"{tool}: {method} {url} failed: {type(exc).__name__}: {exc}") from None
+    except httpx.HTTPError as exc:
+        failed = f"{tool}: {method} {url} failed: {type(exc).__name__}: {exc}"
+        if method in HTTP_READ_ONLY:
+            raise ToolError(failed) from None
+        # Sent, and no whole answer came back: whether the server acted is not known.
+        raise OutcomeUnknown(f"{failed}; whether it took effect is not known") from None
     text = data[:MAX_HTTP_BODY].decode(response.encoding or "utf-8", errors="replace")
     if len(data) > MAX_HTTP_BODY:
         text += f"\n[cut at {MAX_HTTP_BODY} bytes]"

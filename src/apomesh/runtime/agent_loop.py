@@ -35,7 +35,7 @@ from typing import Any, Literal
 import msgspec
 
 from apomesh.builtin.skills import skill_digest
-from apomesh.core.errors import ApomeshError, CorruptPin, Fenced
+from apomesh.core.errors import ApomeshError, CorruptPin, Fenced, OutcomeUnknown
 from apomesh.core.journal import call_key, idempotency_key, pause_key
 from apomesh.plugins.api import (
     MODEL_DELTAS,
@@ -76,6 +76,10 @@ from apomesh.runtime.protocol import (
 from apomesh.runtime.tracing import NO_TRACE, DispatchTrace
 
 Send = Callable[[Report], Awaitable[Reply]]
+
+MAX_INTERRUPTIONS = 3
+"""How many interrupted runs (``OutcomeUnknown``) of one journaled call a dispatch goes through
+the unknown-outcome decision for before it records the last one as the call's error."""
 
 
 class Stall(Exception):
@@ -557,7 +561,7 @@ async def _call_tool(
     # under it.
     ctx.idempotency_key = idempotency_key(run.session_id, run.agent, key)
 
-    def begin(probed: str = "", reason: str = "") -> JournalBegin:
+    def begin(probed: str = "", reason: str = "", interrupted: str = "") -> JournalBegin:
         return JournalBegin(
             ctx.worker_id,
             run.session_id,
@@ -571,6 +575,7 @@ async def _call_tool(
             probe=tool.probe is not None,
             probed=probed,
             probe_reason=reason,
+            interrupted=interrupted,
         )
 
     def finish(
@@ -588,34 +593,55 @@ async def _call_tool(
             resolved_by=resolved_by,
         )
 
+    interrupted = ""
+    interruptions = 0
     reply = await _checked(ctx.send(begin()))
-    if reply.decision == "probe" and tool.probe is not None:
-        # An earlier dispatch logged this call's intent and no result: ask the tool, here where
-        # the effect runs, whether it happened; the daemon logs the answer.
-        try:
-            probed = await tool.probe(ctx, args)
-        except Exception as exc:
-            probed = ProbeResult("cannot_tell", reason=f"the probe failed: {exc}")
-        if probed.status == "happened":
-            await _checked(ctx.send(finish("ok", probed.result, resolved_by="probe")))
-            return probed.result
-        reply = await _checked(ctx.send(begin(probed.status, probed.reason)))
-    if reply.decision == "done":
-        return reply.result if reply.outcome == "ok" else f"error: {reply.result}"
-    if reply.decision == "failed":
-        return f"error: outcome unknown for {name}: {reply.message}"
-    if reply.decision == "hold":
-        raise Stall("waiting", f"held for an operator: outcome of {name} {key[:12]} unknown")
-    if reply.decision != "run":
-        raise ApomeshError(f"the daemon answered {reply.decision!r} to the journal intent")
     outcome: Literal["ok", "error"]
     try:
-        result = await tool.run(ctx, args)
-        outcome = "ok"
-    except ApomeshError as exc:
-        result, outcome = exc.message, "error"
-    except Exception as exc:
-        result, outcome = f"{type(exc).__name__}: {exc}", "error"
+        while True:
+            if reply.decision == "probe" and tool.probe is not None:
+                # An intent with no result (an earlier dispatch's, or this run's, interrupted):
+                # ask the tool, here where the effect runs, whether it happened; the daemon
+                # logs the answer.
+                try:
+                    probed = await tool.probe(ctx, args)
+                except Exception as exc:
+                    probed = ProbeResult("cannot_tell", reason=f"the probe failed: {exc}")
+                if probed.status == "happened":
+                    await _checked(ctx.send(finish("ok", probed.result, resolved_by="probe")))
+                    return probed.result
+                reply = await _checked(
+                    ctx.send(begin(probed.status, probed.reason, interrupted=interrupted))
+                )
+            if reply.decision == "done":
+                return reply.result if reply.outcome == "ok" else f"error: {reply.result}"
+            if reply.decision == "failed":
+                return f"error: outcome unknown for {name}: {reply.message}"
+            if reply.decision == "hold":
+                raise Stall(
+                    "waiting", f"held for an operator: outcome of {name} {key[:12]} unknown"
+                )
+            if reply.decision != "run":
+                raise ApomeshError(f"the daemon answered {reply.decision!r} to the journal intent")
+            try:
+                result = await tool.run(ctx, args)
+                outcome = "ok"
+            except OutcomeUnknown as exc:
+                interruptions += 1
+                if interruptions > MAX_INTERRUPTIONS:
+                    result, outcome = exc.message, "error"
+                    break
+                # Whether the effect happened is not known (the tool says so): the daemon
+                # decides as for an intent a crash left without its result (a probe, a re-run
+                # of an idempotent call under its key, or the tool's ``on_unknown``).
+                interrupted = exc.message
+                reply = await _checked(ctx.send(begin(interrupted=interrupted)))
+                continue
+            except ApomeshError as exc:
+                result, outcome = exc.message, "error"
+            except Exception as exc:
+                result, outcome = f"{type(exc).__name__}: {exc}", "error"
+            break
     finally:
         ctx.idempotency_key = ""
     if defer is not None:

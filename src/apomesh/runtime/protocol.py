@@ -314,7 +314,10 @@ class NodeReport(_Report):
 class JournalBegin(_Report):
     """A side-effecting call about to run. ``probe``: the tool can tell whether an earlier
     attempt's effect happened; ``probed`` carries its answer when the daemon asked for it
-    (``not_happened`` or ``cannot_tell``, with ``probe_reason``)."""
+    (``not_happened`` or ``cannot_tell``, with ``probe_reason``). ``interrupted``: this dispatch
+    ran the call and the tool cannot tell whether its effect happened (``OutcomeUnknown``: a
+    connection that broke mid-call, a timeout), with why; the daemon decides it like an
+    intent a crash left without a result."""
 
     key: str
     tool: str
@@ -324,6 +327,7 @@ class JournalBegin(_Report):
     probe: bool = False
     probed: str = ""
     probe_reason: str = ""
+    interrupted: str = ""
 
 
 class TurnReport(_Report):

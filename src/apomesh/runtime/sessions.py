@@ -666,7 +666,7 @@ class SessionRuntime:
                     "ok", decision="done", result=entry.result or "", outcome=entry.outcome
                 )
                 return [], (reply, False)
-            if entry is not None and report.key in slot.intents:
+            if entry is not None and report.key in slot.intents and not report.interrupted:
                 # The same dispatch asking again after a lost reply.
                 return [], (Reply("ok", decision="run"), False)
             if entry is not None:
@@ -695,7 +695,8 @@ class SessionRuntime:
     def _unknown_outcome(
         self, state: SessionState, slot: DispatchSlot, report: JournalBegin, outcome: str | None
     ) -> tuple[list[Event], tuple[Reply, bool]]:
-        """An intent with no result from an earlier dispatch: the outcome is unknown. A tool with
+        """An intent with no result from an earlier dispatch, or from this one when its run
+        was interrupted (``report.interrupted``): the outcome is unknown. A tool with
         a probe is asked first (the worker runs it where the effect runs): an effect that
         happened comes back as its result (``JournalFinish``, ``resolved_by="probe"``), one
         that did not runs now under a new intent (``resolution="not_happened"``, same key).
@@ -713,6 +714,8 @@ class SessionRuntime:
             )
             return [intent], (Reply("ok", decision="run"), False)
         why = f" (its probe cannot tell: {report.probe_reason})" if report.probed else ""
+        if report.interrupted:
+            why = f" (the call was interrupted: {report.interrupted}){why}"
         if report.on_unknown == "rerun" and report.idempotent:
             intent = ToolCallIntent(
                 report.agent, report.key, report.tool, report.args, idempotent=True
@@ -744,7 +747,7 @@ class SessionRuntime:
                     report.key,
                     report.tool,
                     "unknown",
-                    f"outcome unknown after a crash; not re-run{why}",
+                    f"outcome unknown after {'an interruption' if report.interrupted else 'a crash'}; not re-run{why}",
                 )
             )
         message = "a crash interrupted this call and it is not idempotent, so it was not run again"
