@@ -71,7 +71,9 @@ async def test_readers_joining_anywhere_see_every_event_once_through_one_tail(
         if name.startswith("late"):
             after = int(name.split("-")[1]) - 2
         assert indexes == list(range(after + 1, last + 1)), name
-    assert feeds_seen == {1}  # one shared log tail the whole time
+    # One shared log tail the whole time: never two. (A slow reader may still be draining its
+    # queue after the tail saw the terminal event and ended: it then counts none.)
+    assert max(feeds_seen) == 1, feeds_seen
     assert len(tails) == 0  # and none once the session ended
 
 
