@@ -143,3 +143,42 @@ async def test_in_process_workers_report_over_the_local_link_with_the_same_check
         reply = await link(ENCODER.encode(forged))
         assert reply.status == "fenced"
         assert "cannot report as another-worker" in reply.message
+
+
+@pytest.mark.anyio
+async def test_a_report_carries_only_the_call_counts_that_changed(tmp_path: Path) -> None:
+    """An agent making twelve different side-effecting calls, one a node: each report carries
+    the counts its node changed (one, or none), not every count so far, and the stored memory
+    still holds all twelve (a dispatch from it keys a repeat right)."""
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
+            "plugins": {"allow": ["apomesh"]},
+        },
+    )
+    async with Node(config, http=False) as node:
+        assert node.daemon is not None and node.service is not None
+        for _, worker in node.workers:
+            await worker.wait_registered()
+        snapshots = node.daemon.snapshots
+        carried: list[int] = []
+        write_snapshot = snapshots.write
+
+        async def counted(agent_key: str, config: Any, report: Any, **kw: Any) -> Any:
+            carried.append(len(report.call_counts))
+            return await write_snapshot(agent_key, config, report, **kw)
+
+        snapshots.write = counted  # type: ignore[method-assign]
+        agent = writer([[write(f"f{n}.txt", str(n))] for n in range(12)])
+        session_id = await node.service.create_session(
+            "counts", agent=None, definition=agent, by="t"
+        )
+        runtime = node.daemon.registry.live[session_id]
+        assert runtime.task is not None
+        await runtime.task
+        memory = await snapshots.load(f"{session_id}/root")
+    assert runtime.state.status == "completed"
+    assert len(carried) >= 12 and max(carried) <= 1, carried
+    assert memory is not None and len(memory.call_counts) == 12

@@ -179,6 +179,34 @@ async def _checked(awaitable: Awaitable[Reply]) -> Reply:
     return reply
 
 
+class CallCounts:
+    """How many times this agent made each journaled call (the key its next repeat takes), and
+    the counts no report the daemon took has carried yet. A report carries only those
+    (``unsent``), so it stays small however many calls the agent has made; the daemon's snapshot
+    store keeps each report's counts in its segment and a load merges them
+    (``runtime/snapshots.py``)."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = dict(counts)
+        self._unsent: dict[str, int] = {}
+
+    def take(self, base: str) -> int:
+        """Count one more call of ``base``; answers how many were made before it."""
+        seen = self.counts.get(base, 0)
+        self.counts[base] = self._unsent[base] = seen + 1
+        return seen
+
+    def unsent(self) -> dict[str, int]:
+        return dict(self._unsent)
+
+    def sent(self, carried: dict[str, int]) -> None:
+        """The daemon took a report carrying ``carried``: those need not travel again (a count
+        that moved on since still does)."""
+        for base, count in carried.items():
+            if self._unsent.get(base) == count:
+                del self._unsent[base]
+
+
 @dataclass
 class TurnRecorder:
     """Makes a model turn durable before anything acts on it. The loop leaves each new turn's
@@ -189,6 +217,7 @@ class TurnRecorder:
     it."""
 
     send_report: Send
+    counts: CallCounts
     waiting: TurnReport | None = None
     carried: int = 0
     """How many of the node's first messages the sent turn report carried (they are stored)."""
@@ -201,14 +230,19 @@ class TurnRecorder:
         if turn is None:
             return await self.send_report(report)
         if isinstance(report, JournalBegin):
-            return await self.send_report(msgspec.structs.replace(turn, intent=report))
+            reply = await self.send_report(msgspec.structs.replace(turn, intent=report))
+            if reply.status == "ok":
+                self.counts.sent(turn.call_counts)
+            return reply
         await _checked(self.send_report(turn))
+        self.counts.sent(turn.call_counts)
         return await self.send_report(report)
 
     async def flush(self) -> None:
         turn = self._take()
         if turn is not None:
             await _checked(self.send_report(turn))
+            self.counts.sent(turn.call_counts)
 
     def unsent_call(self) -> ModelCall | None:
         """The model call of a turn that was never sent (its node reports it)."""
@@ -304,7 +338,7 @@ async def run_agent(
     messages = list(memory.messages)
     model_memory = dict(memory.model)
     budget = BudgetState(**{f: getattr(memory.budget, f) for f in BudgetState.__struct_fields__})
-    call_counts = dict(memory.call_counts)
+    call_counts = CallCounts(memory.call_counts)
     step = memory.step
     pending: list[Message] = []
     replay = memory.turn
@@ -317,7 +351,7 @@ async def run_agent(
     if run.prompt and run.prompt != memory.prompt:
         pending.append(Message(role="user", content=run.prompt))
         prompt = run.prompt
-    recorder = TurnRecorder(send)
+    recorder = TurnRecorder(send, call_counts)
     ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step, trace=trace)
     ctx.workspace.mkdir(parents=True, exist_ok=True)
     provider = providers.get(run.config.model.provider)
@@ -376,6 +410,7 @@ async def run_agent(
 
     async def report(source: str, reset: bool = False, turn: RecordedTurn | None = None) -> None:
         nonlocal pending, finished
+        carried = call_counts.unsent()
         await _checked(
             send(
                 NodeReport(
@@ -391,13 +426,14 @@ async def run_agent(
                     source=source,
                     reset=reset,
                     prompt=prompt,
-                    call_counts=call_counts,
+                    call_counts=carried,
                     results=finished,
                     turn=turn,
                     tool_timings=ctx.take_tool_timings(),
                 )
             )
         )
+        call_counts.sent(carried)
         pending = []
         finished = []
 
@@ -461,7 +497,7 @@ async def run_agent(
                         model=dict(response.memory),
                         budget=spent(),
                         prompt=prompt,
-                        call_counts=dict(call_counts),
+                        call_counts=call_counts.unsent(),
                         model_call=ModelCall(
                             answer.seconds,
                             answer.attempts,
@@ -526,7 +562,7 @@ async def _call_tool(
     allowed: list[str],
     name: str,
     args: dict[str, Any],
-    call_counts: dict[str, int],
+    call_counts: CallCounts,
     defer: list[CallResult] | None = None,
 ) -> str:
     """Run one tool call. A journaled call's result goes to ``defer`` when given (the node
@@ -545,8 +581,7 @@ async def _call_tool(
         except Exception as exc:  # a tool's own failure is something the model should see
             return f"error: {type(exc).__name__}: {exc}"
     base = call_key(name, args)
-    seen = call_counts.get(base, 0)
-    call_counts[base] = seen + 1
+    seen = call_counts.take(base)
     key = base if seen == 0 else f"{base}-{seen}"
     run = ctx.run
     if tool.async_job:

@@ -294,7 +294,9 @@ class NodeReport(_Report):
     """A node boundary: what the node added to working memory, and why the snapshot is taken.
     ``turn`` is a recorded turn the snapshot still holds (the plan or final answer an agent ended
     with, at its ``affinity_release``); a node that completes a turn carries none.
-    ``tool_timings`` are the tool runs since the last node report, for the daemon's metrics."""
+    ``tool_timings`` are the tool runs since the last node report, for the daemon's metrics.
+    ``call_counts`` are the journaled-call counts that changed since the agent's last report the
+    daemon took (a repeat's key comes from them); the snapshot store merges them."""
 
     step: int
     new_messages: list[Message]
@@ -334,8 +336,9 @@ class TurnReport(_Report):
     """A model turn, to be made durable before it is acted on (snapshot source ``turn``): a turn
     whose tool calls are about to run a side effect (or start a job, or ask a human), or one that
     ends the agent (a plan or a final answer). ``new_messages`` are what the agent added before the
-    turn (a new prompt); ``model``, ``budget`` and ``call_counts`` are as they stand once the model
-    answered and before any of its calls ran. ``intent`` is the turn's first side-effecting call,
+    turn (a new prompt); ``model`` and ``budget`` are as they stand once the model answered and
+    before any of its calls ran, ``call_counts`` the counts changed since the agent's last report
+    the daemon took (as for ``NodeReport``). ``intent`` is the turn's first side-effecting call,
     riding on the report to save a round trip: the reply is then that call's journal answer."""
 
     step: int

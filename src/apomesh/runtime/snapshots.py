@@ -90,7 +90,8 @@ class _Tail:
     small: list[tuple[int, list[Message], dict[str, int]]] = field(default_factory=list)
     has_definition: bool = False
     counts: dict[str, int] | None = None
-    """The call counts as stored so far (None until this process wrote them: store them whole)."""
+    """The call counts as stored so far by this process (None until it wrote some); a report's
+    counts that differ from these go in its segment."""
 
 
 class SnapshotStore:
@@ -163,7 +164,12 @@ class SnapshotStore:
                     ("segments", segment_key(agent_key, s)) for s, _, _ in tail.small[:-1]
                 )
                 tail.small = []
-        tail.counts = dict(report.call_counts)
+        # A report carries the counts its agent changed since its last report (an older worker
+        # sends them all): what is known grows by them.
+        if tail.counts is None:
+            tail.counts = dict(report.call_counts)
+        else:
+            tail.counts.update(report.call_counts)
         record = SnapshotRecord(
             step=report.step,
             base_seq=tail.base_seq,
