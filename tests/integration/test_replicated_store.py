@@ -18,7 +18,7 @@ from tests.store_support import empty_replicated_store, replicated_store
 
 from apomesh.adapters.lmdb_store import AsyncStore, snapshot_key
 from apomesh.adapters.replicated_store import STATE_BUCKET
-from apomesh.core.errors import StoreError, StoreUnavailable
+from apomesh.core.errors import LogUnavailable, StoreError, StoreUnavailable
 
 AGENT = "s1/root"
 
@@ -194,7 +194,17 @@ def test_nothing_acknowledged_is_lost_when_a_cluster_node_is_sigkilled(
     finally:
         store.close()
     survivors = [s.url for s in nats_cluster if s is not killed]
-    peer = replicated_store(survivors, tmp_path / "b", replicas=3)
+    # The kill may also have taken JetStream's meta leader: opening the bucket waits out the
+    # election (an open that times out meanwhile is tried again, as a restarting peer would).
+    opening = time.monotonic() + 60
+    while True:
+        try:
+            peer = replicated_store(survivors, tmp_path / "b", replicas=3)
+            break
+        except LogUnavailable:
+            if time.monotonic() > opening:
+                raise
+            time.sleep(0.5)
     try:
         found = dict(peer.scan("snapshots", AGENT + "\x00"))
         segments = dict(peer.scan("segments", AGENT + "\x00"))
