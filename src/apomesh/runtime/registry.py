@@ -195,6 +195,12 @@ class SessionRegistry:
             return await self.leases.owner(session_id)
         return None
 
+    async def lease_holders(self) -> dict[str, str] | None:
+        """Every held lease (session -> holder) in one read, or None when NATS cannot say."""
+        with contextlib.suppress(ApomeshError):
+            return await self.leases.holders()
+        return None
+
     async def check_owned_here(self, session_id: str) -> None:
         """Refuse a write for a session another daemon owns (``OwnedElsewhere``)."""
         if session_id in self.live:
