@@ -245,9 +245,12 @@ async def boot_daemon(url: str, data: Path, dispatches: int) -> dict[str, float]
             "report": dict(daemon.boot_report),
         }
     finally:
-        await daemon.aclose()
+        # Teardown only: a daemon draining thousands of sessions the sink never runs is cut off.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(daemon.aclose(), 60)
         sink.stop()
-        await nc.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.close(), 10)
         await store.aclose()
 
 
