@@ -139,9 +139,12 @@ class BootScan:
             if verdict.verdict == "auto_resume":
                 counts["auto_resume"] += 1
                 try:
-                    await self.registry.adopt(
-                        state, recovered="auto", fresh_children=fresh_children(state)
-                    )
+                    # Gated like the reads: tens of thousands of lease requests sent at once
+                    # time out (and each then waits for its lease to come free).
+                    async with gate:
+                        await self.registry.adopt(
+                            state, recovered="auto", fresh_children=fresh_children(state)
+                        )
                 except ApomeshError as exc:
                     self.log.warning(
                         "session %s not resumed yet: %s; trying again", session_id, exc
