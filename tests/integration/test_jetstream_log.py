@@ -118,6 +118,29 @@ async def test_a_retry_with_a_stale_position_never_duplicates(
     assert await log.read(session) == events(session, 0, 8)
 
 
+async def test_the_ends_of_many_sessions_are_learned_in_batches_and_a_stale_one_is_refused(
+    nc: NATS, log: JetStreamLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("apomesh.adapters.jetstream_log.MULTI_LAST_SUBJECTS", 3)
+    sessions = [new_session() for _ in range(7)]
+    for number, session in enumerate(sessions):
+        await log.append(session, events(session, 0, number + 1))
+    fresh = JetStreamLog(nc)
+    await fresh.learn_ends([*sessions, new_session()])  # one with no events is passed over
+    for number, session in enumerate(sessions):
+        known = fresh._positions[session]
+        assert known.index == number
+        assert known == await log._stored_position(session, time.monotonic() + 5)
+    assert len(fresh._positions) == len(sessions)
+    # The note goes stale when another writer appends: that writer's index is refused to us.
+    session = sessions[2]
+    await log.append(session, events(session, 3, 1))
+    with pytest.raises(AppendConflict):
+        await fresh.append(session, events(session, 3, 1, tag="other"))
+    await fresh.append(session, events(session, 4, 1))
+    assert await log.read(session) == events(session, 0, 5)
+
+
 async def test_a_read_that_a_lagging_replica_cut_short_is_completed_from_the_leader(
     log: JetStreamLog,
 ) -> None:

@@ -123,6 +123,21 @@ async def test_a_lease_has_one_owner_at_a_time(buckets: KvBuckets) -> None:
     assert await leases.owner(session) == "daemon-b"
 
 
+async def test_every_held_lease_is_listed_in_one_read(fresh_nats_server: Any) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        leases = (await KvBuckets.open(client.jetstream())).leases
+        assert await leases.holders() == {}
+        held = {f"s-{n}.odd/{n}": f"daemon-{n % 3}" for n in range(40)}
+        for session, owner in held.items():
+            assert await leases.acquire(session, owner)
+        released = "s-7.odd/7"
+        assert await leases.release(released, held.pop(released))  # a released one is not held
+        assert await leases.holders() == held
+    finally:
+        await close_quietly(client)
+
+
 async def test_racing_owners_never_both_win(buckets: KvBuckets) -> None:
     session = unique("race")
     winners: list[str] = []

@@ -138,6 +138,9 @@ class SlowLeases:
     async def owner(self, session_id: str) -> str | None:
         return None
 
+    async def holders(self) -> dict[str, str]:
+        return {}
+
 
 async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Path) -> None:
     log, _ = await paused_writer(tmp_path, [])

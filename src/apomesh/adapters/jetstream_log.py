@@ -101,6 +101,8 @@ MAX_ATOMIC_BATCH = 256
 """Events per atomic batch; the server refuses batches over 1000 messages by default."""
 ATOMIC_BATCH_MIN = 32
 """Steps at least this long go as atomic batches; shorter ones as chained publishes."""
+MULTI_LAST_SUBJECTS = 1000
+"""Sessions per batched direct get of their last events (``learn_ends``)."""
 
 _WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 _BATCH_DUPLICATE_ID = 10201
@@ -719,8 +721,39 @@ class JetStreamLog:
 
     async def fold_all(self, skip: set[str]) -> StreamFold:
         """Every session folded in one pass over the stream (``adapters.stream_fold``), passing
-        over the sessions in ``skip``; those the pass cannot vouch for are ``suspect``."""
-        return await fold_stream(self._nc, self.stream, self.subject_prefix, skip=skip)
+        over the sessions in ``skip``; those the pass cannot vouch for are ``suspect``. Where the
+        unfinished ones end is noted too (``learn_ends``): the boot scan resumes them next."""
+        folded = await fold_stream(self._nc, self.stream, self.subject_prefix, skip=skip)
+        with contextlib.suppress(LogError):  # only a head start: appends look ends up anyway
+            await self.learn_ends([s for s, state in folded.states.items() if not state.terminal])
+        return folded
+
+    async def learn_ends(self, session_ids: Sequence[str]) -> None:
+        """Note where each session's log ends (its last index and that event's stream sequence),
+        asking for the last event of ``MULTI_LAST_SUBJECTS`` sessions per batched direct get, so
+        that their next appends need no lookup each (thousands of sessions resumed at once would
+        otherwise each send one). A note is only a belief: an append it misleads is refused by
+        the expected-sequence check and looks the end up from the leader (see ``append``)."""
+        prefix = f"{self.subject_prefix}."
+        for first in range(0, len(session_ids), MULTI_LAST_SUBJECTS):
+            subjects = [self.subject(s) for s in session_ids[first : first + MULTI_LAST_SUBJECTS]]
+            page = await direct_get_batch(
+                self._nc,
+                self.stream,
+                {"multi_last": subjects, "batch": len(subjects)},
+                timeout=self._timeout,
+            )
+            for msg in page.messages:
+                headers = msg.headers or {}
+                subject, seq = headers.get("Nats-Subject", ""), headers.get("Nats-Sequence")
+                if not subject.startswith(prefix) or seq is None:
+                    continue
+                session_id = subject[len(prefix) :]
+                index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
+                if index is None:
+                    index = _probe_index(msg.data)
+                if index is not None:
+                    self._remember(session_id, _Position(index, int(seq)))
 
     # -- listing and deleting ----------------------------------------------------------------
 

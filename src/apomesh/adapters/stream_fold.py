@@ -18,10 +18,18 @@ completed-session record) are passed over unread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
-from apomesh.adapters.nats_connect import JS_API_PREFIX, api_request, direct_get_batch
+from apomesh.adapters.nats_connect import (
+    JS_API_PREFIX,
+    DirectGetPage,
+    api_request,
+    direct_get_batch,
+)
 from apomesh.core.envelope import decode
 from apomesh.core.errors import CodecError, FoldError
 from apomesh.core.state import SessionState, apply, new_state
@@ -56,47 +64,74 @@ async def fold_stream(
     seq, last_seq = int(state.get("first_seq") or 1), int(state.get("last_seq") or 0)
     wildcard = f"{subject_prefix}.*"
     states = result.states
-    while seq <= last_seq:
+
+    def read_page(start: int) -> asyncio.Task[DirectGetPage]:
         request = {
-            "seq": seq,
+            "seq": start,
             "next_by_subj": wildcard,
             "batch": page,
             "max_bytes": MAX_PAGE_BYTES,
             "no_hdr": True,
         }
-        got = await direct_get_batch(nc, stream, request, timeout=timeout)
-        if not got.messages:
-            break
-        result.pages += 1
-        undecodable = False
-        for msg in got.messages:
-            try:
-                env = decode(msg.data)
-            except CodecError:
-                undecodable = True
-                continue
-            result.events += 1
-            session_id = env.session_id
-            if session_id in skip or session_id in result.suspect:
-                continue
-            folded = states.get(session_id)
-            if folded is None:
-                folded = states[session_id] = new_state(session_id)
-            try:
-                apply(folded, env)
-            except FoldError:
-                result.suspect.add(session_id)
-                del states[session_id]
-        if undecodable:
-            for session_id in await _undecodable_sessions(
-                nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
-            ):
-                result.suspect.add(session_id)
-                states.pop(session_id, None)
-        if got.pending <= 0 or not got.last_sequence:
-            break
-        seq = got.last_sequence + 1
+        return asyncio.ensure_future(direct_get_batch(nc, stream, request, timeout=timeout))
+
+    # The collector is paused for the pass: it allocates one state per session and an envelope
+    # per event, all kept, and would otherwise walk the growing heap over and over (a third of
+    # the pass's time at 10,000 sessions). Reference counting still frees what is dropped.
+    collecting = gc.isenabled()
+    gc.disable()
+    upcoming = read_page(seq) if seq <= last_seq else None
+    try:
+        while upcoming is not None:
+            got = await upcoming
+            upcoming = None
+            if not got.messages:
+                break
+            if got.pending > 0 and got.last_sequence:
+                # The next page is asked for now and arrives while this one is folded.
+                upcoming = read_page(got.last_sequence + 1)
+            if not _fold_page(result, got, skip):
+                for session_id in await _undecodable_sessions(
+                    nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
+                ):
+                    result.suspect.add(session_id)
+                    states.pop(session_id, None)
+            seq = got.last_sequence + 1
+    finally:
+        if upcoming is not None:
+            upcoming.cancel()
+            with contextlib.suppress(BaseException):
+                await upcoming
+        if collecting:
+            gc.enable()
     return result
+
+
+def _fold_page(result: StreamFold, got: DirectGetPage, skip: set[str]) -> bool:
+    """Fold one page of envelopes into their sessions' states; False when a payload in it is
+    not an envelope (its session is then named by ``_undecodable_sessions``)."""
+    states = result.states
+    result.pages += 1
+    decodable = True
+    for msg in got.messages:
+        try:
+            env = decode(msg.data)
+        except CodecError:
+            decodable = False
+            continue
+        result.events += 1
+        session_id = env.session_id
+        if session_id in skip or session_id in result.suspect:
+            continue
+        folded = states.get(session_id)
+        if folded is None:
+            folded = states[session_id] = new_state(session_id)
+        try:
+            apply(folded, env)
+        except FoldError:
+            result.suspect.add(session_id)
+            del states[session_id]
+    return decodable
 
 
 async def _undecodable_sessions(

@@ -58,6 +58,9 @@ class SessionLeases(Protocol):
     async def owner(self, session_id: str) -> str | None:
         """Who holds the lease now, or None."""
 
+    async def holders(self) -> dict[str, str]:
+        """Every session whose lease is held now -> its holder, read in one pass."""
+
 
 class StateStore(Protocol):
     """The daemon's local durable state (LMDB): snapshots, journal, completed-session index.

@@ -107,6 +107,8 @@ class BootScan:
             "owned_by_peers": 0,
         }
         scanned = await self._fold_in_one_pass(completed)
+        # Every lease in one read (not one per session); asked one by one only if that fails.
+        holders = await self.registry.lease_holders()
 
         async def one(session_id: str) -> None:
             state = scanned.pop(session_id, None)
@@ -123,7 +125,11 @@ class BootScan:
                 counts["terminal"] += 1
                 await self.registry.write_completed(state)
                 return
-            holder = await self.registry.lease_owner(session_id)
+            holder = (
+                holders.get(session_id)
+                if holders is not None
+                else await self.registry.lease_owner(session_id)
+            )
             if self.takeover is not None and holder not in (None, self.registry.owner):
                 # Another daemon drives it (or did, until its lease expires): its, not ours.
                 counts["owned_by_peers"] += 1
@@ -133,9 +139,12 @@ class BootScan:
             if verdict.verdict == "auto_resume":
                 counts["auto_resume"] += 1
                 try:
-                    await self.registry.adopt(
-                        state, recovered="auto", fresh_children=fresh_children(state)
-                    )
+                    # Gated like the reads: tens of thousands of lease requests sent at once
+                    # time out (and each then waits for its lease to come free).
+                    async with gate:
+                        await self.registry.adopt(
+                            state, recovered="auto", fresh_children=fresh_children(state)
+                        )
                 except ApomeshError as exc:
                     self.log.warning(
                         "session %s not resumed yet: %s; trying again", session_id, exc

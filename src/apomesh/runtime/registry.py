@@ -91,6 +91,10 @@ MakeRuntime = Callable[[SessionState, bool], SessionRuntime]
 """Builds a session's writer over ``state`` (``fresh_children``) with the daemon's collaborators."""
 
 
+RENEWALS_IN_FLIGHT = 64
+"""Lease renewals sent at once by the renewal sweep."""
+
+
 class SessionRegistry:
     """Live and stranded sessions, their leases, and the one state lookup."""
 
@@ -193,6 +197,12 @@ class SessionRegistry:
         """Who holds the session's lease now (None when nobody does or NATS cannot say)."""
         with contextlib.suppress(ApomeshError):
             return await self.leases.owner(session_id)
+        return None
+
+    async def lease_holders(self) -> dict[str, str] | None:
+        """Every held lease (session -> holder) in one read, or None when NATS cannot say."""
+        with contextlib.suppress(ApomeshError):
+            return await self.leases.holders()
         return None
 
     async def check_owned_here(self, session_id: str) -> None:
@@ -315,17 +325,27 @@ class SessionRegistry:
     # --- leases ----------------------------------------------------------------------------------
 
     async def renew_leases_forever(self) -> None:
+        # Renewed RENEWALS_IN_FLIGHT at a time: one after another, the two round trips of each
+        # would take longer than the TTL for some tens of thousands of live sessions.
+        gate = asyncio.Semaphore(RENEWALS_IN_FLIGHT)
         while True:
             await asyncio.sleep(self.renew_every)
-            for session_id, runtime in list(self.live.items()):
-                with contextlib.suppress(Exception):
-                    if await self.leases.renew(session_id, self.owner):
-                        continue
-                    # Expired (a long outage, say): take it again, unless another owner has it.
-                    if await self.leases.acquire(session_id, self.owner):
-                        continue
-                    message = f"the lease of session {session_id} is held by another owner"
-                    runtime.superseded(AppendConflict(message), message)
+            await asyncio.gather(
+                *(self._renew(sid, runtime, gate) for sid, runtime in list(self.live.items()))
+            )
+
+    async def _renew(
+        self, session_id: str, runtime: SessionRuntime, gate: asyncio.Semaphore
+    ) -> None:
+        async with gate:
+            with contextlib.suppress(Exception):
+                if await self.leases.renew(session_id, self.owner):
+                    return
+                # Expired (a long outage, say): take it again, unless another owner has it.
+                if await self.leases.acquire(session_id, self.owner):
+                    return
+                message = f"the lease of session {session_id} is held by another owner"
+                runtime.superseded(AppendConflict(message), message)
 
     # --- completed records -----------------------------------------------------------------------
 

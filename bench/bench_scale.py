@@ -1,0 +1,440 @@
+"""Scale: many parked sessions in one daemon, the boot scan of many stored sessions, the resume of
+one very long session, and worker loss to all sessions done.
+
+**Parked sessions.** A ``Node`` (what ``apomesh serve`` runs: embedded nats-server, the daemon,
+LMDB, two in-process workers, the ``apomesh-benchtools`` plugin) first runs the standard workload
+of ``bench_workload.py`` (S = 20 sessions x N = 50 steps, its ``apomesh_run``) unloaded, then
+takes ``--parked`` (10,000) sessions created through the service the REST API uses, each a
+``solo`` agent whose first call is ``ask_human``: every one ends up ``paused``, its pause open,
+held by the daemon. The figures: the process's resident set (after a garbage collection) before
+and after, per parked session, and the S = 20 workload again with all of them parked, against its
+unloaded figure (median of ``--reps`` runs each).
+
+**Boot scan.** ``--stored`` (10,000 and 100,000) stored sessions of 20 events each (the sessions
+of ``bench_recovery.py``: half auto-resumable, three in ten with a logged side effect, two in ten
+ended without their completed record) are published straight to the log stream, in the envelope
+format the log writes, as plain publishes batched per flush (no message-id headers: the log reads
+an event's index from its envelope when the header is absent). Then an in-process daemon starts on
+that log with a worker that acknowledges every dispatch and runs nothing (``bench_recovery``'s
+``SinkWorker``); the figure is the daemon's ``start``: list, read, fold and classify every session,
+auto-resume the safe ones and strand the others.
+
+**Resume of a long session.** One session of ``--long-events`` (100,000) events (its bootstrap, a
+running root agent and node snapshot pointers) is published the same way to a fresh log; a daemon
+starts on it and the figure is start to the session's agent dispatched (acknowledged by the sink):
+read, fold, classify, lease, ``SessionRecovered``/``AgentResuming``/``dispatched`` appended.
+
+**Worker loss.** A nats-server, an ``apomesh serve`` process and two ``apomesh worker`` processes
+(``bench_recovery.py``'s setup) run ``--loss-sessions`` (6) long sessions whose agents take 0.05 s
+a step; once all run, the worker running the first one's agent is SIGKILLed (a fresh worker
+replaces it), and for each agent it ran the figures are, from the events' own timestamps, kill to
+the agent re-dispatched to a live worker and kill to its first node done there (the session
+running again), p50 and p99 over ``--rounds`` (5) kills, against the heartbeat threshold + one
+beat at the default heartbeat (1 s beats, lost after 3 missed: 4 s).
+
+Durability: LMDB synced on every commit, JetStream's default ``sync_interval``. Run ``python
+bench/bench_scale.py`` (``--quick``: 1,000 parked, 10,000 stored only, a 20,000-event session, 2
+kills). Figures are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_recovery import SinkWorker
+from bench_runtime import RssSampler, percentile, scratch
+from bench_workload import BENCHTOOLS, _with_benchtools, apomesh_run, make_config
+from tests.e2e.chaos_kit import shape_of, stored_session, thinker
+
+from apomesh.adapters.heartbeats import HeartbeatStream
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.kv import KvBuckets
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
+from apomesh.adapters.nats_connect import connect
+from apomesh.adapters.natsserver import NatsServer, single_node
+from apomesh.core import envelope
+from apomesh.core.state import fold
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.config import load_config
+from apomesh.runtime.daemon import Daemon
+from apomesh.runtime.node import Node
+from apomesh.sdk.client import ApiError, Client
+from apomesh.testing import Mesh, install_plugin_package
+
+# --- parked sessions ------------------------------------------------------------------------------
+
+
+def parked_definition() -> dict[str, Any]:
+    """A solo agent that asks a human first: it parks on its open pause until answered."""
+    return {
+        "name": "bench-parked",
+        "version": "1.0.0",
+        "instructions": "Ask, then answer.",
+        "coordination": "solo",
+        "tools": ["ask_human"],
+        "model": {
+            "provider": "scripted",
+            "turns": [
+                {"tool_calls": [{"tool": "ask_human", "args": {"question": "Go on?"}}]},
+                {"final": "done"},
+            ],
+        },
+    }
+
+
+def rss() -> int:
+    gc.collect()
+    return RssSampler.current()
+
+
+async def park(node: Node, count: int) -> tuple[list[str], float]:
+    """Create ``count`` parked sessions, a hundred at a time (each hundred parked before the next
+    is created: the workers take 16 agents at once, and sessions waiting for room would poll for
+    it); answer their ids and the seconds it took."""
+    assert node.service is not None and node.daemon is not None
+    registry = node.daemon.registry
+    definition = parked_definition()
+    started = time.perf_counter()
+    ids: list[str] = []
+    batch = 100
+    for first in range(0, count, batch):
+        wave = await asyncio.gather(
+            *(
+                node.service.create_session(f"p{n}", agent=None, definition=definition, by="bench")
+                for n in range(first, min(count, first + batch))
+            )
+        )
+        ids += wave
+        deadline = time.monotonic() + 120
+        while not all(
+            (runtime := registry.live.get(sid)) is not None and runtime.state.hitl_pending
+            for sid in wave
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sessions of wave {first // batch} not parked within 120 s")
+            await asyncio.sleep(0.02)
+    return ids, time.perf_counter() - started
+
+
+async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> None:
+    with scratch("apomesh-scale-parked-") as base:
+        config = _with_benchtools(make_config(base, workers=2, sync_always=False))
+        async with Node(config, http=False) as node:
+            for _, worker in node.workers:
+                await worker.wait_registered()
+            await apomesh_run(node, 2, 3)  # warm up
+            unloaded = [(await apomesh_run(node, sessions, steps)).rate for _ in range(reps)]
+            before = rss()
+            ids, seconds = await park(node, parked)
+            after = rss()
+            loaded = [(await apomesh_run(node, sessions, steps)).rate for _ in range(reps)]
+            still = sum(1 for sid in ids if sid in node.daemon.registry.live)  # type: ignore[union-attr]
+    per = (after - before) / parked
+    print(
+        f"  {parked:,} sessions parked on a HITL pause in {seconds:.1f} s "
+        f"({parked / seconds:,.0f}/s); {still:,} still held after the loaded runs"
+    )
+    print(
+        f"    process RSS {before / 2**20:,.0f} MiB before, {after / 2**20:,.0f} MiB after: "
+        f"**{per / 1024:,.1f} KiB per parked session**"
+    )
+    u, lo = statistics.median(unloaded), statistics.median(loaded)
+    print(
+        f"    S={sessions} x N={steps}: unloaded {u:,.0f} steps/s "
+        f"({', '.join(f'{r:,.0f}' for r in unloaded)}), with the parked sessions {lo:,.0f} "
+        f"steps/s ({', '.join(f'{r:,.0f}' for r in loaded)}): **{lo / u:.2f}x** (aim >= 0.80x)"
+    )
+
+
+# --- stored sessions, published straight to the log ----------------------------------------------
+
+
+async def publish_stored(url: str, sessions: list[list[envelope.Envelope]]) -> tuple[int, float]:
+    """Publish the sessions' envelopes to the log stream as plain publishes, flushed in batches,
+    and wait until the stream holds them all; answer (events, seconds)."""
+    nc = await connect([url])
+    log = JetStreamLog(nc)
+    await log.ensure()
+    js = nc.jetstream()
+    before = (await js.stream_info(log.stream)).state.messages
+    started = time.perf_counter()
+    total = 0
+    for envelopes in sessions:
+        subject = log.subject(envelopes[0].session_id)
+        for env in envelopes:
+            await nc.publish(subject, envelope.encode(env))
+        total += len(envelopes)
+        if total % 20_000 < len(envelopes):
+            await nc.flush()
+    await nc.flush()
+    while (await js.stream_info(log.stream)).state.messages < before + total:
+        await asyncio.sleep(0.1)
+    seconds = time.perf_counter() - started
+    await nc.close()
+    return total, seconds
+
+
+def mixed_sessions(count: int, rng: random.Random) -> tuple[list[list[Any]], dict[str, int]]:
+    """``count`` stored sessions of 20 events, mixed as in ``bench_recovery.seed``."""
+    shape = shape_of(thinker(2))
+    kinds = {"auto": 0, "side_effects": 0, "terminal": 0}
+    out = []
+    for n in range(count):
+        draw = rng.random()
+        session_id = uuid.uuid4().hex
+        if draw < 0.5:
+            kinds["auto"] += 1
+            out.append(stored_session(session_id, shape, goal=f"s{n}"))
+        elif draw < 0.8:
+            kinds["side_effects"] += 1
+            effect = ("fs.append", {"path": f"f{n}.txt", "line": "x"}, False)
+            out.append(stored_session(session_id, shape, goal=f"s{n}", side_effect=effect))
+        else:
+            kinds["terminal"] += 1
+            out.append(stored_session(session_id, shape, goal=f"s{n}", terminal=True))
+    return out, kinds
+
+
+async def boot_daemon(url: str, data: Path, dispatches: int) -> dict[str, float]:
+    """Start a daemon on the log at ``url``; answer seconds to its start returning (the boot
+    scan) and to ``dispatches`` dispatches acknowledged by the sink."""
+    nc = await connect([url])
+    host = PluginHost()
+    sink = SinkWorker(nc, sorted(host.tools()))
+    await sink.start()
+    store = AsyncStore(LmdbStore(data / "lmdb"))
+    config = load_config(None, env={}, overrides={"daemon": {"data_dir": str(data)}})
+    daemon = Daemon(
+        config,
+        nc=nc,
+        log_adapter=JetStreamLog(nc),
+        heartbeats=HeartbeatStream(nc),
+        kv=await KvBuckets.open(nc.jetstream()),
+        store=store,
+        plugins=host,
+        workspace=data / "workspace",
+    )
+    registering = asyncio.create_task(sink.registered.wait())
+    started = time.perf_counter()
+    try:
+        await daemon.start()
+        scanned = time.perf_counter() - started
+        await registering
+        deadline = time.monotonic() + 600
+        while sink.dispatches < dispatches and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        return {
+            "scan": scanned,
+            "dispatched": time.perf_counter() - started,
+            "report": dict(daemon.boot_report),
+        }
+    finally:
+        # Teardown only: a daemon draining thousands of sessions the sink never runs is cut off.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(daemon.aclose(), 60)
+        sink.stop()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.close(), 10)
+        await store.aclose()
+
+
+def measure_scan(count: int, rng: random.Random) -> None:
+    with scratch("apomesh-scale-scan-") as base:
+        server = NatsServer(single_node(base / "nats", name="nats"))
+        server.start()
+        try:
+            sessions, kinds = mixed_sessions(count, rng)
+            events, seeded = asyncio.run(publish_stored(server.url, sessions))
+            del sessions
+            result = asyncio.run(boot_daemon(server.url, base / "daemon", 0))
+        finally:
+            server.stop()
+    report = result["report"]
+    print(
+        f"  {count:>7,} stored sessions ({events:,} events published in {seeded:.1f} s): "
+        f"boot scan **{result['scan']:.2f} s** ({count / result['scan']:,.0f} sessions/s; "
+        f"auto {report.get('auto_resume')} of {kinds['auto']}, recoverable "
+        f"{report.get('recoverable')} of {kinds['side_effects']}, terminal "
+        f"{report.get('terminal')} of {kinds['terminal']})"
+    )
+
+
+def measure_long(events: int) -> None:
+    session_id = uuid.uuid4().hex
+    envelopes = stored_session(session_id, shape_of(thinker(2)), goal="long", events=events)
+    with scratch("apomesh-scale-long-") as base:
+        server = NatsServer(single_node(base / "nats", name="nats"))
+        server.start()
+        try:
+            _, seeded = asyncio.run(publish_stored(server.url, [envelopes]))
+
+            async def read_and_fold() -> tuple[float, float]:
+                nc = await connect([server.url])
+                try:
+                    log = JetStreamLog(nc)
+                    started = time.perf_counter()
+                    got = await log.read(session_id)
+                    read = time.perf_counter() - started
+                    fold(got, session_id)
+                    return read, time.perf_counter() - started - read
+                finally:
+                    await nc.close()
+
+            read, folded = asyncio.run(read_and_fold())
+            result = asyncio.run(boot_daemon(server.url, base / "daemon", 1))
+        finally:
+            server.stop()
+    print(
+        f"  one session of {events:,} events (published in {seeded:.1f} s): read "
+        f"{read:.3f} s + fold {folded:.3f} s; daemon start to the session dispatched "
+        f"**{result['dispatched']:.3f} s** (boot scan {result['scan']:.3f} s)"
+    )
+
+
+# --- worker loss ------------------------------------------------------------------------------
+
+
+async def loss_round(mesh: Mesh, client: Client, sessions: int) -> list[tuple[float, float]]:
+    """Start ``sessions`` long sessions, SIGKILL the worker running the first one's agent once
+    every session runs, and answer (to re-dispatched, to the first node done after it) in seconds
+    for every agent it ran."""
+    definition = thinker(steps=400, delay=0.05)
+    ids = [await client.start_session(f"loss-{n}", definition=definition) for n in range(sessions)]
+    worker_of: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while len(worker_of) < sessions and time.monotonic() < deadline:
+        for session_id in ids:
+            view = await client.get_session(session_id)
+            root = next((a for a in view.agents if a.ref == "root"), None)
+            if root is not None and root.phase == "running" and root.worker:
+                worker_of[session_id] = root.worker
+        await asyncio.sleep(0.05)
+    victim = next(iter(worker_of.values()))
+    process = next(w for w in mesh.workers if w.name == victim.rsplit("-", 1)[0])
+    killed_at = time.time()
+    os.kill(process.pid, signal.SIGKILL)
+    process.proc.wait(10)
+    mesh.worker(f"w{len(mesh.workers)}")
+    samples = []
+    for session_id, worker in worker_of.items():
+        if worker != victim:
+            continue
+        dispatched = stepped = None
+        async for record in client.events(session_id):
+            if record.ts < killed_at:
+                continue
+            phase = record.event.get("phase") if record.kind == "AgentLifecycle" else None
+            if phase == "dispatched" and dispatched is None:
+                dispatched = record.ts - killed_at
+            elif dispatched is not None and record.kind == "AgentSnapshotted":
+                stepped = record.ts - killed_at
+                break
+        if dispatched is not None and stepped is not None:
+            samples.append((dispatched, stepped))
+    for session_id in ids:
+        with contextlib.suppress(ApiError):  # one that ended meanwhile is fine
+            await client.cancel(session_id)
+    return samples
+
+
+def measure_loss(rounds: int, sessions: int) -> None:
+    interval = 1.0  # the default heartbeat: a beat a second, lost after 3 missed
+    with scratch("apomesh-scale-loss-") as base:
+        server = NatsServer(single_node(base, name="nats"))
+        server.start()
+        mesh = Mesh(server, base)
+        # The test mesh beats every 0.3 s; these figures are for the default heartbeat.
+        mesh.daemon.env["APOMESH_LIVENESS_HEARTBEAT_INTERVAL"] = str(interval)
+        mesh.daemon.env["APOMESH_LIVENESS_MISSED_BEATS"] = "3"
+        try:
+            mesh.daemon.start()
+            mesh.worker()
+            mesh.worker()
+            mesh.wait_workers(2)
+
+            async def run() -> list[tuple[float, float]]:
+                samples: list[tuple[float, float]] = []
+                async with Client(mesh.url) as client:
+                    for _ in range(rounds):
+                        samples += await loss_round(mesh, client, sessions)
+                        await asyncio.to_thread(mesh.wait_workers, 2)
+                return samples
+
+            samples = asyncio.run(run())
+        finally:
+            mesh.close()
+            server.stop()
+    bound = 3 * interval + interval
+    dispatched = [s[0] for s in samples]
+    stepped = [s[1] for s in samples]
+    print(f"  {len(samples)} agents over {rounds} kills; threshold 3 s + one beat = {bound:g} s")
+    for name, values in (("re-dispatched", dispatched), ("first node done after", stepped)):
+        print(
+            f"    SIGKILL -> {name:<22} p50 {statistics.median(values):.3f} s   "
+            f"p99 **{percentile(values, 0.99):.3f} s**   ({percentile(values, 0.99) - bound:+.3f} s "
+            "against the bound)"
+        )
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    parser.add_argument("--parked", type=int, default=10_000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--stored", default="10000,100000", help="stored session counts")
+    parser.add_argument("--long-events", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=5, help="worker kills")
+    parser.add_argument("--loss-sessions", type=int, default=6)
+    parser.add_argument(
+        "--only", default="parked,scan,long,loss", help="parts to run, comma-separated"
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.parked, args.reps, args.stored, args.long_events, args.rounds = (
+            1_000,
+            1,
+            "10000",
+            20_000,
+            2,
+        )
+    parts = set(args.only.split(","))
+    print(f"scale: load average {os.getloadavg()[0]:.1f} at the start", flush=True)
+    if "scan" in parts:
+        print("boot scan of stored sessions (20 events each)", flush=True)
+        rng = random.Random(7)
+        for count in (int(c) for c in args.stored.split(",") if c):
+            measure_scan(count, rng)
+    if "long" in parts:
+        print("resume of one long session", flush=True)
+        measure_long(args.long_events)
+    if "parked" in parts:
+        install_plugin_package(BENCHTOOLS)
+        print("parked sessions (one daemon, in-process workers)", flush=True)
+        asyncio.run(measure_parked(args.parked, args.reps, 20, 50))
+    if "loss" in parts:
+        print("worker loss (real processes, SIGKILL, default heartbeat)", flush=True)
+        measure_loss(args.rounds, args.loss_sessions)
+    print(f"scale: load average {os.getloadavg()[0]:.1f} at the end", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
