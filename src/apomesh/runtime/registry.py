@@ -240,21 +240,28 @@ class SessionRegistry:
         lost to another writer, and give its lease back."""
         state = runtime.state
         session_id = state.session_id
-        if self.live.get(session_id) is runtime:
-            del self.live[session_id]
-        self.changed()
         if ending.kind == "finished":
+            # Its completed record is written before it leaves the live set, so a listing
+            # never misses an ended session between the two.
             assert state.ended is not None
+            try:
+                await self.write_completed(state)
+            finally:
+                if self.live.get(session_id) is runtime:
+                    del self.live[session_id]
+                self.changed()
             runtime.deps.metrics.observe_session_end(
                 state.ended.status, state.last_ts - state.started_ts
             )
-            await self.write_completed(state)
             self.stranded.pop(session_id, None)
             with contextlib.suppress(Exception):
                 await self.leases.release(session_id, self.owner)
             for ref in state.agents:
                 self.snapshots.forget(f"{session_id}/{ref}")
             return
+        if self.live.get(session_id) is runtime:
+            del self.live[session_id]
+        self.changed()
         if ending.kind == "stranded":
             self.stranded[session_id] = Recoverable(
                 session_id,

@@ -352,6 +352,8 @@ class Service:
         runtime = self.registry.writer(session_id)
         if runtime is not None:
             view = session_view(runtime.state)
+            if view.terminal:
+                return view  # as the log reads it: an ended session has no owner
             return msgspec.structs.replace(
                 view, owner=self.registry.owner, agents=self._placed(view.agents)
             )
