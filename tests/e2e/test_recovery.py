@@ -195,18 +195,18 @@ async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_
 
 
 def _lmdb_alone(mesh: Mesh) -> None:
-    """Restart the mesh's daemon with LMDB alone (``[store] replicated = "off"``): a daemon given
-    NATS URLs, as the mesh's is, writes through to the replicated bucket by default."""
+    """Start the (bare) mesh's daemon with LMDB alone (``[store] replicated = "off"``) and two
+    workers: a daemon given NATS URLs, as the mesh's is, writes through to the replicated bucket
+    by default."""
     mesh.daemon.env["APOMESH_STORE_REPLICATED"] = "off"
-    mesh.daemon.restart()
-    mesh.wait_workers(len(mesh.workers))
+    mesh.start(2)
 
 
 @pytest.mark.anyio
-async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(mesh: Mesh) -> None:
+async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(bare_mesh: Mesh) -> None:
     goal = "lost-lmdb"
-    await anyio.to_thread.run_sync(_lmdb_alone, mesh)
-    async with Client(mesh.url) as client:
+    await anyio.to_thread.run_sync(_lmdb_alone, bare_mesh)
+    async with Client(bare_mesh.url) as client:
         session_id = await client.start_session(goal, definition=appender(6, delay=0.3))
         recorded = 0
         with anyio.fail_after(30):
@@ -214,15 +214,15 @@ async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(me
                 recorded += record.kind == "ToolCallRecorded"
                 if recorded == 3:
                     break
-        await anyio.to_thread.run_sync(mesh.daemon.kill)
-        shutil.rmtree(mesh.daemon.data_dir / "lmdb")
-        await anyio.to_thread.run_sync(mesh.daemon.start)
+        await anyio.to_thread.run_sync(bare_mesh.daemon.kill)
+        shutil.rmtree(bare_mesh.daemon.data_dir / "lmdb")
+        await anyio.to_thread.run_sync(bare_mesh.daemon.start)
         preview = await client.recovery_preview(session_id)
         assert preview.side_effects >= 3
         await client.resume(session_id)  # at once: the lease owner survived in daemon.id
         records = await finished(client, session_id)
         verification = await client.verify_session(session_id)
-    check = check_session(records, verification, mesh.daemon.workspace)
+    check = check_session(records, verification, bare_mesh.daemon.workspace)
     # The snapshots the lost store held are reported missing; nothing else disagrees.
     kinds = {p["kind"] for p in verification["problems"]}
     assert kinds == {"snapshot_missing"}, verification
@@ -231,7 +231,7 @@ async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(me
     assert check.status == "completed"
     # The log alone said which lines were written: each exactly once (or at most once when the
     # kill cut a call short), and the restarted agent replayed them from the log's journal.
-    lines = (mesh.daemon.workspace / session_id / f"chaos/{goal}.txt").read_text().splitlines()
+    lines = (bare_mesh.daemon.workspace / session_id / f"chaos/{goal}.txt").read_text().splitlines()
     assert len(lines) == len(set(lines))
     intents = [r for r in records if r.kind == "ToolCallIntent"]
     assert len(intents) == len({r.event["key"] for r in intents}) == 6
@@ -272,10 +272,10 @@ def _tamper(data_dir: Path, session_id: str) -> None:
 
 @pytest.mark.anyio
 async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
-    await anyio.to_thread.run_sync(_lmdb_alone, mesh)  # the tampering is done to LMDB
-    async with Client(mesh.url) as client:
+    await anyio.to_thread.run_sync(_lmdb_alone, bare_mesh)  # the tampering is done to LMDB
+    async with Client(bare_mesh.url) as client:
         session_id = await client.start_session("verified", definition=appender(3, delay=0.0))
         await finished(client, session_id)
         report = await client.verify_session(session_id)
@@ -283,19 +283,19 @@ async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement
         assert report["status"] == "completed" and report["completed_record"] is True
         # Three steps (each its turn, recorded before its call, and its node), the final turn.
         assert report["snapshots_checked"] == 7 and report["journal_checked"] == 3
-        clean = run_cli("sessions", "verify", session_id, "--url", mesh.url)
+        clean = run_cli("sessions", "verify", session_id, "--url", bare_mesh.url)
         assert clean.returncode == 0, clean.stdout + clean.stderr
-        await anyio.to_thread.run_sync(mesh.daemon.stop)
-        _tamper(mesh.daemon.data_dir, session_id)
-        await anyio.to_thread.run_sync(mesh.daemon.start)
+        await anyio.to_thread.run_sync(bare_mesh.daemon.stop)
+        _tamper(bare_mesh.daemon.data_dir, session_id)
+        await anyio.to_thread.run_sync(bare_mesh.daemon.start)
         report = await client.verify_session(session_id)
         assert not report["ok"]
         kinds = sorted(p["kind"] for p in report["problems"])
         assert kinds == ["completed_mismatch", "journal_mismatch", "snapshot_missing"], report
-        dirty = run_cli("sessions", "verify", session_id, "--url", mesh.url)
+        dirty = run_cli("sessions", "verify", session_id, "--url", bare_mesh.url)
         assert dirty.returncode == 1 and "snapshot_missing" in dirty.stdout
         missing = await anyio.to_thread.run_sync(
-            lambda: httpx.get(f"{mesh.url}/v1/sessions/{uuid.uuid4().hex}/verify")
+            lambda: httpx.get(f"{bare_mesh.url}/v1/sessions/{uuid.uuid4().hex}/verify")
         )
         assert missing.status_code == 404
 
