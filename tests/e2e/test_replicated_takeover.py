@@ -22,6 +22,8 @@ from tests.fakes.fresh_model import FreshModelServer
 
 from apomesh.sdk.client import Client
 
+LEASE_TTL = 3.0
+
 
 @pytest.fixture
 def cluster_mesh(nats_cluster: Any, tmp_path: Path) -> Iterator[ClusterMesh]:
@@ -29,6 +31,8 @@ def cluster_mesh(nats_cluster: Any, tmp_path: Path) -> Iterator[ClusterMesh]:
     mesh = ClusterMesh(list(nats_cluster), tmp_path)
     # The workspace (the world the side effects land in) outlives the daemon's host.
     mesh.daemon.workspace = tmp_path / "workspace"
+    # A short lease, so the new daemon takes the session over within seconds (default 30 s).
+    mesh.daemon.env["APOMESH_DAEMON_LEASE_TTL"] = str(LEASE_TTL)
     try:
         yield mesh
     finally:
