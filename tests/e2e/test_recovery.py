@@ -72,10 +72,9 @@ async def write_log(nats_url: str, *sessions: list[Envelope]) -> None:
         await nc.close()
 
 
-async def restart(mesh: Mesh) -> None:
-    """SIGKILL the daemon and start it again: its boot scan finds what the log holds."""
-    await anyio.to_thread.run_sync(mesh.daemon.kill)
-    await anyio.to_thread.run_sync(mesh.daemon.start)
+async def boot(mesh: Mesh) -> None:
+    """Start the (bare) mesh, as after a crash: the daemon's boot scan finds what the log holds."""
+    await anyio.to_thread.run_sync(mesh.start)
 
 
 async def finished(client: Client, session_id: str) -> list[EventRecord]:
@@ -88,20 +87,20 @@ async def finished(client: Client, session_id: str) -> list[EventRecord]:
 
 @pytest.mark.anyio
 async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolved_by_the_probe(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     goal = "unknown-outcome"
     args = {"path": f"chaos/{goal}.txt", "line": f"{goal} line 0"}
     session_id = uuid.uuid4().hex
     # The daemon died between logging the intent and hearing the result.
     await write_log(
-        mesh.nats_url,
+        bare_mesh.nats_url,
         stored_session(
             session_id, shape_of(appender(2)), goal=goal, events=5, open_intent=("fs.append", args)
         ),
     )
-    await restart(mesh)
-    async with Client(mesh.url) as client:
+    await boot(bare_mesh)
+    async with Client(bare_mesh.url) as client:
         preview = await client.recovery_preview(session_id)
         assert preview.category == "side_effects"
         assert [(u.agent, u.tool, u.args) for u in preview.unknown_outcomes] == [
@@ -110,14 +109,14 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
         with pytest.raises(ConfirmationRequired) as refused:
             await client.resume(session_id, confirm=False)
         assert refused.value.preview.unknown_outcomes == preview.unknown_outcomes
-        listed = run_cli("recover", "list", "--url", mesh.url)
+        listed = run_cli("recover", "list", "--url", bare_mesh.url)
         assert listed.returncode == 0 and session_id[:8] in listed.stdout
-        resumed = run_cli("recover", "resume", session_id, "--yes", "--url", mesh.url)
+        resumed = run_cli("recover", "resume", session_id, "--yes", "--url", bare_mesh.url)
         assert resumed.returncode == 0, resumed.stderr
         assert "outcome is unknown" in resumed.stdout and f"{goal} line 0" in resumed.stdout
         records = await finished(client, session_id)
         verification = await client.verify_session(session_id)
-    check = check_session(records, verification, mesh.daemon.workspace)
+    check = check_session(records, verification, bare_mesh.daemon.workspace)
     assert check.ok, check.problems
     recorded = [r.event for r in records if r.kind == "ToolCallRecorded"]
     # fs.append has a probe: asked after the resume, it finds the line was never appended, so
@@ -127,7 +126,7 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
     assert [i.get("resolution", "") for i in intents if i["args"] == args] == ["", "not_happened"]
     assert [r.event["action"] for r in records if r.kind == "OperatorAction"] == ["resume"]
     assert [r.event["reason"] for r in records if r.kind == "AgentResuming"] == ["operator resume"]
-    lines = (mesh.daemon.workspace / session_id / args["path"]).read_text().splitlines()
+    lines = (bare_mesh.daemon.workspace / session_id / args["path"]).read_text().splitlines()
     assert lines.count(f"{goal} line 0") == 1 and f"{goal} line 1" in lines
 
 
@@ -136,13 +135,13 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
 
 @pytest.mark.anyio
 async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_the_ended(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     shape = shape_of(thinker(2))
     safe, effects, ended, unborn, garbage = (uuid.uuid4().hex for _ in range(5))
     half_started = stored_session(unborn, shape, goal="unborn", events=1)
     await write_log(
-        mesh.nats_url,
+        bare_mesh.nats_url,
         stored_session(safe, shape, goal="safe", events=8),
         stored_session(
             effects,
@@ -153,20 +152,20 @@ async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_
         stored_session(ended, shape, goal="ended", terminal=True),
         half_started,  # the daemon died between SessionStarted and the root's birth
     )
-    nc = await connect([mesh.nats_url])
+    nc = await connect([bare_mesh.nats_url])
     try:
         await nc.publish(f"apomesh.log.{garbage}", b"\x93not an envelope")
         await nc.flush()
     finally:
         await nc.close()
-    await restart(mesh)
-    async with Client(mesh.url) as client:
+    await boot(bare_mesh)
+    async with Client(bare_mesh.url) as client:
         recoverable = {r.session_id: r for r in await client.list_recoverable()}
         assert set(recoverable) == {effects, garbage}
         assert recoverable[effects].reason.startswith("side effects logged")
         assert recoverable[effects].side_effects == 1
         assert recoverable[garbage].category == "undecodable"
-        assert "cannot be decoded" in mesh.daemon.output_tail()
+        assert "cannot be decoded" in bare_mesh.daemon.output_tail()
         for session_id in (safe, unborn):
             records = await finished(client, session_id)
             assert records[-1].kind == "SessionEnded" and records[-1].event["status"] == "completed"
