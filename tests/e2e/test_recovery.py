@@ -72,6 +72,12 @@ async def write_log(nats_url: str, *sessions: list[Envelope]) -> None:
         await nc.close()
 
 
+async def restart(mesh: Mesh) -> None:
+    """SIGKILL the daemon and start it again: its boot scan finds what the log holds."""
+    await anyio.to_thread.run_sync(mesh.daemon.kill)
+    await anyio.to_thread.run_sync(mesh.daemon.start)
+
+
 async def boot(mesh: Mesh) -> None:
     """Start the (bare) mesh, as after a crash: the daemon's boot scan finds what the log holds."""
     await anyio.to_thread.run_sync(mesh.start)
