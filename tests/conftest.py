@@ -1,5 +1,6 @@
 """Fixtures shared by every test directory: the async backend anyio's pytest plugin runs on, and a
-real headless Chromium page for the console tests (a page fails its test if the console raises).
+real headless Chromium page for the console tests (a page fails its test if the console raises;
+the browser is shared by the module, each page has a fresh context).
 
 When the tests collected need the browser and Debian's chromium is not installed, the run
 provisions it before any test starts: as root it installs the package with apt-get; otherwise it
@@ -56,14 +57,16 @@ def provide_chromium() -> None:
         )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def anyio_backend() -> str:
-    # nats-py is asyncio-only, so every async test runs on asyncio.
+    # nats-py is asyncio-only, so every async test runs on asyncio. Module-scoped, so that an
+    # async fixture may be shared by a module (the browser).
     return "asyncio"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 async def browser() -> AsyncIterator[Any]:
+    """One headless Chromium for the test module; each test gets a context of its own (``page``)."""
     from playwright.async_api import async_playwright
     from tests.browser import CHROMIUM, CHROMIUM_ARGS
 

@@ -16,6 +16,10 @@ Daemons and workers (real processes):
     ``mesh``               a fresh nats-server, an ``apomesh serve`` process and two
                            ``apomesh worker`` processes, registered (a ``Mesh``); tests may
                            SIGKILL, freeze or restart any of them
+    ``bare_mesh``          the same system with only its nats-server running: the test
+                           configures the daemon, then starts it and its workers
+    ``shared_mesh``        the same system shared by a test module, for tests that only start
+                           and read sessions of their own (they may kill or add nothing)
     ``DaemonProcess``, ``WorkerProcess``  the same parts, to build other shapes (a cluster,
                            a leaf node)
 
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -68,6 +73,7 @@ __all__ = [
     "Mesh",
     "ScriptedCoordinator",
     "WorkerProcess",
+    "bare_mesh",
     "fresh_nats_server",
     "install_plugin_package",
     "mesh",
@@ -75,6 +81,7 @@ __all__ = [
     "nats_hub_leaf",
     "nats_server",
     "nats_url",
+    "shared_mesh",
 ]
 
 _T = TypeVar("_T")
@@ -230,11 +237,15 @@ class DaemonProcess:
         return (self.data_dir / "daemon.id").read_text(encoding="utf-8").strip()
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start the process and wait until it answers ``/healthz``."""
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (``wait_ready`` waits)."""
         import os
         import subprocess
         import sys
-        import time
-        import urllib.request
 
         args = [
             sys.executable,
@@ -255,6 +266,12 @@ class DaemonProcess:
         env = {**os.environ, **self.env}
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until the launched process answers ``/healthz`` (it is killed if it does not)."""
+        import time
+        import urllib.request
+
         deadline = time.monotonic() + timeout
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         while time.monotonic() < deadline:
@@ -373,12 +390,17 @@ class WorkerProcess:
 
         os.kill(self.pid, signal.SIGCONT)
 
+    def terminate(self) -> None:
+        """Ask the process to stop (SIGTERM, thawed first) without waiting for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.thaw()
+            self.proc.terminate()
+
     def stop(self) -> None:
         import subprocess
 
         if self.proc is not None and self.proc.poll() is None:
-            self.thaw()
-            self.proc.terminate()
+            self.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -452,16 +474,54 @@ class Mesh:
             time.sleep(0.1)
         raise TimeoutError(f"{count} workers did not register within {timeout} s")
 
+    def start(self, workers: int = 2, *, config: Any = None) -> None:
+        """Start the daemon and ``workers`` worker processes (reading ``config``) at once (a
+        worker beats until the daemon hears it and asks it to register), then wait until the
+        daemon lists them."""
+        self.daemon.launch()
+        for _ in range(workers):
+            self.worker(config=config)
+        self.daemon.wait_ready()
+        if workers:
+            self.wait_workers(workers)
+
     def close(self) -> None:
+        for worker in self.workers:
+            worker.terminate()  # all of them at once, then each waited for
         for worker in self.workers:
             worker.stop()
         self.daemon.stop()
+
+
+@contextlib.contextmanager
+def _running_mesh(base: Any) -> Iterator[Mesh]:
+    """A system in ``base``: a nats-server, a daemon and two registered workers, stopped after."""
+    from apomesh.adapters.natsserver import NatsServer, single_node
+
+    server = NatsServer(single_node(base, name="nats"))
+    server.start()
+    system = Mesh(server, base)
+    try:
+        system.start(workers=2)
+        yield system
+    finally:
+        system.close()
+        server.stop()
 
 
 @pytest.fixture
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """A fresh system: its own nats-server, an ``apomesh serve`` process (no local workers) and
     two worker processes, registered. Heartbeats every 0.3 s, lost after 3 missed beats."""
+    with _running_mesh(tmp_path_factory.mktemp("mesh")) as system:
+        yield system
+
+
+@pytest.fixture
+def bare_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The ``mesh`` system with only its nats-server running, for a test that configures the
+    daemon first (``daemon.extra_args``, ``daemon.env``): it starts the daemon and its workers
+    itself (``start()``, or ``daemon.start()`` and ``worker()``); everything stops at teardown."""
     from apomesh.adapters.natsserver import NatsServer, single_node
 
     base = tmp_path_factory.mktemp("mesh")
@@ -469,14 +529,29 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     server.start()
     system = Mesh(server, base)
     try:
-        system.daemon.start()
-        system.worker()
-        system.worker()
-        system.wait_workers(2)
         yield system
     finally:
         system.close()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def _module_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with _running_mesh(tmp_path_factory.mktemp("shared-mesh")) as system:
+        yield system
+
+
+@pytest.fixture
+def shared_mesh(_module_mesh: Mesh) -> Iterator[Mesh]:
+    """The ``mesh`` system shared by the test module, for tests that only start sessions of
+    their own and read them: such a test must kill, freeze, stop or add nothing (that is what
+    ``mesh`` is for). After each test its daemon and both workers must still be running."""
+    yield _module_mesh
+    daemon_alive = _module_mesh.daemon.pid is not None
+    workers_alive = [w.proc.poll() is None for w in _module_mesh.workers]
+    assert daemon_alive and workers_alive == [True, True], (
+        "a test on shared_mesh stopped a part of it, or added one: use the mesh fixture"
+    )
 
 
 # --------------------------------------------------------------------------------------------

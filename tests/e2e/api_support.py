@@ -149,11 +149,7 @@ def start_mesh(
         auth=auth,
     )
     try:
-        system.daemon.start()
-        for _ in range(workers):
-            system.worker()
-        if workers:
-            system.wait_workers(workers)
+        system.start(workers)
     except BaseException:
         stop_mesh(system)
         raise

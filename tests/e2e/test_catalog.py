@@ -115,7 +115,7 @@ def test_skills_put_get_list_history_and_delete_from_the_cli_and_rest(
 
 
 def test_skills_resolve_from_the_catalog_then_the_directory_then_plugins_with_exact_bytes(
-    mesh: Mesh, tmp_path: Path
+    bare_mesh: Mesh, tmp_path: Path
 ) -> None:
     directory = tmp_path / "skills"
     directory.mkdir()
@@ -124,10 +124,9 @@ def test_skills_resolve_from_the_catalog_then_the_directory_then_plugins_with_ex
     (directory / "dir-only.md").write_bytes(dir_only.encode("utf-8"))
     (directory / "plain-language.md").write_bytes(b"the directory shadows the skill pack\n")
     (directory / "with-tools.toml").write_text('body = "use the list"\ntools = ["fs.list"]\n')
-    mesh.daemon.stop()
-    mesh.daemon.env["APOMESH_SKILLS_DIRECTORY"] = str(directory)
-    mesh.daemon.start()
-    assert httpx.put(f"{mesh.url}/v1/skills/tone", json={"body": TONE_V1}).status_code == 200
+    bare_mesh.daemon.env["APOMESH_SKILLS_DIRECTORY"] = str(directory)
+    bare_mesh.start(2)
+    assert httpx.put(f"{bare_mesh.url}/v1/skills/tone", json={"body": TONE_V1}).status_code == 200
 
     names = [
         "tone",
@@ -138,10 +137,10 @@ def test_skills_resolve_from_the_catalog_then_the_directory_then_plugins_with_ex
         "with-tools",
     ]
     response = httpx.post(
-        f"{mesh.url}/v1/sessions", json={"goal": "write", "definition": writer(skills=names)}
+        f"{bare_mesh.url}/v1/sessions", json={"goal": "write", "definition": writer(skills=names)}
     )
     assert response.status_code == 201, response.text
-    shape = started_shape(mesh.url, response.json()["session_id"])
+    shape = started_shape(bare_mesh.url, response.json()["session_id"])
     pins = {s["name"]: s for s in shape["skills"]}
     from apomesh_skillpack.shipped import CHECKLIST
 
@@ -159,7 +158,7 @@ def test_skills_resolve_from_the_catalog_then_the_directory_then_plugins_with_ex
     assert [s["name"] for s in shape["root"]["skills"]] == names
 
     unknown = httpx.post(
-        f"{mesh.url}/v1/sessions", json={"goal": "w", "definition": writer(skills=["nowhere"])}
+        f"{bare_mesh.url}/v1/sessions", json={"goal": "w", "definition": writer(skills=["nowhere"])}
     )
     assert unknown.status_code == 400
     message = unknown.json()["message"]

@@ -119,17 +119,18 @@ def refine_definition() -> dict[str, Any]:
     }
 
 
-def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(mesh: Mesh) -> None:
-    restart_daemon(mesh, APOMESH_VOTE_NOTE="1")
-    root_worker = note_worker(mesh, "root-worker")
-    mesh.wait_workers(3)
-    client = SyncClient(mesh.url)
+def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(bare_mesh: Mesh) -> None:
+    bare_mesh.daemon.env["APOMESH_VOTE_NOTE"] = "1"
+    bare_mesh.start(2)
+    root_worker = note_worker(bare_mesh, "root-worker")
+    bare_mesh.wait_workers(3)
+    client = SyncClient(bare_mesh.url)
     session_id = client.start_session("refine it", definition=refine_definition())
 
     def checkpoints() -> list[str]:
         return [
             e.event.position
-            for e in read_log(mesh, session_id)
+            for e in read_log(bare_mesh, session_id)
             if type(e.event).__name__ == "CoordinatorCheckpoint"
         ]
 
@@ -143,8 +144,8 @@ def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(mes
     )
     assert "executed@2" not in checkpoints()
     wait_until(lambda: "executed@2" in checkpoints(), what="iteration 2 executed")
-    restart_daemon(mesh)
-    note_worker(mesh, "root-worker-2")
+    restart_daemon(bare_mesh)
+    note_worker(bare_mesh, "root-worker-2")
 
     view = wait_ended(client, session_id)
     assert view.status == "completed", view.reason
@@ -152,7 +153,7 @@ def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(mes
     assert view.recoveries >= 1
     children = sorted((a.batch, a.task) for a in view.agents if a.parent == "root")
     assert children == [("iter-1", "P1-a"), ("iter-2", "P2-a"), ("iter-3", "P3-a")]
-    assert root_answers(read_log(mesh, session_id)) == [
+    assert root_answers(read_log(bare_mesh, session_id)) == [
         ("planned", "plan"),
         ("planned", "critique"),
         ("planned", "critique"),
@@ -341,9 +342,10 @@ def test_vote_ends_its_ballot_at_the_majority_and_survives_a_kill_at_every_ask(
     assert len({a.task for a in done}) < 5  # the majority ended the ballot early
 
 
-def test_a_replayed_batch_with_other_tasks_fails_with_a_nondeterminism_error(mesh: Mesh) -> None:
-    restart_daemon(mesh, APOMESH_VOTE_SALT="one")
-    client = SyncClient(mesh.url)
+def test_a_replayed_batch_with_other_tasks_fails_with_a_nondeterminism_error(bare_mesh: Mesh) -> None:
+    bare_mesh.daemon.env["APOMESH_VOTE_SALT"] = "one"
+    bare_mesh.start(2)
+    client = SyncClient(bare_mesh.url)
     definition = vote_definition("vote-salted")
     definition["roles"]["voter"] = {
         "tools": ["ask_human"],
@@ -353,7 +355,7 @@ def test_a_replayed_batch_with_other_tasks_fails_with_a_nondeterminism_error(mes
     }
     session_id = client.start_session("pick a colour", definition=definition)
     wait_until(lambda: client.get_session(session_id).hitl_pending, what="a voter's pause")
-    restart_daemon(mesh, APOMESH_VOTE_SALT="two")
+    restart_daemon(bare_mesh, APOMESH_VOTE_SALT="two")
     view = wait_ended(client, session_id)
     assert view.status == "failed"
     assert "nondeterminism" in (view.reason or "").lower() or "differs from the logged" in (

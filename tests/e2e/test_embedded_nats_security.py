@@ -46,9 +46,11 @@ def worker_file(daemon: DaemonProcess, n: int = 1) -> dict[str, Any]:
     return tomllib.loads(path.read_text())["nats"]
 
 
-@pytest.fixture
-def embedded(tmp_path: Path) -> Any:
-    daemon = DaemonProcess([], tmp_path / "daemon", workers=1)
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A daemon on its embedded nats-server with one local worker, shared by the module's tests
+    (which only connect to it and probe what it refuses)."""
+    daemon = DaemonProcess([], tmp_path_factory.mktemp("embedded") / "daemon", workers=1)
     daemon.start()
     try:
         yield daemon

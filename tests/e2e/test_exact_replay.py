@@ -221,10 +221,10 @@ def resumed_after_its_plan(records: list[EventRecord]) -> bool:
 
 
 def test_a_kill_at_every_point_of_a_step_runs_each_effect_once_and_ends_with_the_models_answer(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     with FreshModelServer() as server:
-        system = ReplayMesh(mesh, server)
+        system = ReplayMesh(bare_mesh, server)
         definition = solo_appender(appends=3)
         session_id = start(system.url, "every point", definition)
         # Step 1: lost before its intent (nothing recorded yet: the model is asked again), then
@@ -251,10 +251,10 @@ def test_a_kill_at_every_point_of_a_step_runs_each_effect_once_and_ends_with_the
 
 
 def test_a_fanout_root_lost_before_its_plan_is_done_replays_the_plan_and_its_children_run(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     with FreshModelServer() as server:
-        system = ReplayMesh(mesh, server)
+        system = ReplayMesh(bare_mesh, server)
         definition = fanout_appender()
         session_id = start(system.url, "plan once", definition)
         # The root's worker freezes between its plan's report and Done, past the heartbeat
@@ -277,14 +277,14 @@ def test_a_fanout_root_lost_before_its_plan_is_done_replays_the_plan_and_its_chi
         assert ended["output"] in finals(server)
 
 
-def test_a_turn_stored_but_never_logged_is_never_replayed(mesh: Mesh) -> None:
+def test_a_turn_stored_but_never_logged_is_never_replayed(bare_mesh: Mesh) -> None:
     """The daemon stops between storing the root's plan turn and logging its pointer: the
     worker never heard back, so nothing depended on that turn. The next daemon continues from
     the snapshot the log points to, so the plan is asked for again and later asks (the synthesis)
     are put to the model, never answered with the stored-but-unlogged plan."""
-    gates = mesh.base / "gates"
+    gates = bare_mesh.base / "gates"
     # The daemon carries the kill points too (``turn-stored`` is a daemon's point).
-    mesh.daemon.env.update(
+    bare_mesh.daemon.env.update(
         {
             "KILL_POINTS_DIR": str(gates),
             "PYTHONPATH": os.pathsep.join(
@@ -293,7 +293,7 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(mesh: Mesh) -> None:
         }
     )
     with FreshModelServer() as server:
-        system = ReplayMesh(mesh, server)
+        system = ReplayMesh(bare_mesh, server)
         definition = fanout_appender()
         system.arm("turn-stored")
         session_id = start(system.url, "plan, unlogged", definition)
@@ -302,9 +302,9 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(mesh: Mesh) -> None:
             assert time.monotonic() < deadline, "the daemon never stored a turn"
             time.sleep(0.02)
         (hit,) = system.gates.glob("hit-turn-stored-*")
-        assert int(hit.name.rpartition("-")[2]) == mesh.daemon.pid
-        mesh.daemon.kill()
-        mesh.daemon.start()  # nothing had a side effect yet: the session resumes by itself
+        assert int(hit.name.rpartition("-")[2]) == bare_mesh.daemon.pid
+        bare_mesh.daemon.kill()
+        bare_mesh.daemon.start()  # nothing had a side effect yet: the session resumes by itself
         ended = settle(system.url, session_id)
         audited(system, session_id)
         assert ended["status"] == "completed", ended
@@ -317,10 +317,10 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(mesh: Mesh) -> None:
 
 
 def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_asking_again(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     with FreshModelServer() as server:
-        system = ReplayMesh(mesh, server)
+        system = ReplayMesh(bare_mesh, server)
         definition = solo_appender(appends=2)
         session_id = start(system.url, "daemon lost", definition)
         # The effect of step 1 ran; before its result is reported the daemon is SIGKILLed (and
@@ -348,9 +348,9 @@ def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_a
         assert finals(server) == [ended["output"]]
 
 
-def test_a_question_answered_by_a_human_is_not_asked_again_in_other_words(mesh: Mesh) -> None:
+def test_a_question_answered_by_a_human_is_not_asked_again_in_other_words(bare_mesh: Mesh) -> None:
     with FreshModelServer() as server:
-        system = ReplayMesh(mesh, server)
+        system = ReplayMesh(bare_mesh, server)
         definition = {
             "name": "fresh-asker",
             "version": "1.0.0",

@@ -17,9 +17,10 @@ from apomesh.testing import Mesh
 
 
 @pytest.mark.anyio
-async def test_fresh_model_sessions_complete_and_audit_clean(mesh: Mesh) -> None:
+async def test_fresh_model_sessions_complete_and_audit_clean(bare_mesh: Mesh) -> None:
+    mesh = bare_mesh
     with FreshModelServer() as server:
-        use_fresh_model(mesh, server.base_url)
+        mesh.start(2, config=use_fresh_model(mesh, server.base_url))
         async with Client(mesh.url) as client:
             chaos = FreshChaos(mesh, client, server.model, server.log, rng=random.Random(3))
             audits = []

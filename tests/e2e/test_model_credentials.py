@@ -57,15 +57,13 @@ def wait_ended(url: str, session_id: str) -> dict[str, Any]:
 
 
 def test_a_definition_naming_an_endpoint_and_a_daemon_secret_is_refused_and_sends_nothing(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     with FakeOpenAIServer() as capture:
         # The only worker holds the daemon's API token in its environment, as a worker started
         # beside the daemon would.
-        for worker in mesh.workers:
-            worker.stop()
-        mesh.workers.clear()
-        mesh.worker("keyed", env={"APOMESH_HTTP_TOKEN": "the-daemon-secret"})
+        bare_mesh.daemon.start()
+        bare_mesh.worker("keyed", env={"APOMESH_HTTP_TOKEN": "the-daemon-secret"})
         capture.reply("captured")
         for model, key in (
             ({"base_url": capture.base_url, "api_key_env": "APOMESH_HTTP_TOKEN"}, "base_url"),
@@ -74,7 +72,7 @@ def test_a_definition_naming_an_endpoint_and_a_daemon_secret_is_refused_and_send
             ({"credential": "elsewhere"}, "credential"),
         ):
             response = httpx.post(
-                f"{mesh.url}/v1/sessions", json={"goal": "leak", "definition": agent(**model)}
+                f"{bare_mesh.url}/v1/sessions", json={"goal": "leak", "definition": agent(**model)}
             )
             assert response.status_code == 400, response.text
             body = response.json()
@@ -83,43 +81,43 @@ def test_a_definition_naming_an_endpoint_and_a_daemon_secret_is_refused_and_send
         assert capture.requests == []
 
 
-def test_a_configured_credential_goes_to_its_own_endpoint_only(mesh: Mesh) -> None:
+def test_a_configured_credential_goes_to_its_own_endpoint_only(bare_mesh: Mesh) -> None:
     with FakeOpenAIServer() as capture, FakeOpenAIServer() as allowed:
-        config = credentials_config(mesh.base / "creds.toml", good=allowed.base_url)
-        restart_daemon_with(mesh, config, env={"APOMESH_HTTP_TOKEN": "the-daemon-secret"})
-        mesh.worker("keyed", env={"MODEL_KEY": "sk-model"}, config=config)
-        mesh.wait_workers(1)
+        config = credentials_config(bare_mesh.base / "creds.toml", good=allowed.base_url)
+        restart_daemon_with(bare_mesh, config, env={"APOMESH_HTTP_TOKEN": "the-daemon-secret"})
+        bare_mesh.worker("keyed", env={"MODEL_KEY": "sk-model"}, config=config)
+        bare_mesh.wait_workers(1)
         allowed.reply("answered")
         capture.reply("captured")
         headers = {"Authorization": "Bearer the-daemon-secret"}
         response = httpx.post(
-            f"{mesh.url}/v1/sessions",
+            f"{bare_mesh.url}/v1/sessions",
             json={"goal": "answer", "definition": agent(credential="good")},
             headers=headers,
         )
         assert response.status_code == 201, response.text
-        ended = wait_ended(mesh.url, response.json()["session_id"])
+        ended = wait_ended(bare_mesh.url, response.json()["session_id"])
         assert ended["status"] == "completed", ended
         assert ended["output"] == "answered"
         assert [r.headers.get("Authorization") for r in allowed.requests] == ["Bearer sk-model"]
         assert capture.requests == []
 
 
-def test_the_worker_checks_the_credential_again(mesh: Mesh) -> None:
+def test_the_worker_checks_the_credential_again(bare_mesh: Mesh) -> None:
     """The daemon knows a credential the worker does not: the worker refuses to call anything."""
     with FakeOpenAIServer() as allowed:
-        daemon_config = credentials_config(mesh.base / "daemon.toml", good=allowed.base_url)
-        worker_config = credentials_config(mesh.base / "worker.toml", other=allowed.base_url)
-        restart_daemon_with(mesh, daemon_config)
-        mesh.worker("keyed", env={"MODEL_KEY": "sk-model"}, config=worker_config)
-        mesh.wait_workers(1)
+        daemon_config = credentials_config(bare_mesh.base / "daemon.toml", good=allowed.base_url)
+        worker_config = credentials_config(bare_mesh.base / "worker.toml", other=allowed.base_url)
+        restart_daemon_with(bare_mesh, daemon_config)
+        bare_mesh.worker("keyed", env={"MODEL_KEY": "sk-model"}, config=worker_config)
+        bare_mesh.wait_workers(1)
         allowed.reply("should not be asked")
         response = httpx.post(
-            f"{mesh.url}/v1/sessions",
+            f"{bare_mesh.url}/v1/sessions",
             json={"goal": "answer", "definition": agent(credential="good")},
         )
         assert response.status_code == 201, response.text
-        ended = wait_ended(mesh.url, response.json()["session_id"])
+        ended = wait_ended(bare_mesh.url, response.json()["session_id"])
         assert ended["status"] == "failed", ended
         assert "credential" in str(ended), ended
         assert allowed.requests == []

@@ -275,24 +275,23 @@ def workers_by_name(mesh: Mesh) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.anyio
 async def test_a_worker_with_another_version_of_a_pinned_plugin_never_gets_the_sessions_agents(
-    mesh: Mesh, plugin_packages: None, tmp_path: Path
+    bare_mesh: Mesh, plugin_packages: None, tmp_path: Path
 ) -> None:
     installed = PluginHost(allow=[PROBE], environ={}).installed_versions()[PROBE]
     site = await anyio.to_thread.run_sync(build_at_version, PROBE_PROJECT, "9.9.9", tmp_path)
-    for worker in mesh.workers:
-        await anyio.to_thread.run_sync(worker.stop)
+    await anyio.to_thread.run_sync(bare_mesh.daemon.start)  # no worker with the installed version
 
     async def only(names: set[str]) -> bool:
-        return set(await anyio.to_thread.run_sync(workers_by_name, mesh)) == names
+        return set(await anyio.to_thread.run_sync(workers_by_name, bare_mesh)) == names
 
     await wait_for(lambda: only(set()), "the matching workers are gone")
     other = WorkerProcess(  # this plugin at another version first on its path
-        [mesh.nats_url], mesh.daemon.workspace, "other", env={"PYTHONPATH": str(site)}
+        [bare_mesh.nats_url], bare_mesh.daemon.workspace, "other", env={"PYTHONPATH": str(site)}
     )
     other.start()
-    mesh.workers.append(other)
+    bare_mesh.workers.append(other)
     await wait_for(lambda: only({"other"}), "the other worker registered")
-    assert workers_by_name(mesh)["other"]["plugins"][PROBE] == "9.9.9"
+    assert workers_by_name(bare_mesh)["other"]["plugins"][PROBE] == "9.9.9"
 
     record = tmp_path / "calls.jsonl"
     definition = {
@@ -309,24 +308,24 @@ async def test_a_worker_with_another_version_of_a_pinned_plugin_never_gets_the_s
             ],
         },
     }
-    async with Client(mesh.url) as client:
+    async with Client(bare_mesh.url) as client:
         session_id = await client.start_session("pinned", definition=definition)
         waiting = f"session {session_id} agent root waits for a worker whose plugins match its pins"
 
         async def says_it_waits() -> bool:
-            return waiting in mesh.daemon.output_tail(200_000)
+            return waiting in bare_mesh.daemon.output_tail(200_000)
 
         # No capable worker: the session waits, visibly, and is not failed.
         await wait_for(says_it_waits, "the daemon says the session waits for a worker")
-        assert f"{PROBE}=={installed}: the worker has version 9.9.9" in mesh.daemon.output_tail()
+        assert f"{PROBE}=={installed}: the worker has version 9.9.9" in bare_mesh.daemon.output_tail()
         view = await client.get_session(session_id)
         assert view.status == "running" and {a.ref: a.phase for a in view.agents} == {
             "root": "born"
         }
-        good = mesh.worker("good")
+        good = bare_mesh.worker("good")
         records = await finished(client, session_id)
     assert records[-1].event["status"] == "completed"
-    ids = {w["name"]: w["id"] for w in httpx.get(f"{mesh.url}/v1/workers").json()["workers"]}
+    ids = {w["name"]: w["id"] for w in httpx.get(f"{bare_mesh.url}/v1/workers").json()["workers"]}
     dispatched = {r.event["worker"] for r in records if r.event.get("phase") == "dispatched"}
     assert dispatched == {ids["good"]}
     assert {call["pid"] for call in probe_records(record)} == {good.pid}
@@ -334,22 +333,21 @@ async def test_a_worker_with_another_version_of_a_pinned_plugin_never_gets_the_s
 
 @pytest.mark.anyio
 async def test_a_session_waiting_for_a_worker_is_suspended_by_a_graceful_restart(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
-    for worker in mesh.workers:
-        await anyio.to_thread.run_sync(worker.stop)
-    (session_id,) = await stranded_sessions(mesh, ["waits for a worker"])
-    async with Client(mesh.url) as client:
+    # No worker yet; stranded_sessions starts the daemon.
+    (session_id,) = await stranded_sessions(bare_mesh, ["waits for a worker"])
+    async with Client(bare_mesh.url) as client:
         await client.resume(session_id)  # live now, its agent waiting for a worker
         assert await client.list_recoverable() == []
-    await anyio.to_thread.run_sync(mesh.daemon.stop)
-    await anyio.to_thread.run_sync(mesh.daemon.start)
-    async with Client(mesh.url) as client:
+    await anyio.to_thread.run_sync(bare_mesh.daemon.stop)
+    await anyio.to_thread.run_sync(bare_mesh.daemon.start)
+    async with Client(bare_mesh.url) as client:
         assert await client.list_recoverable() == []  # resumed by itself, not stranded
-        mesh.worker()
+        bare_mesh.worker()
         records = await finished(client, session_id)
         check = check_session(
-            records, await client.verify_session(session_id), mesh.daemon.workspace
+            records, await client.verify_session(session_id), bare_mesh.daemon.workspace
         )
     assert check.ok, check.problems
     kinds = [r.kind for r in records]

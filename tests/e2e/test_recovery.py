@@ -78,6 +78,11 @@ async def restart(mesh: Mesh) -> None:
     await anyio.to_thread.run_sync(mesh.daemon.start)
 
 
+async def boot(mesh: Mesh) -> None:
+    """Start the (bare) mesh, as after a crash: the daemon's boot scan finds what the log holds."""
+    await anyio.to_thread.run_sync(mesh.start)
+
+
 async def finished(client: Client, session_id: str) -> list[EventRecord]:
     with anyio.fail_after(60):
         return [record async for record in client.events(session_id)]
@@ -88,20 +93,20 @@ async def finished(client: Client, session_id: str) -> list[EventRecord]:
 
 @pytest.mark.anyio
 async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolved_by_the_probe(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     goal = "unknown-outcome"
     args = {"path": f"chaos/{goal}.txt", "line": f"{goal} line 0"}
     session_id = uuid.uuid4().hex
     # The daemon died between logging the intent and hearing the result.
     await write_log(
-        mesh.nats_url,
+        bare_mesh.nats_url,
         stored_session(
             session_id, shape_of(appender(2)), goal=goal, events=5, open_intent=("fs.append", args)
         ),
     )
-    await restart(mesh)
-    async with Client(mesh.url) as client:
+    await boot(bare_mesh)
+    async with Client(bare_mesh.url) as client:
         preview = await client.recovery_preview(session_id)
         assert preview.category == "side_effects"
         assert [(u.agent, u.tool, u.args) for u in preview.unknown_outcomes] == [
@@ -110,14 +115,14 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
         with pytest.raises(ConfirmationRequired) as refused:
             await client.resume(session_id, confirm=False)
         assert refused.value.preview.unknown_outcomes == preview.unknown_outcomes
-        listed = run_cli("recover", "list", "--url", mesh.url)
+        listed = run_cli("recover", "list", "--url", bare_mesh.url)
         assert listed.returncode == 0 and session_id[:8] in listed.stdout
-        resumed = run_cli("recover", "resume", session_id, "--yes", "--url", mesh.url)
+        resumed = run_cli("recover", "resume", session_id, "--yes", "--url", bare_mesh.url)
         assert resumed.returncode == 0, resumed.stderr
         assert "outcome is unknown" in resumed.stdout and f"{goal} line 0" in resumed.stdout
         records = await finished(client, session_id)
         verification = await client.verify_session(session_id)
-    check = check_session(records, verification, mesh.daemon.workspace)
+    check = check_session(records, verification, bare_mesh.daemon.workspace)
     assert check.ok, check.problems
     recorded = [r.event for r in records if r.kind == "ToolCallRecorded"]
     # fs.append has a probe: asked after the resume, it finds the line was never appended, so
@@ -127,7 +132,7 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
     assert [i.get("resolution", "") for i in intents if i["args"] == args] == ["", "not_happened"]
     assert [r.event["action"] for r in records if r.kind == "OperatorAction"] == ["resume"]
     assert [r.event["reason"] for r in records if r.kind == "AgentResuming"] == ["operator resume"]
-    lines = (mesh.daemon.workspace / session_id / args["path"]).read_text().splitlines()
+    lines = (bare_mesh.daemon.workspace / session_id / args["path"]).read_text().splitlines()
     assert lines.count(f"{goal} line 0") == 1 and f"{goal} line 1" in lines
 
 
@@ -136,13 +141,13 @@ async def test_unknown_outcome_is_shown_before_the_operator_confirms_and_resolve
 
 @pytest.mark.anyio
 async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_the_ended(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
     shape = shape_of(thinker(2))
     safe, effects, ended, unborn, garbage = (uuid.uuid4().hex for _ in range(5))
     half_started = stored_session(unborn, shape, goal="unborn", events=1)
     await write_log(
-        mesh.nats_url,
+        bare_mesh.nats_url,
         stored_session(safe, shape, goal="safe", events=8),
         stored_session(
             effects,
@@ -153,20 +158,20 @@ async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_
         stored_session(ended, shape, goal="ended", terminal=True),
         half_started,  # the daemon died between SessionStarted and the root's birth
     )
-    nc = await connect([mesh.nats_url])
+    nc = await connect([bare_mesh.nats_url])
     try:
         await nc.publish(f"apomesh.log.{garbage}", b"\x93not an envelope")
         await nc.flush()
     finally:
         await nc.close()
-    await restart(mesh)
-    async with Client(mesh.url) as client:
+    await boot(bare_mesh)
+    async with Client(bare_mesh.url) as client:
         recoverable = {r.session_id: r for r in await client.list_recoverable()}
         assert set(recoverable) == {effects, garbage}
         assert recoverable[effects].reason.startswith("side effects logged")
         assert recoverable[effects].side_effects == 1
         assert recoverable[garbage].category == "undecodable"
-        assert "cannot be decoded" in mesh.daemon.output_tail()
+        assert "cannot be decoded" in bare_mesh.daemon.output_tail()
         for session_id in (safe, unborn):
             records = await finished(client, session_id)
             assert records[-1].kind == "SessionEnded" and records[-1].event["status"] == "completed"
@@ -195,18 +200,18 @@ async def test_boot_scan_resumes_safe_sessions_lists_the_rest_and_never_revives_
 
 
 def _lmdb_alone(mesh: Mesh) -> None:
-    """Restart the mesh's daemon with LMDB alone (``[store] replicated = "off"``): a daemon given
-    NATS URLs, as the mesh's is, writes through to the replicated bucket by default."""
+    """Start the (bare) mesh's daemon with LMDB alone (``[store] replicated = "off"``) and two
+    workers: a daemon given NATS URLs, as the mesh's is, writes through to the replicated bucket
+    by default."""
     mesh.daemon.env["APOMESH_STORE_REPLICATED"] = "off"
-    mesh.daemon.restart()
-    mesh.wait_workers(len(mesh.workers))
+    mesh.start(2)
 
 
 @pytest.mark.anyio
-async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(mesh: Mesh) -> None:
+async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(bare_mesh: Mesh) -> None:
     goal = "lost-lmdb"
-    await anyio.to_thread.run_sync(_lmdb_alone, mesh)
-    async with Client(mesh.url) as client:
+    await anyio.to_thread.run_sync(_lmdb_alone, bare_mesh)
+    async with Client(bare_mesh.url) as client:
         session_id = await client.start_session(goal, definition=appender(6, delay=0.3))
         recorded = 0
         with anyio.fail_after(30):
@@ -214,15 +219,15 @@ async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(me
                 recorded += record.kind == "ToolCallRecorded"
                 if recorded == 3:
                     break
-        await anyio.to_thread.run_sync(mesh.daemon.kill)
-        shutil.rmtree(mesh.daemon.data_dir / "lmdb")
-        await anyio.to_thread.run_sync(mesh.daemon.start)
+        await anyio.to_thread.run_sync(bare_mesh.daemon.kill)
+        shutil.rmtree(bare_mesh.daemon.data_dir / "lmdb")
+        await anyio.to_thread.run_sync(bare_mesh.daemon.start)
         preview = await client.recovery_preview(session_id)
         assert preview.side_effects >= 3
         await client.resume(session_id)  # at once: the lease owner survived in daemon.id
         records = await finished(client, session_id)
         verification = await client.verify_session(session_id)
-    check = check_session(records, verification, mesh.daemon.workspace)
+    check = check_session(records, verification, bare_mesh.daemon.workspace)
     # The snapshots the lost store held are reported missing; nothing else disagrees.
     kinds = {p["kind"] for p in verification["problems"]}
     assert kinds == {"snapshot_missing"}, verification
@@ -231,7 +236,7 @@ async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(me
     assert check.status == "completed"
     # The log alone said which lines were written: each exactly once (or at most once when the
     # kill cut a call short), and the restarted agent replayed them from the log's journal.
-    lines = (mesh.daemon.workspace / session_id / f"chaos/{goal}.txt").read_text().splitlines()
+    lines = (bare_mesh.daemon.workspace / session_id / f"chaos/{goal}.txt").read_text().splitlines()
     assert len(lines) == len(set(lines))
     intents = [r for r in records if r.kind == "ToolCallIntent"]
     assert len(intents) == len({r.event["key"] for r in intents}) == 6
@@ -272,10 +277,10 @@ def _tamper(data_dir: Path, session_id: str) -> None:
 
 @pytest.mark.anyio
 async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement(
-    mesh: Mesh,
+    bare_mesh: Mesh,
 ) -> None:
-    await anyio.to_thread.run_sync(_lmdb_alone, mesh)  # the tampering is done to LMDB
-    async with Client(mesh.url) as client:
+    await anyio.to_thread.run_sync(_lmdb_alone, bare_mesh)  # the tampering is done to LMDB
+    async with Client(bare_mesh.url) as client:
         session_id = await client.start_session("verified", definition=appender(3, delay=0.0))
         await finished(client, session_id)
         report = await client.verify_session(session_id)
@@ -283,19 +288,19 @@ async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement
         assert report["status"] == "completed" and report["completed_record"] is True
         # Three steps (each its turn, recorded before its call, and its node), the final turn.
         assert report["snapshots_checked"] == 7 and report["journal_checked"] == 3
-        clean = run_cli("sessions", "verify", session_id, "--url", mesh.url)
+        clean = run_cli("sessions", "verify", session_id, "--url", bare_mesh.url)
         assert clean.returncode == 0, clean.stdout + clean.stderr
-        await anyio.to_thread.run_sync(mesh.daemon.stop)
-        _tamper(mesh.daemon.data_dir, session_id)
-        await anyio.to_thread.run_sync(mesh.daemon.start)
+        await anyio.to_thread.run_sync(bare_mesh.daemon.stop)
+        _tamper(bare_mesh.daemon.data_dir, session_id)
+        await anyio.to_thread.run_sync(bare_mesh.daemon.start)
         report = await client.verify_session(session_id)
         assert not report["ok"]
         kinds = sorted(p["kind"] for p in report["problems"])
         assert kinds == ["completed_mismatch", "journal_mismatch", "snapshot_missing"], report
-        dirty = run_cli("sessions", "verify", session_id, "--url", mesh.url)
+        dirty = run_cli("sessions", "verify", session_id, "--url", bare_mesh.url)
         assert dirty.returncode == 1 and "snapshot_missing" in dirty.stdout
         missing = await anyio.to_thread.run_sync(
-            lambda: httpx.get(f"{mesh.url}/v1/sessions/{uuid.uuid4().hex}/verify")
+            lambda: httpx.get(f"{bare_mesh.url}/v1/sessions/{uuid.uuid4().hex}/verify")
         )
         assert missing.status_code == 404
 

@@ -22,17 +22,18 @@ from tests.fakes.fresh_model import FreshModelServer
 
 from apomesh.sdk.client import Client
 
+LEASE_TTL = 3.0
+
 
 @pytest.fixture
 def cluster_mesh(nats_cluster: Any, tmp_path: Path) -> Iterator[ClusterMesh]:
+    """The system on the cluster, not started yet: the test configures it first."""
     mesh = ClusterMesh(list(nats_cluster), tmp_path)
     # The workspace (the world the side effects land in) outlives the daemon's host.
     mesh.daemon.workspace = tmp_path / "workspace"
+    # A short lease, so the new daemon takes the session over within seconds (default 30 s).
+    mesh.daemon.env["APOMESH_DAEMON_LEASE_TTL"] = str(LEASE_TTL)
     try:
-        mesh.daemon.start()
-        mesh.worker()
-        mesh.worker()
-        mesh.wait_workers(2)
         yield mesh
     finally:
         mesh.close()
@@ -44,7 +45,8 @@ async def test_a_fresh_daemon_resumes_a_session_from_the_replicated_store(
 ) -> None:
     mesh = cluster_mesh
     with FreshModelServer() as server:
-        await anyio.to_thread.run_sync(use_fresh_model, mesh, server.base_url)
+        config = use_fresh_model(mesh, server.base_url)
+        await anyio.to_thread.run_sync(lambda: mesh.start(2, config=config))
         async with Client(mesh.url) as client:
             chaos = FreshChaos(mesh, client, server.model, server.log, rng=random.Random(12))
             session_id = await client.start_session(

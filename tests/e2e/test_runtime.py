@@ -79,14 +79,14 @@ def lifecycle(records: list[EventRecord], agent: str) -> list[str]:
 # --- coordination kinds ------------------------------------------------------------------------
 
 
-def test_solo_session_writes_its_file_and_completes(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "hello world", definition("solo"))
-    ended = wait_ended(mesh.url, session_id)
+def test_solo_session_writes_its_file_and_completes(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "hello world", definition("solo"))
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
     assert ended["output"] == "wrote hello world"
     assert ended["side_effects"] == 1
-    assert (mesh.daemon.workspace / session_id / "solo.txt").read_text() == "hello world"
-    records = log_of(mesh.url, session_id)
+    assert (shared_mesh.daemon.workspace / session_id / "solo.txt").read_text() == "hello world"
+    records = log_of(shared_mesh.url, session_id)
     assert kinds(records)[0] == "SessionStarted"
     assert kinds(records)[-1] == "SessionEnded"
     assert [r.index for r in records] == list(range(len(records)))
@@ -94,40 +94,40 @@ def test_solo_session_writes_its_file_and_completes(mesh: Mesh) -> None:
     assert kinds(records).count("ToolCallIntent") == kinds(records).count("ToolCallRecorded") == 1
 
 
-def test_fanout_sub_agents_write_their_files(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "a three-part story", definition("fanout"))
-    ended = wait_ended(mesh.url, session_id)
+def test_fanout_sub_agents_write_their_files(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "a three-part story", definition("fanout"))
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
     assert ended["output"] == "all parts written"
     tasks = ["alpha", "beta", "gamma"]
     for index, task in enumerate(tasks):
-        lines = (mesh.daemon.workspace / session_id / f"part-{index}.txt").read_text().splitlines()
+        lines = (shared_mesh.daemon.workspace / session_id / f"part-{index}.txt").read_text().splitlines()
         assert lines == [f"{task}: first line", f"{task}: second line"]
-        assert (mesh.daemon.workspace / session_id / f"done-{index}.txt").read_text() == f"{task} done"
+        assert (shared_mesh.daemon.workspace / session_id / f"done-{index}.txt").read_text() == f"{task} done"
     children = [a for a in ended["agents"] if a["parent"] == "root"]
     assert sorted(a["task"] for a in children) == tasks
     assert all(a["phase"] == "completed" for a in children)
     assert ended["side_effects"] == 9
-    records = log_of(mesh.url, session_id)
+    records = log_of(shared_mesh.url, session_id)
     assert "CoordinatorCheckpoint" in kinds(records)
     # The root planned, then synthesized from its children's results.
     assert lifecycle(records, "root").count("planned") == 1
     assert lifecycle(records, "root")[-1] == "completed"
 
 
-def test_refine_iterates_once_then_answers(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "an essay", definition("refine"))
-    ended = wait_ended(mesh.url, session_id)
+def test_refine_iterates_once_then_answers(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "an essay", definition("refine"))
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
     assert ended["output"] == "refined after two rounds"
     # One sub-agent per round: the first plan, then the plan the critique asked for.
-    assert (mesh.daemon.workspace / session_id / "refine.txt").read_text().splitlines() == ["draft", "revise"]
+    assert (shared_mesh.daemon.workspace / session_id / "refine.txt").read_text().splitlines() == ["draft", "revise"]
     children = [a for a in ended["agents"] if a["parent"] == "root"]
     assert [(a["task"], a["batch"], a["phase"]) for a in children] == [
         ("draft", "iter-1", "completed"),
         ("revise", "iter-2", "completed"),
     ]
-    records = log_of(mesh.url, session_id)
+    records = log_of(shared_mesh.url, session_id)
     positions = [r.event["position"] for r in records if r.kind == "CoordinatorCheckpoint"]
     assert positions == ["planned@1", "executed@1", "planned@2", "executed@2"]
 
@@ -157,13 +157,13 @@ def _check_answered_log(records: list[EventRecord], answer: str) -> None:
     assert phases[-1] == "completed"
 
 
-def test_hitl_pause_answered_through_the_cli(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "design a cover", definition("hitl"))
-    paused = _paused(mesh.url, session_id)
+def test_hitl_pause_answered_through_the_cli(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "design a cover", definition("hitl"))
+    paused = _paused(shared_mesh.url, session_id)
     (pause,) = paused["hitl_pending"]
     assert pause["agent"] == "root"
     assert pause["question"] == "Which colour should the cover be?"
-    assert not (mesh.daemon.workspace / session_id / "after-answer.txt").exists()
+    assert not (shared_mesh.daemon.workspace / session_id / "after-answer.txt").exists()
     result = subprocess.run(
         [
             sys.executable,
@@ -175,60 +175,60 @@ def test_hitl_pause_answered_through_the_cli(mesh: Mesh) -> None:
             pause["pause_id"],
             "blue",
             "--url",
-            mesh.url,
+            shared_mesh.url,
         ],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    ended = wait_ended(mesh.url, session_id)
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
     assert ended["output"] == "cover chosen"
     assert ended["hitl_pending"] == []
-    assert (mesh.daemon.workspace / session_id / "after-answer.txt").read_text() == "the human answered"
-    _check_answered_log(log_of(mesh.url, session_id), "blue")
+    assert (shared_mesh.daemon.workspace / session_id / "after-answer.txt").read_text() == "the human answered"
+    _check_answered_log(log_of(shared_mesh.url, session_id), "blue")
     # The pause is closed: answering it again is refused.
     again = httpx.post(
-        f"{mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "red"}
+        f"{shared_mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "red"}
     )
     assert again.status_code >= 400
 
 
-def test_hitl_pause_answered_through_the_api(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "design a cover", definition("hitl"))
-    (pause,) = _paused(mesh.url, session_id)["hitl_pending"]
+def test_hitl_pause_answered_through_the_api(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "design a cover", definition("hitl"))
+    (pause,) = _paused(shared_mesh.url, session_id)["hitl_pending"]
     response = httpx.post(
-        f"{mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "green"}
+        f"{shared_mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "green"}
     )
     assert response.status_code == 202, response.text
-    ended = wait_ended(mesh.url, session_id)
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
-    _check_answered_log(log_of(mesh.url, session_id), "green")
+    _check_answered_log(log_of(shared_mesh.url, session_id), "green")
 
 
 # --- budgets, supervisors, async jobs ----------------------------------------------------------
 
 
-def test_exhausted_budget_fails_the_agent_and_the_session(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "spend", definition("budget"))
-    ended = wait_ended(mesh.url, session_id)
+def test_exhausted_budget_fails_the_agent_and_the_session(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "spend", definition("budget"))
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "failed", ended
     assert "max_steps 2" in ended["reason"]
     (root,) = ended["agents"]
     assert root["phase"] == "failed"
     assert "budget exhausted: max_steps 2" in root["reason"]
-    records = log_of(mesh.url, session_id)
+    records = log_of(shared_mesh.url, session_id)
     steps = [r.event["step"] for r in records if r.kind == "AgentSnapshotted"]
     assert max(steps) == 2
 
 
-def test_loop_guard_resets_a_looping_agent_which_then_completes(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "loop", definition("looping"))
-    ended = wait_ended(mesh.url, session_id)
+def test_loop_guard_resets_a_looping_agent_which_then_completes(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "loop", definition("looping"))
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
     assert ended["output"] == "stopped looping"
-    records = log_of(mesh.url, session_id)
+    records = log_of(shared_mesh.url, session_id)
     snapshots = [r.event for r in records if r.kind == "AgentSnapshotted"]
     sources = [s["source"] for s in snapshots]
     assert sources.count("reset_point") == 1, sources
@@ -241,12 +241,12 @@ def test_loop_guard_resets_a_looping_agent_which_then_completes(mesh: Mesh) -> N
     assert lifecycle(records, "root")[-1] == "completed"
 
 
-def test_async_job_resumes_its_agent(mesh: Mesh) -> None:
-    session_id = start(mesh.url, "nap", definition("job"))
-    ended = wait_ended(mesh.url, session_id)
+def test_async_job_resumes_its_agent(shared_mesh: Mesh) -> None:
+    session_id = start(shared_mesh.url, "nap", definition("job"))
+    ended = wait_ended(shared_mesh.url, session_id)
     assert ended["status"] == "completed", ended
     assert ended["output"] == "slept"
-    records = log_of(mesh.url, session_id)
+    records = log_of(shared_mesh.url, session_id)
     names = kinds(records)
     assert names.count("AsyncJobStarted") == 1, names
     assert names.count("AsyncJobFinished") == 1, names
@@ -270,25 +270,25 @@ def test_async_job_resumes_its_agent(mesh: Mesh) -> None:
 # --- the openai provider -----------------------------------------------------------------------
 
 
-def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
+def test_openai_provider_against_a_local_protocol_server(bare_mesh: Mesh) -> None:
     with FakeOpenAIServer() as fake:
         fake.reply(
             None, tool_calls=[("fs__write", {"path": "openai.txt", "content": "from the model"})]
         )
         fake.reply("the file is written", total_tokens=12)
         # The endpoint and its key are configured on the daemon (checked when the session is
-        # created) and on a worker of its own, with the API key in its environment; the mesh's
+        # created) and on a worker of its own, with the API key in its environment; the bare_mesh's
         # scripted-only workers cannot be told apart by provider, so stop them first.
-        config = mesh.base / "openai.toml"
+        config = bare_mesh.base / "openai.toml"
         config.write_text(
             "[providers.openai.credentials.fake]\n"
             f'base_url = "{fake.base_url}"\napi_key_env = "FAKE_OPENAI_KEY"\n'
         )
-        for worker in mesh.workers:
+        for worker in bare_mesh.workers:
             worker.stop()
-        mesh.daemon.extra_args = ("--config", str(config))
-        mesh.daemon.restart()
-        mesh.worker("keyed", env={"FAKE_OPENAI_KEY": "sk-test-123"}, config=config)
+        bare_mesh.daemon.extra_args = ("--config", str(config))
+        bare_mesh.daemon.restart()
+        bare_mesh.worker("keyed", env={"FAKE_OPENAI_KEY": "sk-test-123"}, config=config)
         agent = {
             "name": "openai-writer",
             "coordination": "solo",
@@ -301,11 +301,11 @@ def test_openai_provider_against_a_local_protocol_server(mesh: Mesh) -> None:
                 "temperature": 0,
             },
         }
-        session_id = start(mesh.url, "write openai.txt", agent)
-        ended = wait_ended(mesh.url, session_id)
+        session_id = start(bare_mesh.url, "write openai.txt", agent)
+        ended = wait_ended(bare_mesh.url, session_id)
         assert ended["status"] == "completed", ended
         assert ended["output"] == "the file is written"
-        assert (mesh.daemon.workspace / session_id / "openai.txt").read_text() == "from the model"
+        assert (bare_mesh.daemon.workspace / session_id / "openai.txt").read_text() == "from the model"
         (root,) = ended["agents"]
         assert root["worker"].startswith("keyed")
         assert len(fake.requests) == 2
