@@ -65,29 +65,16 @@ class Daemons:
         self.env = fresh_model_env()
 
     def daemon(self, name: str) -> DaemonProcess:
-        (daemon,) = self.start(name, workers=())
-        return daemon
-
-    def start(self, *names: str, workers: tuple[str, ...] = ("w1", "w2")) -> list[DaemonProcess]:
-        """Daemons ``names`` and shared ``workers``, launched at once (a worker beats until each
-        daemon hears it and asks it to register); answers the daemons once each is healthy."""
         config = ("--config", str(self.model_config)) if self.model_config else ()
-        started = []
-        for name in names:
-            daemon = DaemonProcess(
-                self.urls,
-                self.base / name,
-                extra_args=("--replicas", "3", *config),
-                env={"APOMESH_DAEMON_LEASE_TTL": str(LEASE_TTL), **self.env},
-            )
-            daemon.launch()
-            self.daemons.append(daemon)
-            started.append(daemon)
-        for worker in workers:
-            self.worker(worker)
-        for daemon in started:
-            daemon.wait_ready(timeout=60.0)
-        return started
+        daemon = DaemonProcess(
+            self.urls,
+            self.base / name,
+            extra_args=("--replicas", "3", *config),
+            env={"APOMESH_DAEMON_LEASE_TTL": str(LEASE_TTL), **self.env},
+        )
+        daemon.start(timeout=60.0)
+        self.daemons.append(daemon)
+        return daemon
 
     def worker(self, name: str) -> WorkerProcess:
         worker = WorkerProcess(
@@ -98,8 +85,6 @@ class Daemons:
         return worker
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.terminate()  # all of them at once, then each waited for
         for worker in self.workers:
             worker.stop()
         for daemon in self.daemons:
@@ -174,7 +159,9 @@ def assert_exactly_once(records: list[EventRecord], workspace: Path) -> None:
 async def test_a_second_daemon_started_mid_run_leaves_the_first_ones_sessions_running(
     system: Daemons,
 ) -> None:
-    (a,) = system.start("a")
+    a = system.daemon("a")
+    system.worker("w1")
+    system.worker("w2")
     await wait_daemons(a)
     a_id = await daemon_id(a.url)
     session_ids = await start_sessions(a.url, [f"second-{n}" for n in range(2)], steps=40)
@@ -198,7 +185,11 @@ async def test_a_second_daemon_started_mid_run_leaves_the_first_ones_sessions_ru
 async def test_a_killed_daemons_sessions_finish_on_one_peer_each_exactly_once(
     system: Daemons,
 ) -> None:
-    a, b, c = system.start("a", "b", "c")
+    a = system.daemon("a")
+    b = system.daemon("b")
+    c = system.daemon("c")
+    system.worker("w1")
+    system.worker("w2")
     await wait_daemons(a, b, c)
     a_id, b_id, c_id = [await daemon_id(d.url) for d in (a, b, c)]
     session_ids = await start_sessions(a.url, [f"kill-{n}" for n in range(3)], steps=20)
@@ -271,7 +262,10 @@ async def test_fresh_model_sessions_of_a_killed_daemon_finish_on_its_peer_audite
     were told is served to the peer (recorded turns), never asked again."""
     with FreshModelServer() as server:
         system.use_fresh_model(server.base_url)
-        a, b = system.start("a", "b")
+        a = system.daemon("a")
+        b = system.daemon("b")
+        system.worker("w1")
+        system.worker("w2")
         await wait_daemons(a, b)
         async with Client(a.url) as on_a:
             session_ids = [
@@ -296,7 +290,10 @@ async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_p
 ) -> None:
     # A lease TTL longer than a restart of A: A's own boot scan, not B's takeover, sees the crash.
     system.env["APOMESH_DAEMON_LEASE_TTL"] = "10"
-    a, b = system.start("a", "b")
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
     await wait_daemons(a, b)
     (session_id,) = await start_sessions(a.url, ["stranded-then-lost"], steps=8)
     async with Client(a.url) as on_a:
@@ -330,7 +327,10 @@ async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_p
 async def test_a_frozen_daemons_session_moves_and_its_stale_writes_are_rejected(
     system: Daemons,
 ) -> None:
-    a, b = system.start("a", "b")
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
     await wait_daemons(a, b)
     b_id = await daemon_id(b.url)
     [session_id] = await start_sessions(a.url, ["frozen"], steps=20)
@@ -377,7 +377,10 @@ async def two_daemons_running(
     system: Daemons, prefix: str
 ) -> tuple[DaemonProcess, DaemonProcess, str, str, list[str]]:
     """Daemons A and B over two shared workers, and two long sessions on A past a side effect."""
-    a, b = system.start("a", "b")
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
     await wait_daemons(a, b)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
     session_ids = await start_sessions(a.url, [f"{prefix}-{n}" for n in range(2)], steps=30)
@@ -456,7 +459,10 @@ async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons)
 async def test_the_console_lists_the_daemons_with_their_sessions(
     system: Daemons, page: Any
 ) -> None:
-    a, b = system.start("a", "b")
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
     await wait_daemons(a, b)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
     await start_sessions(b.url, ["console-0", "console-1"], steps=20)

@@ -156,7 +156,9 @@ async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Pat
     resume = OperatorAction(action="resume", by="op")
     results = await asyncio.gather(
         *(
-            registry.adopt(state, recovered=None, fresh_children=False, opening=[resume], start=False)
+            registry.adopt(
+                state, recovered=None, fresh_children=False, opening=[resume], start=False
+            )
             for _ in range(2)
         ),
         return_exceptions=True,
@@ -167,3 +169,46 @@ async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Pat
     assert registry.writer(SID) is opened[0]
     kinds = [type(e.event).__name__ for e in await log.read(SID)]
     assert kinds.count("OperatorAction") == 1
+
+
+class ReleasedLeases(SlowLeases):
+    """A lease table where the session's lease is gone by the time a renewal asks for it (the
+    session ended and gave it back meanwhile); counts what is taken."""
+
+    def __init__(self) -> None:
+        self.acquired = 0
+
+    async def renew(self, session_id: str, owner: str) -> bool:
+        await asyncio.sleep(0.01)
+        return False
+
+    async def acquire(self, session_id: str, owner: str) -> bool:
+        self.acquired += 1
+        return True
+
+
+async def test_a_renewal_never_takes_back_the_lease_of_a_session_that_ended_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A renewal sweep began while the session was live; the session ends (its lease given
+    back) before the sweep reaches it, or while its renewal waits: the sweep takes no lease."""
+    log, _ = await paused_writer(tmp_path, [])
+    state = fold(await log.read(SID), SID)
+    leases = ReleasedLeases()
+    registry = SessionRegistry(
+        log_adapter=log,
+        leases=leases,
+        store=cast(Any, None),
+        snapshots=cast(Any, None),
+        spawn=asyncio.ensure_future,
+    )
+    runtime = writer(log, tmp_path, [], state)
+    registry.live[SID] = runtime
+    gate = asyncio.Semaphore(1)
+    renewal = asyncio.ensure_future(registry._renew(SID, runtime, gate))
+    await asyncio.sleep(0)  # the renewal is waiting on the lease table
+    del registry.live[SID]  # the session ended and gave its lease back
+    await renewal
+    assert leases.acquired == 0
+    await registry._renew(SID, runtime, gate)  # a sweep that reaches it after it ended
+    assert leases.acquired == 0

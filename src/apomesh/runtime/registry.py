@@ -346,10 +346,16 @@ class SessionRegistry:
     ) -> None:
         async with gate:
             with contextlib.suppress(Exception):
+                if self.live.get(session_id) is not runtime:
+                    return  # it ended (and gave its lease back) since the sweep began
                 if await self.leases.renew(session_id, self.owner):
                     return
+                if self.live.get(session_id) is not runtime:
+                    return  # ended meanwhile: its lease was given back, never taken again
                 # Expired (a long outage, say): take it again, unless another owner has it.
                 if await self.leases.acquire(session_id, self.owner):
+                    if self.live.get(session_id) is not runtime:
+                        await self.leases.release(session_id, self.owner)
                     return
                 message = f"the lease of session {session_id} is held by another owner"
                 runtime.superseded(AppendConflict(message), message)
