@@ -282,7 +282,9 @@ async def seed(url: str, count: int, rng: random.Random) -> tuple[int, dict[str,
     return written, kinds, seconds
 
 
-async def boot(url: str, data: Path, expected_auto: int) -> dict[str, Any]:
+async def boot(url: str, data: Path, expected_auto: int, wait: float = 300) -> dict[str, Any]:
+    """Start a daemon on the log at ``url``; answer seconds to its start returning (the boot
+    scan) and to ``expected_auto`` dispatches acknowledged by the sink (waiting ``wait`` s)."""
     nc = await connect([url])
     host = PluginHost()
     sink = SinkWorker(nc, sorted(host.tools()))
@@ -305,7 +307,7 @@ async def boot(url: str, data: Path, expected_auto: int) -> dict[str, Any]:
         await daemon.start()
         scanned = time.perf_counter() - started
         await registering
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + wait
         while sink.dispatches < expected_auto and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         dispatched = time.perf_counter() - started
@@ -316,9 +318,12 @@ async def boot(url: str, data: Path, expected_auto: int) -> dict[str, Any]:
             "report": dict(daemon.boot_report),
         }
     finally:
-        await daemon.aclose()
+        # Teardown only: a daemon draining thousands of sessions the sink never runs is cut off.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(daemon.aclose(), 60)
         sink.stop()
-        await nc.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.close(), 10)
         await store.aclose()
 
 

@@ -56,22 +56,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_recovery import SinkWorker
+from bench_recovery import boot
 from bench_runtime import RssSampler, percentile, scratch
 from bench_workload import BENCHTOOLS, _with_benchtools, apomesh_run, make_config
 from tests.e2e.chaos_kit import shape_of, stored_session, thinker
 
-from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
-from apomesh.adapters.kv import KvBuckets
-from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core import envelope
 from apomesh.core.state import fold
-from apomesh.plugins.manager import PluginHost
-from apomesh.runtime.config import load_config
-from apomesh.runtime.daemon import Daemon
 from apomesh.runtime.node import Node
 from apomesh.sdk.client import ApiError, Client
 from apomesh.testing import Mesh, install_plugin_package
@@ -210,49 +204,6 @@ def mixed_sessions(count: int, rng: random.Random) -> tuple[list[list[Any]], dic
     return out, kinds
 
 
-async def boot_daemon(url: str, data: Path, dispatches: int) -> dict[str, float]:
-    """Start a daemon on the log at ``url``; answer seconds to its start returning (the boot
-    scan) and to ``dispatches`` dispatches acknowledged by the sink."""
-    nc = await connect([url])
-    host = PluginHost()
-    sink = SinkWorker(nc, sorted(host.tools()))
-    await sink.start()
-    store = AsyncStore(LmdbStore(data / "lmdb"))
-    config = load_config(None, env={}, overrides={"daemon": {"data_dir": str(data)}})
-    daemon = Daemon(
-        config,
-        nc=nc,
-        log_adapter=JetStreamLog(nc),
-        heartbeats=HeartbeatStream(nc),
-        kv=await KvBuckets.open(nc.jetstream()),
-        store=store,
-        plugins=host,
-        workspace=data / "workspace",
-    )
-    registering = asyncio.create_task(sink.registered.wait())
-    started = time.perf_counter()
-    try:
-        await daemon.start()
-        scanned = time.perf_counter() - started
-        await registering
-        deadline = time.monotonic() + 600
-        while sink.dispatches < dispatches and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
-        return {
-            "scan": scanned,
-            "dispatched": time.perf_counter() - started,
-            "report": dict(daemon.boot_report),
-        }
-    finally:
-        # Teardown only: a daemon draining thousands of sessions the sink never runs is cut off.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(daemon.aclose(), 60)
-        sink.stop()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(nc.close(), 10)
-        await store.aclose()
-
-
 def measure_scan(count: int, rng: random.Random) -> None:
     with scratch("apomesh-scale-scan-") as base:
         server = NatsServer(single_node(base / "nats", name="nats"))
@@ -261,7 +212,7 @@ def measure_scan(count: int, rng: random.Random) -> None:
             sessions, kinds = mixed_sessions(count, rng)
             events, seeded = asyncio.run(publish_stored(server.url, sessions))
             del sessions
-            result = asyncio.run(boot_daemon(server.url, base / "daemon", 0))
+            result = asyncio.run(boot(server.url, base / "daemon", 0, wait=600))
         finally:
             server.stop()
     report = result["report"]
@@ -296,7 +247,7 @@ def measure_long(events: int) -> None:
                     await nc.close()
 
             read, folded = asyncio.run(read_and_fold())
-            result = asyncio.run(boot_daemon(server.url, base / "daemon", 1))
+            result = asyncio.run(boot(server.url, base / "daemon", 1, wait=600))
         finally:
             server.stop()
     print(

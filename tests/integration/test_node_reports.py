@@ -33,9 +33,9 @@ def write(path: str, content: str) -> dict[str, Any]:
     return {"tool": "fs.write", "args": {"path": path, "content": content}}
 
 
-@pytest.mark.anyio
-async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) -> None:
-    config = load_config(
+def one_worker_config(tmp_path: Path) -> Any:
+    """A daemon with one in-process worker and the built-in plugins, its data under ``tmp_path``."""
+    return load_config(
         None,
         env={},
         overrides={
@@ -43,6 +43,11 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
             "plugins": {"allow": ["apomesh"]},
         },
     )
+
+
+@pytest.mark.anyio
+async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) -> None:
+    config = one_worker_config(tmp_path)
     async with Node(config, http=False) as node:
         assert node.daemon is not None and node.service is not None
         for _, worker in node.workers:
@@ -107,14 +112,7 @@ async def test_in_process_workers_report_over_the_local_link_with_the_same_check
     subjects, and a report naming another worker is fenced."""
     from apomesh.runtime.protocol import ENCODER, Done
 
-    config = load_config(
-        None,
-        env={},
-        overrides={
-            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
-            "plugins": {"allow": ["apomesh"]},
-        },
-    )
+    config = one_worker_config(tmp_path)
     async with Node(config, http=False) as node:
         assert node.daemon is not None and node.service is not None
         ((_, worker),) = node.workers
@@ -150,14 +148,7 @@ async def test_a_report_carries_only_the_call_counts_that_changed(tmp_path: Path
     """An agent making twelve different side-effecting calls, one a node: each report carries
     the counts its node changed (one, or none), not every count so far, and the stored memory
     still holds all twelve (a dispatch from it keys a repeat right)."""
-    config = load_config(
-        None,
-        env={},
-        overrides={
-            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
-            "plugins": {"allow": ["apomesh"]},
-        },
-    )
+    config = one_worker_config(tmp_path)
     async with Node(config, http=False) as node:
         assert node.daemon is not None and node.service is not None
         for _, worker in node.workers:
