@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -226,37 +228,47 @@ async def test_sleep_job_reports_what_it_did(ctx: FakeToolContext) -> None:
 async def test_a_symlink_swapped_in_during_writes_never_escapes(
     ctx: FakeToolContext, workspace: Path
 ) -> None:
-    import threading
-
     outside = workspace.parent / "swap-target"
     outside.mkdir()
     (workspace / "d").mkdir()
-    stop = threading.Event()
-
-    def swap() -> None:
-        # Turn workspace/d into a symlink to `outside` and back, over and over, staying a
-        # moment in each state so that calls start in one and finish in the other.
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                os.rename(workspace / "d", workspace / "d-real")
-                os.symlink(outside, workspace / "d")
-                stop.wait(0.0005)
-                os.unlink(workspace / "d")
-                os.rename(workspace / "d-real", workspace / "d")
-                stop.wait(0.0005)
-
-    swapper = threading.Thread(target=swap)
-    swapper.start()
+    # Another process turns workspace/d into a symlink to `outside` and back, over and over,
+    # staying a moment in each state so that calls start in one and finish in the other. (A thread
+    # would share the interpreter lock with the calls, and slow each of them down to its switch
+    # interval.)
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(workspace), str(outside)])
+    refused = 0
     try:
-        for i in range(1500):
-            with contextlib.suppress(ToolError):
-                await call(ctx, "fs.write", path=f"d/w{i % 7}.txt", content="x")
-            with contextlib.suppress(ToolError):
-                await call(ctx, "fs.append", path=f"d/a{i % 7}.txt", line="x")
+        # At least 1,000 rounds, and on until the swap was seen (a call refused) at least once.
+        for i in range(20_000):
+            if i >= 1000 and refused:
+                break
+            for tool, args in (("fs.write", {"content": "x"}), ("fs.append", {"line": "x"})):
+                try:
+                    await call(ctx, tool, path=f"d/{tool[3]}{i % 7}.txt", **args)
+                except ToolError:
+                    refused += 1
     finally:
-        stop.set()
-        swapper.join()
+        (workspace.parent / "swap-stop").touch()
+        swapper.wait(timeout=30)
+    assert swapper.returncode == 0
+    assert refused > 0
     assert list(outside.iterdir()) == []
+
+
+SWAPPER = """
+import contextlib, os, sys, time
+workspace, outside = sys.argv[1], sys.argv[2]
+d, real = os.path.join(workspace, "d"), os.path.join(workspace, "d-real")
+stop = os.path.join(os.path.dirname(workspace), "swap-stop")
+while not os.path.exists(stop):
+    with contextlib.suppress(OSError):
+        os.rename(d, real)
+        os.symlink(outside, d)
+        time.sleep(0.0005)
+        os.unlink(d)
+        os.rename(real, d)
+        time.sleep(0.0005)
+"""
 
 
 async def test_a_hard_link_to_a_file_outside_is_refused(
