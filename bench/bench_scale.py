@@ -7,8 +7,9 @@ of ``bench_workload.py`` (S = 20 sessions x N = 50 steps, its ``apomesh_run``) u
 takes ``--parked`` (10,000) sessions created through the service the REST API uses, each a
 ``solo`` agent whose first call is ``ask_human``: every one ends up ``paused``, its pause open,
 held by the daemon. The figures: the process's resident set (after a garbage collection) before
-and after, per parked session, and the S = 20 workload again with all of them parked, against its
-unloaded figure (median of ``--reps`` runs each).
+and after, per parked session; the messages a second the daemon's NATS connection sends while
+they sit parked and nothing else runs (what holding them costs); and the S = 20 workload again with
+all of them parked, against its unloaded figure (median of ``--reps`` runs each).
 
 **Boot scan.** ``--stored`` (10,000 and 100,000) stored sessions of 20 events each (the sessions
 of ``bench_recovery.py``: half auto-resumable, three in ten with a logged side effect, two in ten
@@ -97,15 +98,15 @@ def rss() -> int:
 
 
 async def park(node: Node, count: int) -> tuple[list[str], float]:
-    """Create ``count`` parked sessions, a hundred at a time (each hundred parked before the next
-    is created: the workers take 16 agents at once, and sessions waiting for room would poll for
+    """Create ``count`` parked sessions, sixty at a time (each wave parked before the next is
+    created: the two workers take 32 agents each at once, and sessions waiting for room would poll for
     it); answer their ids and the seconds it took."""
     assert node.service is not None and node.daemon is not None
     registry = node.daemon.registry
     definition = parked_definition()
     started = time.perf_counter()
     ids: list[str] = []
-    batch = 100
+    batch = 60
     for first in range(0, count, batch):
         wave = await asyncio.gather(
             *(
@@ -125,6 +126,19 @@ async def park(node: Node, count: int) -> tuple[list[str], float]:
     return ids, time.perf_counter() - started
 
 
+IDLE_SECONDS = 15.0
+
+
+async def idle_messages(node: Node) -> float:
+    """Messages a second the daemon's NATS connection sends while nothing runs (what holding the
+    parked sessions costs: presence, leases, liveness), over ``IDLE_SECONDS``."""
+    assert node.daemon is not None
+    stats = node.daemon.nc.stats
+    first = stats["out_msgs"]
+    await asyncio.sleep(IDLE_SECONDS)
+    return (stats["out_msgs"] - first) / IDLE_SECONDS
+
+
 async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> None:
     with scratch("apomesh-scale-parked-") as base:
         config = _with_benchtools(make_config(base, workers=2, sync_always=False))
@@ -136,6 +150,7 @@ async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> N
             before = rss()
             ids, seconds = await park(node, parked)
             after = rss()
+            idle_rate = await idle_messages(node)
             loaded = [(await apomesh_run(node, sessions, steps)).rate for _ in range(reps)]
             still = sum(1 for sid in ids if sid in node.daemon.registry.live)  # type: ignore[union-attr]
     per = (after - before) / parked
@@ -146,6 +161,10 @@ async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> N
     print(
         f"    process RSS {before / 2**20:,.0f} MiB before, {after / 2**20:,.0f} MiB after: "
         f"**{per / 1024:,.1f} KiB per parked session**"
+    )
+    print(
+        f"    the daemon's NATS connection, {IDLE_SECONDS:.0f} s with all of them parked and nothing"
+        f" else running: {idle_rate:,.1f} messages sent a second"
     )
     u, lo = statistics.median(unloaded), statistics.median(loaded)
     print(

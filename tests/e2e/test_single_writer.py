@@ -1,7 +1,8 @@
 """Each session has one writer, on real processes (an ``apomesh serve`` daemon, worker processes, a
 real nats-server): every change is decided against the folded state and checked by the pure fold
 before it is appended, so a duplicate command is refused with 409 and nothing is written; and a
-session whose log another writer appended to is no longer driven (nor its lease renewed) here.
+session whose log another writer appended to, or whose lease another owner took, is no longer
+driven here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from tests.e2e.api_support import asker, start, view, wait_status, wait_until
 
 from apomesh.adapters.jetstream_log import JetStreamLog
-from apomesh.adapters.kv import KvBuckets
+from apomesh.adapters.kv import LEASES_BUCKET, KvBuckets, encode_key
 from apomesh.adapters.nats_connect import connect
 from apomesh.core import envelope
 from apomesh.core.errors import AppendConflict
@@ -138,8 +139,7 @@ async def test_an_append_conflict_stops_this_daemon_driving_the_session(mesh: Me
     session_id = start(mesh.url, "list slowly", slow_lister(40))
     with anyio.fail_after(60):
         while not any(
-            isinstance(e.event, AgentSnapshotted)
-            for e in await read_log(mesh.nats_url, session_id)
+            isinstance(e.event, AgentSnapshotted) for e in await read_log(mesh.nats_url, session_id)
         ):
             await anyio.sleep(0.1)
     assert await lease_owner(mesh.nats_url, session_id) is not None
@@ -169,18 +169,19 @@ async def test_an_append_conflict_stops_this_daemon_driving_the_session(mesh: Me
     assert "apomesh_append_conflicts_total 1" in metrics
 
 
-async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str | None:
-    """Move the session's lease to ``owner`` as another daemon would; answers the old owner."""
+async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str:
+    """Move the session's lease to ``owner`` as a peer's takeover does (by compare-and-set on its
+    revision), with a presence record for ``owner``; answers the old owner."""
     nc = await connect([nats_url])
     try:
-        kv = await KvBuckets.open(nc.jetstream())
-        first = await kv.leases.owner(session_id)
-        while True:
-            held = await kv.leases.owner(session_id)
-            if held is not None:
-                await kv.leases.release(session_id, held)
-            if await kv.leases.acquire(session_id, owner):
-                return first  # (a renewal between the two calls takes it back: go again)
+        js = nc.jetstream()
+        kv = await KvBuckets.open(js)
+        await kv.daemons.put(owner, b"a peer's record")
+        bucket = await js.key_value(LEASES_BUCKET)
+        entry = await bucket.get(encode_key(session_id))
+        assert entry.value and entry.revision
+        await bucket.update(encode_key(session_id), owner.encode(), last=entry.revision)
+        return entry.value.decode()
     finally:
         await nc.close()
 
@@ -192,8 +193,7 @@ async def test_a_lease_held_by_another_owner_stops_this_daemon_driving_the_sessi
     session_id = start(mesh.url, "list slowly", slow_lister(45, delay=0.8))
     with anyio.fail_after(60):
         while not any(
-            isinstance(e.event, AgentSnapshotted)
-            for e in await read_log(mesh.nats_url, session_id)
+            isinstance(e.event, AgentSnapshotted) for e in await read_log(mesh.nats_url, session_id)
         ):
             await anyio.sleep(0.1)
     daemon_owner = await take_the_lease(mesh.nats_url, session_id, "another-daemon")
@@ -203,10 +203,10 @@ async def test_a_lease_held_by_another_owner_stops_this_daemon_driving_the_sessi
         sessions: int = httpx.get(f"{mesh.url}/healthz", timeout=30).json()["sessions"]
         return sessions
 
-    # At its next renewal the daemon finds the lease is not its own: it stops driving the session
+    # The daemon sees its lease taken (it follows the lease bucket): it stops driving the session
     # (and never takes the lease back from its owner).
     wait_until(lambda: driven() == 0, timeout=30, what="the session no longer driven")
-    assert "held by another owner" in mesh.daemon.output_tail(200_000)
+    assert "held by another-daemon" in mesh.daemon.output_tail(200_000)
     assert await lease_owner(mesh.nats_url, session_id) == "another-daemon"
     settled = await read_log(mesh.nats_url, session_id)
     await anyio.sleep(2.0)

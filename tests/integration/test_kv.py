@@ -1,5 +1,6 @@
 """The KV buckets against a real nats-server: create-only agents, the skill catalog with its
-history, ownership leases by compare-and-set with a TTL, and the daemons' presence records."""
+history, ownership leases by compare-and-set kept alive by their owner's presence record, and the
+daemons' presence records."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.js.api import KeyValueConfig
 
 from apomesh.adapters.kv import (
     AGENTS_BUCKET,
@@ -66,9 +68,22 @@ async def test_open_creates_the_three_buckets_and_reopens_them(
     for bucket in (AGENTS_BUCKET, SKILLS_BUCKET, LEASES_BUCKET, DAEMONS_BUCKET):
         assert (await js.stream_info(f"KV_{bucket}")).config.num_replicas == 1
     assert (await js.stream_info(f"KV_{SKILLS_BUCKET}")).config.max_msgs_per_subject == 16
-    assert (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age == 30
+    assert not (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age  # no TTL of their own
     assert (await js.stream_info(f"KV_{DAEMONS_BUCKET}")).config.max_age == 30
     await KvBuckets.open(js)  # idempotent
+
+
+async def test_a_lease_bucket_with_a_ttl_loses_it_when_opened(fresh_nats_server: Any) -> None:
+    """Leases had a TTL of their own before the presence record kept them: a bucket made then is
+    brought to none, or the leases of parked sessions would age out."""
+    client = await connect(fresh_nats_server.url)
+    try:
+        js = client.jetstream()
+        await js.create_key_value(KeyValueConfig(bucket=LEASES_BUCKET, history=1, ttl=30))
+        await KvBuckets.open(js)
+        assert not (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age
+    finally:
+        await close_quietly(client)
 
 
 async def test_a_published_agent_is_create_only(buckets: KvBuckets) -> None:
@@ -106,33 +121,51 @@ async def test_the_skill_catalog_keeps_revisions_and_forgets_deleted_skills(
 
 async def test_a_lease_has_one_owner_at_a_time(buckets: KvBuckets) -> None:
     leases = buckets.leases
+    a, b = unique("daemon-a"), unique("daemon-b")
+    await buckets.daemons.put(a, b"record a")
+    await buckets.daemons.put(b, b"record b")
     session = unique("s") + ".with/odd@chars"
     assert await leases.owner(session) is None
-    assert await leases.acquire(session, "daemon-a")
-    assert not await leases.acquire(session, "daemon-b")
-    assert await leases.acquire(session, "daemon-a")  # holding it already: renewed
-    assert await leases.owner(session) == "daemon-a"
-    assert await leases.renew(session, "daemon-a")
-    assert not await leases.renew(session, "daemon-b")
-    assert not await leases.release(session, "daemon-b")
-    assert await leases.owner(session) == "daemon-a"
-    assert await leases.release(session, "daemon-a")
+    assert await leases.acquire(session, a)
+    assert not await leases.acquire(session, b)  # a is alive: its lease holds
+    assert await leases.acquire(session, a)  # holding it already
+    assert await leases.owner(session) == a
+    assert not await leases.release(session, b)
+    assert await leases.owner(session) == a
+    assert await leases.release(session, a)
     assert await leases.owner(session) is None
-    assert not await leases.renew(session, "daemon-a")
-    assert await leases.acquire(session, "daemon-b")
-    assert await leases.owner(session) == "daemon-b"
+    assert await leases.acquire(session, b)
+    assert await leases.owner(session) == b
+
+
+async def test_a_lease_whose_owner_is_not_present_is_free(buckets: KvBuckets) -> None:
+    leases = buckets.leases
+    gone, alive = unique("daemon-gone"), unique("daemon-alive")
+    await buckets.daemons.put(alive, b"record")
+    session = unique("s")
+    assert await leases.acquire(session, gone)  # its record was never published, or aged out
+    assert await leases.owner(session) is None
+    assert await leases.holders() == {} or session not in await leases.holders()
+    assert await leases.acquire(session, alive)  # taken over by compare-and-set
+    assert await leases.owner(session) == alive
+    assert not await leases.acquire(session, gone)  # and it now holds against the old owner
+    assert not await leases.release(session, gone)
 
 
 async def test_every_held_lease_is_listed_in_one_read(fresh_nats_server: Any) -> None:
     client = await connect(fresh_nats_server.url)
     try:
-        leases = (await KvBuckets.open(client.jetstream())).leases
+        buckets = await KvBuckets.open(client.jetstream())
+        leases = buckets.leases
         assert await leases.holders() == {}
+        for n in range(3):
+            await buckets.daemons.put(f"daemon-{n}", b"record")
         held = {f"s-{n}.odd/{n}": f"daemon-{n % 3}" for n in range(40)}
         for session, owner in held.items():
             assert await leases.acquire(session, owner)
         released = "s-7.odd/7"
         assert await leases.release(released, held.pop(released))  # a released one is not held
+        assert await leases.acquire("s-of-a-dead-daemon", "daemon-dead")  # nor one of the dead
         assert await leases.holders() == held
     finally:
         await close_quietly(client)
@@ -140,6 +173,9 @@ async def test_every_held_lease_is_listed_in_one_read(fresh_nats_server: Any) ->
 
 async def test_racing_owners_never_both_win(buckets: KvBuckets) -> None:
     session = unique("race")
+    owners = [unique(f"daemon-{number}") for number in range(8)]
+    for owner in owners:
+        await buckets.daemons.put(owner, b"record")
     winners: list[str] = []
 
     async def contend(owner: str) -> None:
@@ -147,28 +183,91 @@ async def test_racing_owners_never_both_win(buckets: KvBuckets) -> None:
             winners.append(owner)
 
     async with anyio.create_task_group() as group:
-        for number in range(8):
-            group.start_soon(contend, f"daemon-{number}")
+        for owner in owners:
+            group.start_soon(contend, owner)
     assert len(winners) == 1
     assert await buckets.leases.owner(session) == winners[0]
 
 
-async def test_an_unrenewed_lease_expires_and_another_owner_takes_it(
+async def test_racing_takeovers_of_a_dead_owners_lease_never_both_win(buckets: KvBuckets) -> None:
+    session = unique("race")
+    assert await buckets.leases.acquire(session, unique("daemon-dead"))
+    owners = [unique(f"daemon-{number}") for number in range(8)]
+    for owner in owners:
+        await buckets.daemons.put(owner, b"record")
+    winners: list[str] = []
+
+    async def contend(owner: str) -> None:
+        if await buckets.leases.acquire(session, owner):
+            winners.append(owner)
+
+    async with anyio.create_task_group() as group:
+        for owner in owners:
+            group.start_soon(contend, owner)
+    assert len(winners) == 1
+    assert await buckets.leases.owner(session) == winners[0]
+
+
+async def test_a_lease_lapses_with_its_owners_presence_record_and_another_owner_takes_it(
     fresh_nats_server: Any,
 ) -> None:
     client = await connect(fresh_nats_server.url)
     try:
         # A TTL long enough that "b is refused while a holds it" holds on a loaded machine too.
         buckets = await KvBuckets.open(client.jetstream(), lease_ttl=3.0)
+        await buckets.daemons.put("daemon-a", b"record a")
+        await buckets.daemons.put("daemon-b", b"record b")
         assert await buckets.leases.acquire("s-1", "daemon-a")
         assert not await buckets.leases.acquire("s-1", "daemon-b")
         with anyio.fail_after(20):
+            # b renews its record; a does not, and its lease lapses with it.
             while not await buckets.leases.acquire("s-1", "daemon-b"):
+                await buckets.daemons.put("daemon-b", b"record b")
                 await anyio.sleep(0.1)
         assert await buckets.leases.owner("s-1") == "daemon-b"
-        assert not await buckets.leases.renew("s-1", "daemon-a")
     finally:
         await close_quietly(client)
+
+
+async def test_many_leases_stay_held_by_one_renewed_presence_record(
+    fresh_nats_server: Any,
+) -> None:
+    client = await connect(fresh_nats_server.url)
+    try:
+        buckets = await KvBuckets.open(client.jetstream(), lease_ttl=2.0)
+        sessions = [f"s-{n}" for n in range(20)]
+        await buckets.daemons.put("daemon-a", b"record a")
+        for session in sessions:
+            assert await buckets.leases.acquire(session, "daemon-a")
+        with anyio.fail_after(30):
+            for _ in range(10):  # 3 s, past the TTL: only the record is renewed, no lease
+                await buckets.daemons.put("daemon-a", b"record a")
+                await anyio.sleep(0.3)
+        assert await buckets.leases.holders() == dict.fromkeys(sessions, "daemon-a")
+        assert not await buckets.leases.acquire(sessions[0], "daemon-b")
+    finally:
+        await close_quietly(client)
+
+
+async def test_every_lease_change_is_seen_by_a_watcher(buckets: KvBuckets) -> None:
+    seen: list[tuple[str, str | None]] = []
+    stop = await buckets.leases.watch(lambda session, owner: seen.append((session, owner)))
+    try:
+        session = unique("s") + ".odd/name"
+        a, b = unique("daemon-a"), unique("daemon-b")
+        await buckets.daemons.put(b, b"record b")
+        assert await buckets.leases.acquire(session, a)  # a has no record: b may take it over
+        assert await buckets.leases.acquire(session, b)
+        assert await buckets.leases.release(session, b)
+        with anyio.fail_after(10):
+            while [change for change in seen if change[0] == session] != [
+                (session, a),
+                (session, b),
+                (session, None),
+            ]:
+                await anyio.sleep(0.02)
+    finally:
+        await stop()
 
 
 async def test_a_daemons_presence_record_is_listed_until_withdrawn_or_aged_out(

@@ -129,9 +129,6 @@ class SlowLeases:
         await asyncio.sleep(0.01)
         return True
 
-    async def renew(self, session_id: str, owner: str) -> bool:
-        return True
-
     async def release(self, session_id: str, owner: str) -> bool:
         return True
 
@@ -140,6 +137,9 @@ class SlowLeases:
 
     async def holders(self) -> dict[str, str]:
         return {}
+
+    async def watch(self, on_change: Any) -> Any:
+        raise NotImplementedError
 
 
 async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Path) -> None:
@@ -171,30 +171,24 @@ async def test_two_concurrent_opens_of_one_session_make_one_writer(tmp_path: Pat
     assert kinds.count("OperatorAction") == 1
 
 
-class ReleasedLeases(SlowLeases):
-    """A lease table where the session's lease is gone by the time a renewal asks for it (the
-    session ended and gave it back meanwhile); counts what is taken."""
+class CountedLeases(SlowLeases):
+    """Leases that are always free, counting what is taken and given back."""
 
     def __init__(self) -> None:
         self.acquired = 0
-
-    async def renew(self, session_id: str, owner: str) -> bool:
-        await asyncio.sleep(0.01)
-        return False
+        self.released = 0
 
     async def acquire(self, session_id: str, owner: str) -> bool:
         self.acquired += 1
+        await asyncio.sleep(0.01)
+        return True
+
+    async def release(self, session_id: str, owner: str) -> bool:
+        self.released += 1
         return True
 
 
-async def test_a_renewal_never_takes_back_the_lease_of_a_session_that_ended_meanwhile(
-    tmp_path: Path,
-) -> None:
-    """A renewal sweep began while the session was live; the session ends (its lease given
-    back) before the sweep reaches it, or while its renewal waits: the sweep takes no lease."""
-    log, _ = await paused_writer(tmp_path, [])
-    state = fold(await log.read(SID), SID)
-    leases = ReleasedLeases()
+def lease_registry(log: MemoryLog, leases: Any) -> SessionRegistry:
     registry = SessionRegistry(
         log_adapter=log,
         leases=leases,
@@ -202,13 +196,48 @@ async def test_a_renewal_never_takes_back_the_lease_of_a_session_that_ended_mean
         snapshots=cast(Any, None),
         spawn=asyncio.ensure_future,
     )
-    runtime = writer(log, tmp_path, [], state)
+    registry.owner = "daemon-here"
+    return registry
+
+
+async def test_a_lease_taken_by_another_owner_stops_the_writer(tmp_path: Path) -> None:
+    ended: list[Ending] = []
+    log, runtime = await paused_writer(tmp_path, ended)
+    registry = lease_registry(log, CountedLeases())
     registry.live[SID] = runtime
-    gate = asyncio.Semaphore(1)
-    renewal = asyncio.ensure_future(registry._renew(SID, runtime, gate))
-    await asyncio.sleep(0)  # the renewal is waiting on the lease table
-    del registry.live[SID]  # the session ended and gave its lease back
-    await renewal
-    assert leases.acquired == 0
-    await registry._renew(SID, runtime, gate)  # a sweep that reaches it after it ended
-    assert leases.acquired == 0
+    registry._lease_changed(SID, "daemon-here")  # its own adoption: nothing to do
+    registry._lease_changed("some-other-session", "daemon-elsewhere")  # not driven here
+    await asyncio.sleep(0.05)
+    assert ended == [] and runtime.conflict is None
+    registry._lease_changed(SID, "daemon-elsewhere")
+    await asyncio.sleep(0)  # on_end runs as its own task
+    assert [e.kind for e in ended] == ["conflict"]
+    assert "daemon-elsewhere" in ended[0].reason
+    with pytest.raises(Fenced):
+        await runtime.answer_hitl("p1", "yes", by="alice")
+
+
+async def test_a_lease_deleted_while_driven_is_taken_again_unless_the_session_ended(
+    tmp_path: Path,
+) -> None:
+    """A lease deleted under a live session is taken again; if the session ends (giving its lease
+    back) while that retake waits, the lease taken is given back: nothing is left held."""
+    log, runtime = await paused_writer(tmp_path, [])
+    leases = CountedLeases()
+    registry = lease_registry(log, leases)
+    registry.live[SID] = runtime
+    registry._lease_changed(SID, None)
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if leases.acquired:
+            break
+    await asyncio.sleep(0.05)
+    assert (leases.acquired, leases.released) == (1, 0) and runtime.conflict is None
+    registry._lease_changed(SID, None)
+    await asyncio.sleep(0)  # the retake is waiting on the lease table
+    del registry.live[SID]  # the session ended meanwhile
+    await asyncio.sleep(0.1)
+    assert (leases.acquired, leases.released) == (2, 1)
+    registry._lease_changed(SID, None)  # a deletion of a session no longer driven: ignored
+    await asyncio.sleep(0.05)
+    assert leases.acquired == 2

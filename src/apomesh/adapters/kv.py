@@ -9,12 +9,13 @@ bucket, also the replicated state store's):
 - ``APOMESH_SKILLS`` (``SkillCatalog``): the mutable skill catalog, keeping the last revisions of
   each skill (``history``).
 - ``APOMESH_LEASES`` (``LeaseTable``): which daemon drives which session. A lease is a key whose
-  value is the owner; it is taken by create-if-absent and renewed or released by compare-and-set
-  on its revision, and the bucket's TTL ages it out when its owner stops renewing, so two daemons
-  never drive the same session. Owners renew well inside the TTL (a third of it, say).
+  value is the owner; it is taken by create-if-absent, taken over by compare-and-set on its
+  revision once its owner is not alive, and released by compare-and-set, so two daemons never
+  drive the same session. It has no TTL of its own: its owner's presence record keeps it alive.
 - ``APOMESH_DAEMONS`` (``PresenceTable``): which daemons are alive. Each daemon puts its record
-  (an opaque value: ``runtime.presence`` encodes it) under its id and renews it with its leases;
-  the bucket's TTL (the lease TTL) ages out the record of a daemon that died.
+  (an opaque value: ``runtime.presence`` encodes it) under its id and renews it well inside the
+  bucket's TTL (the lease TTL, a third of it, say), which ages out the record of a daemon that
+  died, and with it every lease that names it.
 
 KV keys allow only ``[-/_=.a-zA-Z0-9]`` and no leading, trailing or doubled dots, so names are
 encoded reversibly (``encode_key``): letters, digits, ``-`` and ``_`` stay, every other byte of
@@ -25,12 +26,13 @@ reached"); a bucket whose settings cannot be brought to the wanted ones raises `
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from apomesh.adapters.nats_connect import unavailable_as_log_error
@@ -79,9 +81,14 @@ class Revision:
 
 
 async def open_bucket(
-    js: JetStreamContext, config: KeyValueConfig, *, allow_atomic: bool = False
+    js: JetStreamContext,
+    config: KeyValueConfig,
+    *,
+    allow_atomic: bool = False,
+    keep_forever: bool = False,
 ) -> KeyValue:
-    """Create the bucket, or open it and bring replicas, history and TTL to the wanted ones;
+    """Create the bucket, or open it and bring replicas, history and TTL to the wanted ones (a
+    bucket opened without a TTL keeps the one it has, unless ``keep_forever``: then it has none);
     ``allow_atomic`` also turns on JetStream's atomic batch publish on its stream."""
     bucket = config.bucket
     with unavailable_as_log_error(f"open bucket {bucket}"):
@@ -97,7 +104,7 @@ async def open_bucket(
                 ) from None
         stream = f"KV_{bucket}"
         current = (await js.stream_info(stream)).config
-        max_age = config.ttl if config.ttl else current.max_age
+        max_age = config.ttl if config.ttl else (0.0 if keep_forever else current.max_age)
         window = current.duplicate_window
         if max_age and window and window > max_age:
             window = max_age  # the server refuses a duplicate window longer than the max age
@@ -210,14 +217,26 @@ class SkillCatalog:
 
 
 class LeaseTable:
-    """Session ownership leases with a TTL, by compare-and-set on the key's revision."""
+    """Session ownership leases, kept alive by their owner's presence record.
 
-    def __init__(self, kv: KeyValue, ttl: float) -> None:
+    A lease is a key (the session) whose value is its owner (a daemon id); it is taken by
+    create-if-absent, or by compare-and-set on its revision once its owner is not alive, and
+    released by a compare-and-set delete. It has no TTL of its own: it holds while its owner's
+    record is in the presence bucket (``APOMESH_DAEMONS``, whose TTL ages the record of a daemon
+    that died out), so a daemon renews one record, not one lease per session it drives. A daemon
+    learns that a lease of its own was taken (``watch``), and an append of a stale writer is
+    refused by the log's expected-sequence check in any case."""
+
+    def __init__(self, kv: KeyValue, presence: KeyValue, js: JetStreamContext, ttl: float) -> None:
         self._kv = kv
+        self._presence = presence
+        self._js = js
         self.ttl = ttl
+        """The presence TTL: how long a lease outlives the last renewal of its owner's record."""
 
     async def acquire(self, session_id: str, owner: str) -> bool:
-        """Take the session's lease; True when ``owner`` now holds it (already holding it renews)."""
+        """Take the session's lease; True when ``owner`` now holds it (already holding it, or
+        taking it over from an owner that is not alive)."""
         key = encode_key(session_id)
         mine = owner.encode()
         with unavailable_as_log_error(f"acquire lease {session_id}"):
@@ -229,21 +248,13 @@ class LeaseTable:
                     pass
                 held = await _value(self._kv, key)
                 if held is None:
-                    continue  # released or expired between our two calls: try to create again
-                if held[0] != mine:
+                    continue  # released between our two calls: try to create again
+                if held[0] == mine:
+                    return True
+                if await self._alive(held[0]):
                     return False
                 return await self._swap(key, mine, held[1])
         return False
-
-    async def renew(self, session_id: str, owner: str) -> bool:
-        """Extend ``owner``'s lease; False when it is no longer theirs (lost or expired)."""
-        key = encode_key(session_id)
-        mine = owner.encode()
-        with unavailable_as_log_error(f"renew lease {session_id}"):
-            held = await _value(self._kv, key)
-            if held is None or held[0] != mine:
-                return False
-            return await self._swap(key, mine, held[1])
 
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released."""
@@ -261,25 +272,57 @@ class LeaseTable:
             return True
 
     async def owner(self, session_id: str) -> str | None:
-        """Who holds the session's lease now, or None."""
+        """Who holds the session's lease now (its owner is alive), or None."""
         with unavailable_as_log_error(f"lease owner {session_id}"):
             held = await _value(self._kv, encode_key(session_id))
-        return held[0].decode() if held else None
+            if held is None or not await self._alive(held[0]):
+                return None
+        return held[0].decode()
 
     async def holders(self, timeout: float = 10.0) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, from one watcher's initial values
         (one pass over the bucket instead of one read per session: the boot scan asks this of
-        every stored session)."""
-        held: dict[str, str] = {}
+        every stored session), less the leases of owners that are not alive."""
+        named: dict[str, str] = {}
         with unavailable_as_log_error("list the session leases"):
             watcher: Any = await self._kv.watchall(ignore_deletes=True)
             try:
                 while (entry := await watcher.updates(timeout=timeout)) is not None:
                     if entry.value:
-                        held[decode_key(entry.key)] = entry.value.decode()
+                        named[decode_key(entry.key)] = entry.value.decode()
             finally:
                 await watcher.stop()
-        return held
+            alive = {owner for owner in set(named.values()) if await self._alive(owner.encode())}
+        return {session: owner for session, owner in named.items() if owner in alive}
+
+    async def watch(
+        self, on_change: Callable[[str, str | None], None]
+    ) -> Callable[[], Awaitable[None]]:
+        """Call ``on_change(session_id, owner)`` for every lease taken, taken over (``owner``) or
+        released (None) from now on; answers the function that stops watching."""
+        prefix = f"$KV.{LEASES_BUCKET}."
+
+        async def changed(msg: Any) -> None:
+            if not msg.subject.startswith(prefix):
+                return
+            operation = (msg.headers or {}).get("KV-Operation")
+            owner = None if operation in ("DEL", "PURGE") or not msg.data else msg.data.decode()
+            on_change(decode_key(msg.subject[len(prefix) :]), owner)
+
+        with unavailable_as_log_error("watch the session leases"):
+            subscription = await self._js.subscribe(
+                prefix + ">",
+                stream=f"KV_{LEASES_BUCKET}",
+                cb=changed,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.NEW,
+            )
+        return subscription.unsubscribe
+
+    async def _alive(self, owner: bytes) -> bool:
+        """Whether the owner's presence record is there (renewed within the presence TTL)."""
+        found = await _value(self._presence, encode_key(owner.decode()))
+        return found is not None and bool(found[0])
 
     async def _swap(self, key: str, value: bytes, revision: int) -> bool:
         try:
@@ -364,12 +407,12 @@ class KvBuckets:
             js,
             KeyValueConfig(
                 bucket=LEASES_BUCKET,
-                description="apomesh session ownership leases",
+                description="apomesh session ownership leases (held while the owner is present)",
                 history=1,
-                ttl=lease_ttl,
                 replicas=replicas,
                 storage=StorageType.FILE,
             ),
+            keep_forever=True,
         )
         daemons = await open_bucket(
             js,
@@ -385,6 +428,6 @@ class KvBuckets:
         return cls(
             AgentRegistry(agents),
             SkillCatalog(skills),
-            LeaseTable(leases, lease_ttl),
+            LeaseTable(leases, daemons, js, lease_ttl),
             PresenceTable(daemons, lease_ttl, js),
         )

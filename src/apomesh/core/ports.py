@@ -6,7 +6,7 @@ implement them for fast unit tests. One contract test suite runs against both.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from apomesh.core.envelope import Envelope
@@ -43,23 +43,27 @@ class EventLog(Protocol):
 
 
 class SessionLeases(Protocol):
-    """Session ownership leases with a TTL (``adapters.kv.LeaseTable``): one daemon drives a
-    session at a time."""
+    """Session ownership leases (``adapters.kv.LeaseTable``): one daemon drives a session at a
+    time; a lease holds while its owner's presence record is renewed."""
 
     async def acquire(self, session_id: str, owner: str) -> bool:
-        """Take the lease; True when ``owner`` now holds it (already holding it renews)."""
-
-    async def renew(self, session_id: str, owner: str) -> bool:
-        """Extend ``owner``'s lease; False when it is no longer theirs."""
+        """Take the lease; True when ``owner`` now holds it (already held, or taken over from an
+        owner that is not alive)."""
 
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released."""
 
     async def owner(self, session_id: str) -> str | None:
-        """Who holds the lease now, or None."""
+        """Who holds the lease now (an owner that is alive), or None."""
 
     async def holders(self) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, read in one pass."""
+
+    async def watch(
+        self, on_change: Callable[[str, str | None], None]
+    ) -> Callable[[], Awaitable[None]]:
+        """Call ``on_change(session_id, owner or None)`` for every lease change from now on;
+        answers the function that stops watching."""
 
 
 class StateStore(Protocol):

@@ -86,8 +86,8 @@ class DaemonConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_timeout: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     lease_ttl: Annotated[float, msgspec.Meta(ge=1)] = 30.0
-    """Seconds a session's lease (and a daemon's presence record) lives without renewal: how
-    long a peer waits before it takes over the sessions of a daemon that died."""
+    """Seconds a daemon's presence record (which keeps its session leases) lives without
+    renewal: how long a peer waits before it takes over the sessions of a daemon that died."""
 
     def data_path(self) -> Path:
         """``data_dir`` with ``~`` expanded, made absolute against the current directory."""

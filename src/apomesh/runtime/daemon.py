@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,7 @@ class Daemon:
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drain_sub: Any = None
+        self._unwatch_leases: Callable[[], Awaitable[None]] | None = None
         self._drained: asyncio.Task[list[str]] | None = None
         self._started = False
         self.renew_every = renew_interval(kv.leases.ttl)
@@ -106,7 +107,6 @@ class Daemon:
             snapshots=self.snapshots,
             spawn=self._spawn,
             logger=log,
-            renew_every=self.renew_every,
         )
         scheme = "https" if config.http.tls_cert else "http"
         self.presence = Presence(
@@ -206,7 +206,12 @@ class Daemon:
                 pending_beats=self.control.pending_beats, closing=lambda: self._closing
             )
         )
-        self._spawn(self.registry.renew_leases_forever())
+        # Present before any lease is taken: a lease holds while its owner's record is there, so
+        # sessions adopted by a long boot scan are never taken by a peer meanwhile.
+        with contextlib.suppress(Exception):
+            await self.presence.publish()
+        self._spawn(self.presence.publish_forever(self.renew_every))
+        self._unwatch_leases = await self.registry.watch_leases()
         with contextlib.suppress(Exception):
             for worker_id in await self.heartbeats.latest():
                 await self.workers.ask_reregister(worker_id, force=True)
@@ -216,9 +221,7 @@ class Daemon:
             self.boot_report = {**await self.boot.run(), "purged": purged}
             if self.config.retention.ended_after_seconds is not None:
                 self._spawn(self._sweep_retention_forever())
-        with contextlib.suppress(Exception):
-            await self.presence.publish()
-        self._spawn(self.presence.publish_forever(self.renew_every))
+        self.presence.nudge()
         if recover:
             # A peer that is gone is noticed within a lease TTL: a few looks per renewal.
             self._spawn(self.takeover.sweep_forever(max(0.2, self.renew_every / 2)))
@@ -295,7 +298,7 @@ class Daemon:
     async def _stable_id(self) -> str:
         """The data dir's daemon identity (the owner name of its session leases). Kept in a file
         beside LMDB as well as in it, so a lost LMDB does not strand the sessions this daemon
-        leased until their leases expire."""
+        leased until its presence record ages out."""
         id_file = self.config.daemon.data_path() / "daemon.id"
         stored = await self.store.get("meta", "daemon_id")
         from_file = None
@@ -323,7 +326,11 @@ class Daemon:
         if self._drain_sub is not None:
             with contextlib.suppress(Exception):
                 await self._drain_sub.unsubscribe()
-        # Without live peers, leases are not given back here: they expire by themselves, and this
+        if self._unwatch_leases is not None:
+            with contextlib.suppress(Exception):
+                await self._unwatch_leases()
+        # Without live peers, leases are not given back here: they lapse with the presence record
+        # (left to age out), and this
         # daemon (its id is kept in the data dir) takes its own back at once when it starts
         # again. A release request left unanswered while NATS is going away must never hold the
         # shutdown.

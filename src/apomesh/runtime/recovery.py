@@ -131,7 +131,7 @@ class BootScan:
                 else await self.registry.lease_owner(session_id)
             )
             if self.takeover is not None and holder not in (None, self.registry.owner):
-                # Another daemon drives it (or did, until its lease expires): its, not ours.
+                # Another daemon drives it (its presence record keeps the lease): its, not ours.
                 counts["owned_by_peers"] += 1
                 self.takeover.watch(session_id, holder)
                 return

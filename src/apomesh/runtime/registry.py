@@ -6,9 +6,10 @@ daemon: ``adopt`` takes the session's lease, builds its writer, logs the events 
 session's ``SessionStarted``, an operator's actions), starts it, and rolls all of it back when any
 step fails; ``end`` is every writer's ``on_end`` callback (finished, stranded for an operator, or
 lost to another writer after an append conflict). ``state(session_id)`` answers from the live
-writer, else the stranded entry, else the fold cache over the log. The lease of every live session
-is renewed here (a lease found held by another owner stops this daemon's writer, as an append
-conflict does) and given back when this daemon stops driving it. At shutdown ``drain`` lets every
+writer, else the stranded entry, else the fold cache over the log. A lease is taken when a session
+is opened here and given back when this daemon stops driving it; nothing renews it (the daemon's
+presence record, renewed once for all, keeps it alive), and a lease of a live session seen taken
+by another owner (``watch_leases``) stops this daemon's writer, as an append conflict does. At shutdown ``drain`` lets every
 live session stop at a node boundary and mark itself suspended for the next daemon, within a grace
 period, before ``stop_all`` cuts off the rest; with live peers, ``hand_over`` then gives the leases
 of the suspended sessions back so that a peer adopts them at once. A write for a session whose
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,12 +39,13 @@ from apomesh.runtime.snapshots import SnapshotStore
 log = logging.getLogger("apomesh.daemon")
 
 LEASE_RENEW_SECONDS = 5.0
-"""The longest pause between two renewals of a lease (and of the daemon's presence record)."""
+"""The longest pause between two renewals of the daemon's presence record (which keeps every
+lease it holds alive)."""
 
 
 def renew_interval(ttl: float) -> float:
-    """How often leases are renewed for a lease TTL: a third of it, at most
-    ``LEASE_RENEW_SECONDS``, so a lease survives two missed renewals before it can expire."""
+    """How often the presence record is renewed for a lease TTL: a third of it, at most
+    ``LEASE_RENEW_SECONDS``, so it survives two missed renewals before it can age out."""
     return min(LEASE_RENEW_SECONDS, ttl / 3)
 
 
@@ -91,10 +93,6 @@ MakeRuntime = Callable[[SessionState, bool], SessionRuntime]
 """Builds a session's writer over ``state`` (``fresh_children``) with the daemon's collaborators."""
 
 
-RENEWALS_IN_FLIGHT = 64
-"""Lease renewals sent at once by the renewal sweep."""
-
-
 class SessionRegistry:
     """Live and stranded sessions, their leases, and the one state lookup."""
 
@@ -107,9 +105,7 @@ class SessionRegistry:
         snapshots: SnapshotStore,
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
         logger: logging.Logger | None = None,
-        renew_every: float = LEASE_RENEW_SECONDS,
     ) -> None:
-        self.renew_every = renew_every
         self.owner_url: Callable[[str | None], str] = lambda _owner: ""
         """The advertised URL of a lease owner (set by the daemon from the presence records)."""
         self.changed: Callable[[], None] = lambda: None
@@ -275,7 +271,7 @@ class SessionRegistry:
             self.spawn(self.leases.release(session_id, self.owner))
             return
         # Another writer appended to the log: what this writer holds is stale. Read it from the
-        # log from now on; never renew its lease again.
+        # log from now on.
         self.folds.forget(session_id)
         with contextlib.suppress(Exception):
             await self.leases.release(session_id, self.owner)
@@ -309,7 +305,8 @@ class SessionRegistry:
         """After ``drain``, for the live peers: this daemon stops driving every session. Those
         that logged ``SessionSuspended`` get their leases back at once, for a peer to adopt them
         with no unknown outcome; one cut off by the grace period keeps its lease, no longer
-        renewed, and a peer adopts it once that expires, as after a crash. Answers their ids."""
+        renewed, and a peer adopts it once this daemon's presence record ages out, as after a
+        crash. Answers their ids."""
         handed: list[str] = []
         for session_id, runtime in list(self.live.items()):
             await runtime.stop()
@@ -325,38 +322,39 @@ class SessionRegistry:
         return handed
 
     async def stop_all(self) -> None:
-        """Daemon shutdown: stop every writer; leases expire by themselves (see ``Daemon.aclose``)."""
+        """Daemon shutdown: stop every writer; its leases lapse with its presence record (see
+        ``Daemon.aclose``)."""
         for runtime in list(self.live.values()):
             await runtime.stop()
 
     # --- leases ----------------------------------------------------------------------------------
 
-    async def renew_leases_forever(self) -> None:
-        # Renewed RENEWALS_IN_FLIGHT at a time: one after another, the two round trips of each
-        # would take longer than the TTL for some tens of thousands of live sessions.
-        gate = asyncio.Semaphore(RENEWALS_IN_FLIGHT)
-        while True:
-            await asyncio.sleep(self.renew_every)
-            await asyncio.gather(
-                *(self._renew(sid, runtime, gate) for sid, runtime in list(self.live.items()))
-            )
+    async def watch_leases(self) -> Callable[[], Awaitable[None]]:
+        """Follow every lease change (nothing is renewed per session: the daemon's presence record
+        keeps all its leases alive); answers the function that stops following."""
+        return await self.leases.watch(self._lease_changed)
 
-    async def _renew(
-        self, session_id: str, runtime: SessionRuntime, gate: asyncio.Semaphore
-    ) -> None:
-        async with gate:
-            with contextlib.suppress(Exception):
+    def _lease_changed(self, session_id: str, owner: str | None) -> None:
+        runtime = self.live.get(session_id)
+        if runtime is None or owner == self.owner:
+            return
+        if owner is not None:
+            # Taken over by another owner (this daemon's record lapsed, a long outage, say): the
+            # session is driven there now; stop driving it here.
+            message = f"the lease of session {session_id} is held by {owner}"
+            runtime.superseded(AppendConflict(message), message)
+            return
+        # Deleted while driven here (not by this daemon: it gives a lease back only once the
+        # session has left the live set): take it again, unless another owner has it by now.
+        self.spawn(self._retake(session_id, runtime))
+
+    async def _retake(self, session_id: str, runtime: SessionRuntime) -> None:
+        with contextlib.suppress(Exception):
+            if await self.leases.acquire(session_id, self.owner):
                 if self.live.get(session_id) is not runtime:
-                    return  # it ended (and gave its lease back) since the sweep began
-                if await self.leases.renew(session_id, self.owner):
-                    return
-                if self.live.get(session_id) is not runtime:
-                    return  # ended meanwhile: its lease was given back, never taken again
-                # Expired (a long outage, say): take it again, unless another owner has it.
-                if await self.leases.acquire(session_id, self.owner):
-                    if self.live.get(session_id) is not runtime:
-                        await self.leases.release(session_id, self.owner)
-                    return
+                    await self.leases.release(session_id, self.owner)  # it ended meanwhile
+                return
+            if self.live.get(session_id) is runtime:
                 message = f"the lease of session {session_id} is held by another owner"
                 runtime.superseded(AppendConflict(message), message)
 
