@@ -508,21 +508,22 @@ class SessionRuntime:
                 self._keep_copies(agent_key, copies)  # the worker sends the node again
                 raise
 
+        # The snapshot bytes first (with the journal copies kept since the agent's last store
+        # write), then the node's results and the pointer to those bytes in one decision and
+        # one append; the results' copies wait for the agent's next store write.
+        snapshot_id, written = await store()
+
         def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
             recorded = [
                 ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
                 for call in report.results
                 if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
             ]
-            return list(recorded), recorded
+            pointer = self._pointer_events(slot, report, snapshot_id, written)
+            return [*recorded, *pointer], recorded
 
-        # The node's results and its snapshot bytes (with the journal copies kept since the
-        # agent's last store write) do not depend on each other: log the one while LMDB takes
-        # the other. The pointer waits for the bytes; the results' copies wait for the agent's
-        # next store write.
-        (snapshot_id, written), recorded = await asyncio.gather(store(), self.decide(results))
+        recorded = await self.decide(results)
         self._copy_results(agent_key, recorded)
-        await self.append(*self._pointer_events(slot, report, snapshot_id, written))
         slot.running_logged = True
         slot.nodes.add(node)
         self.deps.metrics.snapshot_bytes.inc(written)
