@@ -1,0 +1,178 @@
+"""Folding a session from its fold checkpoint (``runtime.fold_checkpoints``) on a real nats-server
+and a real LMDB store: one by one (``FoldCheckpoints.fold``) and in the boot scan's one pass
+(``JetStreamLog.fold_all``). Only the envelopes after the checkpoint are read; a checkpoint the
+log contradicts (the session purged and its id reused) is ignored, and the session folds from its
+first event to exactly the new log's state."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+from tests.e2e.chaos_kit import shape_of, stored_session, thinker
+
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
+from apomesh.adapters.memory_log import MemoryLog
+from apomesh.adapters.nats_connect import NATS, connect
+from apomesh.adapters.natsserver import NatsServer
+from apomesh.core import envelope
+from apomesh.core.envelope import Envelope
+from apomesh.core.state import fold
+from apomesh.core.state_codec import make_checkpoint
+from apomesh.runtime.fold_checkpoints import FoldCheckpoints
+
+pytestmark = pytest.mark.anyio
+
+EVENTS = 60
+AT = 39
+"""The checkpoint's index: 20 envelopes follow it."""
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    client = await connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def checkpoints(tmp_path: Path) -> AsyncIterator[FoldCheckpoints]:
+    store = AsyncStore(LmdbStore(tmp_path / "lmdb"))
+    yield FoldCheckpoints(store)
+    await store.aclose()
+
+
+def a_session(goal: str = "long", session_id: str | None = None) -> list[Envelope]:
+    return stored_session(
+        session_id or uuid.uuid4().hex, shape_of(thinker(2)), goal=goal, events=EVENTS
+    )
+
+
+async def logged(log: JetStreamLog, envelopes: list[Envelope]) -> None:
+    await log.append(envelopes[0].session_id, envelopes)
+
+
+async def checkpointed(
+    checkpoints: FoldCheckpoints, envelopes: list[Envelope], seq: int | None
+) -> None:
+    """Store the checkpoint the session's writer would have stored at ``AT``."""
+    state = fold(envelopes[: AT + 1])
+    await checkpoints.write(make_checkpoint(state, envelopes[AT].event_id, seq))
+
+
+async def sequence_of(log: JetStreamLog, session_id: str, index: int) -> int:
+    await log.read(session_id, index - 1)  # the log notes where the session ends
+    seq = log.known_sequence(session_id, EVENTS - 1)
+    assert seq is not None
+    return seq - (EVENTS - 1 - index)  # one session alone on the stream: sequences are dense
+
+
+async def reuse(nc: NATS, log: JetStreamLog, session_id: str) -> list[Envelope]:
+    """Purge the session and store another log under its id (plain publishes: its message ids
+    are still in the duplicate window)."""
+    await log.delete_session(session_id)
+    other = a_session("another", session_id)
+    for env in other:
+        await nc.publish(log.subject(session_id), envelope.encode(env))
+    await nc.flush()
+    with anyio.fail_after(10):
+        while await log.last_index(session_id) < EVENTS - 1:
+            await anyio.sleep(0.02)
+    log.forget_position(session_id)
+    return other
+
+
+async def test_one_session_folds_from_its_checkpoint_reading_only_the_tail(
+    nc: NATS, checkpoints: FoldCheckpoints
+) -> None:
+    log = JetStreamLog(nc)
+    await log.ensure()
+    envelopes = a_session()
+    session_id = envelopes[0].session_id
+    await logged(log, envelopes)
+    await checkpointed(checkpoints, envelopes, await sequence_of(log, session_id, AT))
+
+    state = await checkpoints.fold(JetStreamLog(nc), session_id)  # a fresh log knows no position
+    assert state == fold(envelopes)
+    assert (checkpoints.stats.used, checkpoints.stats.events_after) == (1, EVENTS - 1 - AT)
+    assert checkpoints.stats.events_whole == 0
+
+
+async def test_a_checkpoint_without_a_sequence_is_read_from_its_index(
+    checkpoints: FoldCheckpoints,
+) -> None:
+    log = MemoryLog()
+    envelopes = a_session()
+    await log.append(envelopes[0].session_id, envelopes)
+    await checkpointed(checkpoints, envelopes, None)
+
+    assert await checkpoints.fold(log, envelopes[0].session_id) == fold(envelopes)
+    assert (checkpoints.stats.used, checkpoints.stats.events_after) == (1, EVENTS - 1 - AT)
+
+
+async def test_a_purged_and_reused_session_folds_from_its_start(
+    nc: NATS, checkpoints: FoldCheckpoints
+) -> None:
+    log = JetStreamLog(nc)
+    await log.ensure()
+    envelopes = a_session()
+    session_id = envelopes[0].session_id
+    await logged(log, envelopes)
+    await checkpointed(checkpoints, envelopes, await sequence_of(log, session_id, AT))
+    other = await reuse(nc, log, session_id)
+
+    state = await checkpoints.fold(JetStreamLog(nc), session_id)
+    assert state == fold(other)
+    assert state.goal == "another"
+    assert (checkpoints.stats.used, checkpoints.stats.ignored) == (0, 1)
+    assert checkpoints.stats.events_whole == EVENTS
+
+
+async def test_the_one_pass_starts_at_the_checkpoint_and_drops_a_contradicted_one(
+    nc: NATS, checkpoints: FoldCheckpoints
+) -> None:
+    log = JetStreamLog(
+        nc, stream=f"LOG_{uuid.uuid4().hex[:8]}", subject_prefix=f"p{uuid.uuid4().hex[:8]}"
+    )
+    await log.ensure()
+    kept, reused = a_session("kept"), a_session("reused")
+    for envelopes in (kept, reused):
+        await logged(log, envelopes)
+        session_id = envelopes[0].session_id
+        await log.read(session_id)
+        seq = log.known_sequence(session_id, EVENTS - 1)
+        assert seq is not None
+        await checkpointed(checkpoints, envelopes, seq - (EVENTS - 1 - AT))
+    other = await reuse(nc, log, reused[0].session_id)
+    sessions = [kept[0].session_id, reused[0].session_id]
+
+    folded = await log.fold_all(set(), resume=await checkpoints.load_all(), sessions=sessions)
+    assert folded.states[kept[0].session_id] == fold(kept)
+    assert folded.resumed == {kept[0].session_id}
+    assert folded.stale == folded.suspect == {reused[0].session_id}
+    # The pass began at the kept checkpoint's event: nothing of the kept session before it was
+    # folded, and the reused one is left to be read one by one.
+    assert folded.folded == EVENTS - 1 - AT
+    assert await checkpoints.fold(log, reused[0].session_id) == fold(other)
+
+
+async def test_a_checkpoint_of_another_fold_format_is_ignored(
+    nc: NATS, checkpoints: FoldCheckpoints
+) -> None:
+    log = JetStreamLog(nc)
+    await log.ensure()
+    envelopes = a_session()
+    session_id = envelopes[0].session_id
+    await logged(log, envelopes)
+    checkpoint = make_checkpoint(fold(envelopes[: AT + 1]), envelopes[AT].event_id)
+    await checkpoints.write(
+        msgspec.structs.replace(checkpoint, fold_format=checkpoint.fold_format + 1)
+    )
+
+    assert await checkpoints.fold(log, session_id) == fold(envelopes)
+    assert (checkpoints.stats.used, checkpoints.stats.ignored) == (0, 1)
