@@ -1,5 +1,6 @@
 """Folded-state checkpoints across a daemon SIGKILL, on a real nats-server, a real ``apomesh serve``
-process and its real LMDB store.
+process and its real state store (LMDB, written through to the replicated bucket, as a daemon given
+NATS URLs runs it).
 
 - A session that crossed the checkpoint threshold (ten events here) is resumed after a SIGKILL
   from its checkpoint: the boot scan folds only the events after it, and the state it resumes
