@@ -1,19 +1,24 @@
-"""Folding a session from its fold checkpoint (``runtime.fold_checkpoints``) on a real nats-server
-and a real LMDB store: one by one (``FoldCheckpoints.fold``) and in the boot scan's one pass
-(``JetStreamLog.fold_all``). Only the envelopes after the checkpoint are read; a checkpoint the
-log contradicts (the session purged and its id reused) is ignored, and the session folds from its
-first event to exactly the new log's state."""
+"""Fold checkpoints (``runtime.fold_checkpoints``) on a real nats-server and a real LMDB store.
+
+A session's writer stores the state it folded, at an index the log has, with that envelope's id,
+and drops it when the session ends. Folding a session from its checkpoint, one by one
+(``FoldCheckpoints.fold``) and in the boot scan's one pass (``JetStreamLog.fold_all``), reads only
+the envelopes after it; a checkpoint the log contradicts (the session purged and its id reused) is
+ignored, and the session folds from its first event to exactly the new log's state."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import anyio
 import msgspec
 import pytest
 from tests.e2e.chaos_kit import shape_of, stored_session, thinker
+from tests.strategies import born, session_started
 
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
@@ -22,9 +27,14 @@ from apomesh.adapters.nats_connect import NATS, connect
 from apomesh.adapters.natsserver import NatsServer
 from apomesh.core import envelope
 from apomesh.core.envelope import Envelope
-from apomesh.core.state import fold
-from apomesh.core.state_codec import make_checkpoint
-from apomesh.runtime.fold_checkpoints import FoldCheckpoints
+from apomesh.core.events import HitlPaused, SessionEnded
+from apomesh.core.state import fold, new_state
+from apomesh.core.state_codec import checkpoint_state, decode_checkpoint, make_checkpoint
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.config import load_config
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, FoldCheckpoints
+from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.sessions import Ending, SessionDeps, SessionRuntime
 
 pytestmark = pytest.mark.anyio
 
@@ -176,3 +186,52 @@ async def test_a_checkpoint_of_another_fold_format_is_ignored(
 
     assert await checkpoints.fold(log, session_id) == fold(envelopes)
     assert (checkpoints.stats.used, checkpoints.stats.ignored) == (0, 1)
+
+
+async def stored_record(checkpoints: FoldCheckpoints, session_id: str, gone: bool = False) -> Any:
+    """The session's checkpoint record once the writer's task stored it (or removed it)."""
+    with anyio.fail_after(10):
+        while True:
+            raw = await checkpoints.store.get(CHECKPOINT_DB, session_id)
+            if (raw is None) == gone:
+                return None if raw is None else decode_checkpoint(raw)
+            await anyio.sleep(0.01)
+
+
+async def test_the_writer_stores_what_the_log_has_and_drops_it_at_the_end(
+    tmp_path: Path, checkpoints: FoldCheckpoints
+) -> None:
+    async def on_end(runtime: SessionRuntime, ending: Ending) -> None:
+        pass
+
+    log = MemoryLog()
+    deps = SessionDeps(
+        log=log,
+        workers=cast(Any, None),  # nothing here dispatches an agent
+        snapshots=cast(Any, None),
+        store=checkpoints.store,
+        plugins=PluginHost(),
+        limits=load_config(None, env={}).limits,
+        metrics=DaemonMetrics(),
+        incarnation="test",
+        workspace=tmp_path,
+        on_end=on_end,
+        spawn=asyncio.ensure_future,
+        closing=lambda: False,
+        checkpoints=checkpoints,
+        checkpoint_every=3,
+    )
+    runtime = SessionRuntime(deps, new_state("s-writes"))
+    await runtime.append(session_started(), born("root"))
+    assert await checkpoints.store.get(CHECKPOINT_DB, "s-writes") is None  # 2 events: not yet
+    await runtime.append(HitlPaused("root", "p1", "go?"))
+
+    checkpoint = await stored_record(checkpoints, "s-writes")
+    logged = await log.read("s-writes")
+    assert checkpoint.index == 2 and checkpoint.seq is None  # the memory log has no sequences
+    assert checkpoint.event_id == logged[2].event_id
+    assert checkpoint_state(checkpoint) == fold(logged[:3])
+
+    await runtime.answer_hitl("p1", "yes", by="op")
+    await runtime.append(SessionEnded(status="completed", output="done"))
+    await stored_record(checkpoints, "s-writes", gone=True)

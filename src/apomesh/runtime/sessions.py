@@ -351,8 +351,7 @@ class SessionRuntime:
     async def _drop_checkpoint(self, checkpoints: FoldCheckpoints) -> None:
         writing = self._checkpointing
         if writing is not None:
-            with contextlib.suppress(BaseException):
-                await writing
+            await asyncio.wait([writing])  # its write lands first, so the delete is the last word
         try:
             await checkpoints.delete(self.session_id)
         except Exception as exc:
