@@ -3,6 +3,9 @@ it was made from, and folding the rest of the log onto it equals folding the who
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -13,7 +16,7 @@ from tests.strategies import GeneratedSession, valid_sessions
 from apomesh.core import envelope
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import CodecError
-from apomesh.core.state import apply, fold
+from apomesh.core.state import SessionState, apply, fold
 from apomesh.core.state_codec import (
     FOLD_FORMAT,
     checkpoint_state,
@@ -78,3 +81,29 @@ def test_a_state_of_another_index_than_its_header_is_refused() -> None:
     lying = msgspec.structs.replace(checkpoint, state=encode_state(fold(envs[:4])))
     with pytest.raises(CodecError, match="holds the state of session"):
         checkpoint_state(lying)
+
+
+LAYOUTS = {1: "bfa7c324cdb9b69a18b68b42c141a495548d70ec659dbc6847c266b03814824e"}
+"""The digest of ``SessionState``'s layout (the state, and every event and config it holds) that
+each ``FOLD_FORMAT`` was written in."""
+
+
+def layout_digest() -> str:
+    def shape_only(node: Any) -> Any:  # docstrings are not layout
+        if isinstance(node, dict):
+            return {k: shape_only(v) for k, v in node.items() if k not in ("title", "description")}
+        if isinstance(node, list):
+            return [shape_only(v) for v in node]
+        return node
+
+    schema = shape_only(msgspec.json.schema(SessionState))
+    return hashlib.sha256(msgspec.json.encode(schema, order="sorted")).hexdigest()
+
+
+def test_a_change_to_the_state_layout_bumps_the_fold_format() -> None:
+    # A checkpoint written in another layout must not decode as this one: bump FOLD_FORMAT in
+    # core/state_codec.py and record the new digest here (a change of the fold's semantics
+    # bumps it too, which no digest can see).
+    assert LAYOUTS.get(FOLD_FORMAT) == layout_digest(), (
+        f"SessionState's layout changed: bump FOLD_FORMAT and add {layout_digest()!r}"
+    )

@@ -21,7 +21,8 @@ from apomesh.core.state import SessionState
 
 FOLD_FORMAT: Final = 1
 """The fold-format version a checkpoint is written in; bump it whenever ``core.state``'s fold or
-``SessionState``'s layout changes."""
+the layout of ``SessionState`` (with the events and configs it holds) changes
+(tests/unit/test_state_codec.py keeps a digest of the layout per format and fails on a change)."""
 
 
 class FoldCheckpoint(msgspec.Struct, frozen=True):
