@@ -33,6 +33,7 @@ from apomesh.core.state_codec import checkpoint_state, decode_checkpoint, make_c
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import load_config
 from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, FoldCheckpoints
+from apomesh.runtime.folds import FoldCache
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.sessions import Ending, SessionDeps, SessionRuntime
 
@@ -123,6 +124,22 @@ async def test_a_checkpoint_without_a_sequence_is_read_from_its_index(
 
     assert await checkpoints.fold(log, envelopes[0].session_id) == fold(envelopes)
     assert (checkpoints.stats.used, checkpoints.stats.events_after) == (1, EVENTS - 1 - AT)
+
+
+async def test_the_fold_cache_starts_a_session_from_its_checkpoint(
+    nc: NATS, checkpoints: FoldCheckpoints
+) -> None:
+    log = JetStreamLog(nc)
+    await log.ensure()
+    envelopes = a_session()
+    session_id = envelopes[0].session_id
+    await logged(log, envelopes)
+    await checkpointed(checkpoints, envelopes, await sequence_of(log, session_id, AT))
+    cache = FoldCache(log.read, start=lambda sid: checkpoints.fold(log, sid))
+
+    assert await cache.state(session_id) == fold(envelopes)
+    assert (checkpoints.stats.used, checkpoints.stats.events_after) == (1, EVENTS - 1 - AT)
+    assert cache.full_folds == 1
 
 
 async def test_a_purged_and_reused_session_folds_from_its_start(

@@ -129,7 +129,10 @@ class SessionRegistry:
         self.stranded: dict[str, Recoverable] = {}
         self.fold_checkpoints = FoldCheckpoints(store, logger=self.log)
         """Sessions' folded-state checkpoints: a session to adopt is folded from its latest."""
-        self.folds = FoldCache(log_adapter.read)
+        self.folds = FoldCache(
+            log_adapter.read,
+            start=lambda session_id: self.fold_checkpoints.fold(log_adapter, session_id),
+        )
         """Sessions this daemon does not drive (ended ones above all) are read through this
         cache, so a request folds only what was appended since the last one."""
 
