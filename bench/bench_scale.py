@@ -23,7 +23,11 @@ auto-resume the safe ones and strand the others.
 **Resume of a long session.** One session of ``--long-events`` (100,000) events (its bootstrap, a
 running root agent and node snapshot pointers) is published the same way to a fresh log; a daemon
 starts on it and the figure is start to the session's agent dispatched (acknowledged by the sink):
-read, fold, classify, lease, ``SessionRecovered``/``AgentResuming``/``dispatched`` appended.
+read, fold, classify, lease, ``SessionRecovered``/``AgentResuming``/``dispatched`` appended. It
+starts three times on the same data dir: with no fold checkpoint (the whole log folded; the
+session's writer stores one at its first append after the resume), then from the checkpoint that
+daemon wrote, then from one ``--long-tail`` (9,999) events behind the log's end, the most a writer
+at the default ``fold_checkpoint_every`` leaves, stored through the daemon's own checkpoint code.
 
 **Worker loss.** A nats-server, an ``apomesh serve`` process and two ``apomesh worker`` processes
 (``bench_recovery.py``'s setup) run ``--loss-sessions`` (6) long sessions whose agents take 0.05 s
@@ -63,10 +67,13 @@ from bench_workload import BENCHTOOLS, _with_benchtools, apomesh_run, make_confi
 from tests.e2e.chaos_kit import shape_of, stored_session, thinker
 
 from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.nats_connect import connect
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core import envelope
 from apomesh.core.state import fold
+from apomesh.core.state_codec import FoldCheckpoint, decode_checkpoint, make_checkpoint
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, CHECKPOINT_EVERY, FoldCheckpoints
 from apomesh.runtime.node import Node
 from apomesh.sdk.client import ApiError, Client
 from apomesh.testing import Mesh, install_plugin_package
@@ -244,7 +251,33 @@ def measure_scan(count: int, rng: random.Random) -> None:
     )
 
 
-def measure_long(events: int) -> None:
+async def stored_checkpoint(data: Path, session_id: str) -> FoldCheckpoint | None:
+    """The fold checkpoint of the session in the daemon data dir ``data`` (read as it stores it)."""
+    async with AsyncStore(LmdbStore(data / "lmdb")) as store:
+        raw = await store.get(CHECKPOINT_DB, session_id)
+    return None if raw is None else decode_checkpoint(raw)
+
+
+async def checkpoint_behind(url: str, data: Path, session_id: str, tail: int) -> int:
+    """Store the checkpoint the session's writer would have stored ``tail`` events before the
+    log's end (as if it had run that far since its last one), through the daemon's own checkpoint
+    code: the state folded up to there, that envelope's id and stream sequence. Answers its index."""
+    nc = await connect([url])
+    try:
+        log = JetStreamLog(nc)
+        envelopes = await log.read(session_id)
+        at = len(envelopes) - 1 - tail
+        seq = at + 1  # the session is alone on a fresh stream: its sequences are dense from 1
+        assert (await log.read_from_sequence(session_id, at, seq))[0].index == at
+    finally:
+        await nc.close()
+    checkpoint = make_checkpoint(fold(envelopes[: at + 1]), envelopes[at].event_id, seq)
+    async with AsyncStore(LmdbStore(data / "lmdb")) as store:
+        await FoldCheckpoints(store).write(checkpoint)
+    return at
+
+
+def measure_long(events: int, tail: int) -> None:
     session_id = uuid.uuid4().hex
     envelopes = stored_session(session_id, shape_of(thinker(2)), goal="long", events=events)
     with scratch("apomesh-scale-long-") as base:
@@ -266,13 +299,36 @@ def measure_long(events: int) -> None:
                     await nc.close()
 
             read, folded = asyncio.run(read_and_fold())
-            result = asyncio.run(boot(server.url, base / "daemon", 1, wait=600))
+            data = base / "daemon"
+            # 1. No checkpoint yet: the whole log is folded. The daemon's writer stores one as
+            #    soon as the session is resumed (its first append), which the next start uses.
+            whole = asyncio.run(boot(server.url, data, 1, wait=600))
+            written = asyncio.run(stored_checkpoint(data, session_id))
+            # 2. The checkpoint the daemon itself wrote at the resume.
+            own = asyncio.run(boot(server.url, data, 1, wait=600))
+            # 3. One ``tail`` events behind the end (a session that ran that far since its last).
+            at = asyncio.run(checkpoint_behind(server.url, data, session_id, tail))
+            behind = asyncio.run(boot(server.url, data, 1, wait=600))
         finally:
             server.stop()
     print(
         f"  one session of {events:,} events (published in {seeded:.1f} s): read "
-        f"{read:.3f} s + fold {folded:.3f} s; daemon start to the session dispatched "
-        f"**{result['dispatched']:.3f} s** (boot scan {result['scan']:.3f} s)"
+        f"{read:.3f} s + fold {folded:.3f} s; daemon start to the session dispatched:"
+    )
+    print(
+        f"    no checkpoint (the whole log folded)      **{whole['dispatched']:.3f} s** "
+        f"(boot scan {whole['scan']:.3f} s, {whole['report'].get('events_folded'):,} events folded)"
+    )
+    index = f"index {written.index:,}" if written is not None else "none stored"
+    print(
+        f"    the checkpoint the daemon wrote ({index})  **{own['dispatched']:.3f} s** "
+        f"(boot scan {own['scan']:.3f} s, {own['report'].get('events_folded'):,} events folded, "
+        f"{own['report'].get('from_checkpoints')} from a checkpoint)"
+    )
+    print(
+        f"    a checkpoint {tail:,} events behind (index {at:,})  **{behind['dispatched']:.3f} s** "
+        f"(boot scan {behind['scan']:.3f} s, {behind['report'].get('events_folded'):,} events "
+        f"folded, {behind['report'].get('from_checkpoints')} from a checkpoint)"
     )
 
 
@@ -371,6 +427,13 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--stored", default="10000,100000", help="stored session counts")
     parser.add_argument("--long-events", type=int, default=100_000)
+    parser.add_argument(
+        "--long-tail",
+        type=int,
+        default=CHECKPOINT_EVERY - 1,
+        help="events after the checkpoint in the last long-session start (default: the most a"
+        " writer at the default threshold leaves)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="worker kills")
     parser.add_argument("--loss-sessions", type=int, default=6)
     parser.add_argument(
@@ -394,7 +457,7 @@ def main() -> int:
             measure_scan(count, rng)
     if "long" in parts:
         print("resume of one long session", flush=True)
-        measure_long(args.long_events)
+        measure_long(args.long_events, min(args.long_tail, args.long_events - 1))
     if "parked" in parts:
         install_plugin_package(BENCHTOOLS)
         print("parked sessions (one daemon, in-process workers)", flush=True)

@@ -59,7 +59,7 @@ import contextlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -89,7 +89,7 @@ from apomesh.adapters.nats_connect import (
     direct_get_batch,
     unavailable_as_log_error,
 )
-from apomesh.adapters.stream_fold import StreamFold, fold_stream
+from apomesh.adapters.stream_fold import ResumePoint, StreamFold, fold_stream
 from apomesh.core.envelope import Envelope, decode
 from apomesh.core.errors import AppendConflict, LogError, LogUnavailable
 from apomesh.core.ports import EventLog
@@ -537,6 +537,24 @@ class JetStreamLog:
             for index, data in await self._entries_after(session_id, after)
         ]
 
+    async def read_from_sequence(self, session_id: str, index: int, seq: int) -> list[Envelope]:
+        """The session's envelopes from ``index`` on, read from stream sequence ``seq``, where the
+        caller believes the envelope at ``index`` is stored (a fold checkpoint says so): no
+        lookup of where to start. A wrong belief (the log was purged or replaced since) answers
+        an empty list or raises the ``FoldError`` of the first envelope not at ``index``."""
+        deadline = time.monotonic() + self._timeout
+        run = await self._read_direct(self.subject(session_id), session_id, index, seq, deadline)
+        entries = run.entries()
+        if entries and _probe_index(entries[0][1]) == index:
+            self._remember(session_id, _Position(index + len(entries) - 1, run.last_seq))
+        return [decode_entry(session_id, i, data) for i, data in entries]
+
+    def known_sequence(self, session_id: str, index: int) -> int | None:
+        """The stream sequence of the session's event ``index`` if this log knows it (it is where
+        the session ends, as last appended or read here), else None."""
+        known = self._positions.get(session_id)
+        return known.seq if known is not None and known.index == index else None
+
     async def read_raw(self, session_id: str, after: int = -1) -> list[tuple[int, bytes]]:
         entries = await self._entries_after(session_id, after)
         _check_run(session_id, entries)
@@ -719,11 +737,26 @@ class JetStreamLog:
 
     # -- the whole stream ----------------------------------------------------------------------
 
-    async def fold_all(self, skip: set[str]) -> StreamFold:
+    async def fold_all(
+        self,
+        skip: set[str],
+        *,
+        resume: Mapping[str, ResumePoint] | None = None,
+        sessions: Collection[str] | None = None,
+    ) -> StreamFold:
         """Every session folded in one pass over the stream (``adapters.stream_fold``), passing
-        over the sessions in ``skip``; those the pass cannot vouch for are ``suspect``. Where the
-        unfinished ones end is noted too (``learn_ends``): the boot scan resumes them next."""
-        folded = await fold_stream(self._nc, self.stream, self.subject_prefix, skip=skip)
+        over the sessions in ``skip`` and starting those in ``resume`` from their fold checkpoint
+        (from its sequence on when every one of ``sessions`` has one); those the pass cannot
+        vouch for are ``suspect``. Where the unfinished ones end is noted too (``learn_ends``):
+        the boot scan resumes them next."""
+        folded = await fold_stream(
+            self._nc,
+            self.stream,
+            self.subject_prefix,
+            skip=skip,
+            resume=resume,
+            sessions=sessions,
+        )
         with contextlib.suppress(LogError):  # only a head start: appends look ends up anyway
             await self.learn_ends([s for s, state in folded.states.items() if not state.terminal])
         return folded

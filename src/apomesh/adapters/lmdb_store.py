@@ -2,7 +2,7 @@
 async facade.
 
 ``LmdbStore`` keeps agent snapshots, conversation segments, stored definitions, the tool-call
-journal, the completed-session index and daemon metadata in named sub-databases of one LMDB
+journal, the completed-session index, sessions' folded-state checkpoints and daemon metadata in named sub-databases of one LMDB
 environment under the data dir. Every write is one transaction, synced to disk before it returns
 (``sync=True``): a process killed mid-write leaves either the whole transaction or none of it, never
 a half-written record. A full map surfaces as ``StoreFull`` naming the data dir and the
@@ -44,6 +44,7 @@ DATABASES: Final = (
     "completed",
     "meta",
     "idempotency",
+    "checkpoints",
 )
 """The named sub-databases; ``write_batch``, ``get`` and ``scan`` accept exactly these."""
 

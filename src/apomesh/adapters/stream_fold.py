@@ -14,6 +14,15 @@ do not fold (a gap, a duplicate, an envelope filed under another session's subje
 listed on the stream but absent from the pass are ``suspect``; the caller reads those one by one
 through the log adapter, which names the exact error. Sessions in ``skip`` (those with a
 completed-session record) are passed over unread.
+
+A session with a fold checkpoint (``resume``: its state at an index, that envelope's event id and
+stream sequence) starts from it: its envelopes before that index are dropped unfolded, the one at
+it must carry the recorded event id (else the checkpoint is stale, the log having been purged or
+replaced: the session is ``suspect``, and read from its start one by one), and the ones after it
+are folded onto the checkpoint's state. When every session the caller wants (``sessions``) has a
+checkpoint whose sequence is known, the pass starts at the lowest of those sequences instead of
+the stream's first, so a long session is read from its checkpoint on, not from its first event.
+A session whose checkpoint's envelope the pass never meets is left out (read one by one).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +47,30 @@ from apomesh.core.state import SessionState, apply, new_state
 MAX_PAGE_BYTES = 16 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a session's fold may start (a fold checkpoint): its ``state`` at
+    ``state.last_index``, valid only if the log's envelope there has ``event_id``; ``seq`` is that
+    envelope's stream sequence, when known."""
+
+    state: SessionState
+    event_id: str
+    seq: int | None
+
+
 @dataclass
 class StreamFold:
     """What one pass over the log stream folded."""
 
     states: dict[str, SessionState] = field(default_factory=dict)
     suspect: set[str] = field(default_factory=set)
+    resumed: set[str] = field(default_factory=set)
+    """The sessions in ``states`` folded on from their checkpoint."""
+    stale: set[str] = field(default_factory=set)
+    """The sessions whose checkpoint the log contradicts (they are ``suspect`` too)."""
     events: int = 0
+    folded: int = 0
+    """How many envelopes were folded into a state (not dropped before a checkpoint)."""
     pages: int = 0
 
 
@@ -53,15 +80,20 @@ async def fold_stream(
     subject_prefix: str,
     *,
     skip: set[str],
+    resume: Mapping[str, ResumePoint] | None = None,
+    sessions: Collection[str] | None = None,
     page: int = 10_000,
     timeout: float = 10.0,
 ) -> StreamFold:
     """Fold every session of ``stream`` (subjects ``<subject_prefix>.<session_id>``) that is not in
-    ``skip``, reading the stream once in order. See the module docstring for ``suspect``."""
+    ``skip``, reading the stream once in order, each from its ``resume`` point if it has one. See
+    the module docstring for ``suspect`` and for where the pass starts."""
     result = StreamFold()
     info = await api_request(nc, f"{JS_API_PREFIX}.STREAM.INFO.{stream}", {}, timeout=timeout)
     state = info.get("state", {})
     seq, last_seq = int(state.get("first_seq") or 1), int(state.get("last_seq") or 0)
+    waiting = {s: point for s, point in (resume or {}).items() if s not in skip}
+    seq = max(seq, _first_needed(waiting, sessions, skip) or seq)
     wildcard = f"{subject_prefix}.*"
     states = result.states
 
@@ -90,11 +122,12 @@ async def fold_stream(
             if got.pending > 0 and got.last_sequence:
                 # The next page is asked for now and arrives while this one is folded.
                 upcoming = read_page(got.last_sequence + 1)
-            if not _fold_page(result, got, skip):
+            if not _fold_page(result, got, skip, waiting):
                 for session_id in await _undecodable_sessions(
                     nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
                 ):
                     result.suspect.add(session_id)
+                    result.resumed.discard(session_id)
                     states.pop(session_id, None)
             seq = got.last_sequence + 1
     finally:
@@ -107,9 +140,30 @@ async def fold_stream(
     return result
 
 
-def _fold_page(result: StreamFold, got: DirectGetPage, skip: set[str]) -> bool:
-    """Fold one page of envelopes into their sessions' states; False when a payload in it is
-    not an envelope (its session is then named by ``_undecodable_sessions``)."""
+def _first_needed(
+    waiting: Mapping[str, ResumePoint], sessions: Collection[str] | None, skip: set[str]
+) -> int | None:
+    """The lowest stream sequence the pass must start at when every wanted session starts from a
+    checkpoint of known sequence; None when one of them must be read from its start."""
+    if sessions is None:
+        return None
+    seqs = []
+    for session_id in sessions:
+        if session_id in skip:
+            continue
+        point = waiting.get(session_id)
+        if point is None or point.seq is None:
+            return None
+        seqs.append(point.seq)
+    return min(seqs) if seqs else None
+
+
+def _fold_page(
+    result: StreamFold, got: DirectGetPage, skip: set[str], waiting: dict[str, ResumePoint]
+) -> bool:
+    """Fold one page of envelopes into their sessions' states (a session in ``waiting`` from its
+    checkpoint, once the envelope at its index is seen to be the checkpoint's); False when a
+    payload in it is not an envelope (its session is then named by ``_undecodable_sessions``)."""
     states = result.states
     result.pages += 1
     decodable = True
@@ -125,11 +179,26 @@ def _fold_page(result: StreamFold, got: DirectGetPage, skip: set[str]) -> bool:
             continue
         folded = states.get(session_id)
         if folded is None:
+            point = waiting.get(session_id)
+            if point is not None:
+                at = point.state.last_index
+                if env.index < at:
+                    continue  # folded into the checkpoint already
+                del waiting[session_id]
+                if env.index == at and env.event_id == point.event_id:
+                    states[session_id] = point.state
+                    result.resumed.add(session_id)
+                else:  # the log holds something else there: fold it from its start
+                    result.stale.add(session_id)
+                    result.suspect.add(session_id)
+                continue
             folded = states[session_id] = new_state(session_id)
         try:
             apply(folded, env)
+            result.folded += 1
         except FoldError:
             result.suspect.add(session_id)
+            result.resumed.discard(session_id)
             del states[session_id]
     return decodable
 

@@ -148,6 +148,8 @@ class SnapshotsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How agent snapshots are stored."""
 
     compact_every: Positive = 32
+    fold_checkpoint_every: Positive = 10_000
+    """Events a session's writer appends between two checkpoints of its folded state."""
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -149,6 +149,8 @@ class Daemon:
             on_end=self.registry.end,
             spawn=self._spawn,
             closing=lambda: self._closing,
+            checkpoints=self.registry.fold_checkpoints,
+            checkpoint_every=config.snapshots.fold_checkpoint_every,
         )
         self.registry.make_runtime = self._make_runtime
         self.control = ControlPlane(

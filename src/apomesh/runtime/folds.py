@@ -7,7 +7,9 @@ daemon) it would read and fold the whole log at every request: for a 10k-event s
 tens of milliseconds each time. ``FoldCache`` keeps the last folded state per session (a bounded,
 least-recently-used set) and brings it up to date by folding only the events after its last index;
 an ended session's state never changes, so it is answered without touching the log at all. A view
-is rebuilt only when the state moved on.
+is rebuilt only when the state moved on. The first fold of a session starts from its fold
+checkpoint when the cache is given ``start`` (``FoldCheckpoints.fold``): a long session driven by
+another daemon costs the events after its checkpoint, not its whole log.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from apomesh.core.views import SessionView, session_view
 ReadLog = Callable[[str, int], Awaitable[list[Envelope]]]
 """``read(session_id, after)``: the session's envelopes with index > ``after``, in order."""
 
+FoldLog = Callable[[str], Awaitable[SessionState]]
+"""``start(session_id)``: the session's state as its log holds it now (an empty state, index -1,
+for a session with no events), folded by the caller's means (from a fold checkpoint)."""
+
 DEFAULT_CAPACITY = 512
 
 
@@ -39,11 +45,15 @@ class _Entry:
 class FoldCache:
     """Folded states of sessions read from the log, updated incrementally.
 
-    The states are the cache's own, folded from the log alone: callers read them (and build views
-    from them) without awaiting in between, and never append through them."""
+    The states are the cache's own, folded from the log (and the fold checkpoints ``start``
+    reads) alone: callers read them (and build views from them) without awaiting in between, and
+    never append through them."""
 
-    def __init__(self, read: ReadLog, *, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, read: ReadLog, *, capacity: int = DEFAULT_CAPACITY, start: FoldLog | None = None
+    ) -> None:
         self._read = read
+        self._start = start
         self._capacity = capacity
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self.full_folds = 0
@@ -73,17 +83,17 @@ class FoldCache:
         async with entry.lock:
             current = entry.state
             if current is None:
-                envelopes = await self._read(session_id, -1)
-                if not envelopes:
-                    self._entries.pop(session_id, None)
-                    raise NotFound(f"session {session_id}")
                 try:
-                    entry.state = fold(envelopes, session_id)
+                    state = await self._fold_whole(session_id)
                 except Exception:
                     self._entries.pop(session_id, None)
                     raise
+                if state.last_index < 0:
+                    self._entries.pop(session_id, None)
+                    raise NotFound(f"session {session_id}")
+                entry.state = state
                 self.full_folds += 1
-                return entry.state
+                return state
             if current.terminal:
                 return current
             newer = await self._read(session_id, current.last_index)
@@ -98,6 +108,11 @@ class FoldCache:
                     raise
                 self.incremental_folds += 1
             return current
+
+    async def _fold_whole(self, session_id: str) -> SessionState:
+        if self._start is not None:
+            return await self._start(session_id)
+        return fold(await self._read(session_id, -1), session_id)
 
     async def view(self, session_id: str) -> SessionView:
         """The session's view (``session_view`` of ``state``), rebuilt only when it moved on."""

@@ -2,7 +2,8 @@
 
 ``BootScan.run`` skips sessions with a completed record, folds the rest (in one pass over the
 stream when the log adapter can, ``fold_all``; one by one otherwise, and for the sessions the pass
-cannot vouch for), books terminal ones as completed, auto-resumes the safe ones through the
+cannot vouch for; each from its fold checkpoint when the log confirms it,
+``runtime.fold_checkpoints``), books terminal ones as completed, auto-resumes the safe ones through the
 registry (a drained session under its own agent refs; waiting for a lease another owner still holds) and strands the others on the
 recoverable list with their category (``recoverable``, ``pin_mismatch``, ``undecodable``, ...).
 ``classify`` is the verdict for one folded session: the plugins' recovery classifiers first, then
@@ -23,17 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from apomesh.adapters.lmdb_store import AsyncStore
-from apomesh.adapters.stream_fold import StreamFold
+from apomesh.adapters.stream_fold import ResumePoint, StreamFold
 from apomesh.core import decisions
 from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, OwnedElsewhere
 from apomesh.core.ports import EventLog
-from apomesh.core.state import SessionState, fold
+from apomesh.core.state import SessionState
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
 from apomesh.runtime.presence import Presence
@@ -46,7 +48,13 @@ log = logging.getLogger("apomesh.daemon")
 class FoldsInOnePass(Protocol):
     """A log that can fold every session in one pass over its stream (``JetStreamLog``)."""
 
-    async def fold_all(self, skip: set[str]) -> StreamFold: ...
+    async def fold_all(
+        self,
+        skip: set[str],
+        *,
+        resume: Mapping[str, ResumePoint] | None = None,
+        sessions: Collection[str] | None = None,
+    ) -> StreamFold: ...
 
 
 def classify(plugins: PluginHost, state: SessionState) -> decisions.Classification:
@@ -106,7 +114,10 @@ class BootScan:
             "undecodable": 0,
             "owned_by_peers": 0,
         }
-        scanned = await self._fold_in_one_pass(completed)
+        checkpoints = self.registry.fold_checkpoints
+        before = dataclasses.replace(checkpoints.stats)
+        pass_result = await self._fold_in_one_pass(completed, session_ids)
+        scanned = pass_result.states if pass_result is not None else {}
         # Every lease in one read (not one per session); asked one by one only if that fails.
         holders = await self.registry.lease_holders()
 
@@ -115,7 +126,7 @@ class BootScan:
             async with gate:
                 try:
                     if state is None:
-                        state = fold(await self.log_adapter.read(session_id), session_id)
+                        state = await checkpoints.fold(self.log_adapter, session_id)
                 except (CodecError, FoldError) as exc:
                     self._strand_undecodable(
                         session_id, exc, counts, await self._corrupt(exc, session_id)
@@ -165,6 +176,18 @@ class BootScan:
             )
 
         await asyncio.gather(*(one(s) for s in session_ids))
+        stats = checkpoints.stats
+        resumed = len(pass_result.resumed) if pass_result is not None else 0
+        folded = pass_result.folded if pass_result is not None else 0
+        counts["from_checkpoints"] = resumed + stats.used - before.used
+        counts["checkpoints_ignored"] = stats.ignored - before.ignored
+        counts["events_folded"] = (
+            folded
+            + stats.events_after
+            - before.events_after
+            + stats.events_whole
+            - before.events_whole
+        )
         counts["seconds"] = round(time.perf_counter() - started, 3)
         self.log.info("boot scan: %s", counts)
         return counts
@@ -199,26 +222,33 @@ class BootScan:
                 return corrupt_bootstrap(first[0][1])
         return None
 
-    async def _fold_in_one_pass(self, completed: set[str]) -> dict[str, SessionState]:
-        """Every session folded in one pass over the log stream, when the log can; the sessions
-        the pass cannot vouch for are left out (read one by one)."""
+    async def _fold_in_one_pass(
+        self, completed: set[str], session_ids: Collection[str]
+    ) -> StreamFold | None:
+        """Every session folded in one pass over the log stream (each from its fold checkpoint
+        when it has one), when the log can; the sessions the pass cannot vouch for are left out
+        of its states (read one by one)."""
         if not isinstance(self.log_adapter, FoldsInOnePass):
-            return {}
+            return None
         try:
-            result = await self.log_adapter.fold_all(completed)
+            resume = await self.registry.fold_checkpoints.load_all()
+            result = await self.log_adapter.fold_all(completed, resume=resume, sessions=session_ids)
         except ApomeshError as exc:
             self.log.warning(
                 "boot scan: one pass over the log failed (%s); reading sessions one by one", exc
             )
-            return {}
+            return None
         self.log.info(
-            "boot scan: %d events folded in one pass (%d pages), %d sessions, %d to read one by one",
+            "boot scan: %d events read in one pass (%d pages, %d folded), %d sessions (%d from"
+            " their fold checkpoint), %d to read one by one",
             result.events,
             result.pages,
+            result.folded,
             len(result.states),
+            len(result.resumed),
             len(result.suspect),
         )
-        return result.states
+        return result
 
     async def _adopt_when_free(self, state: SessionState) -> None:
         """Auto-resume a session whose lease another owner still holds, once it expires (a
@@ -324,7 +354,7 @@ class Takeover:
         if session_id in self.registry.stranded or self.registry.writer(session_id) is not None:
             return
         try:
-            state = fold(await self.log_adapter.read(session_id), session_id)
+            state = await self.registry.fold_checkpoints.fold(self.log_adapter, session_id)
         except (CodecError, FoldError) as exc:
             reason = f"{decisions.REASON_UNDECODABLE}: {exc}"
             self.registry.strand(Recoverable(session_id, "", reason, "undecodable", 0, 0.0))
@@ -357,7 +387,7 @@ class Takeover:
             self.owned_by[session_id] = holder  # another peer took it: watch that one now
             return False
         try:
-            state = fold(await self.log_adapter.read(session_id), session_id)
+            state = await self.registry.fold_checkpoints.fold(self.log_adapter, session_id)
         except (CodecError, FoldError) as exc:
             self.log.error("session %s of daemon %s cannot be folded: %s", session_id, owner, exc)
             self.owned_by.pop(session_id, None)

@@ -31,7 +31,8 @@ from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core.errors import ApomeshError, AppendConflict, NotFound, OwnedElsewhere
 from apomesh.core.events import Event
 from apomesh.core.ports import EventLog, SessionLeases
-from apomesh.core.state import SessionState, fold
+from apomesh.core.state import SessionState
+from apomesh.runtime.fold_checkpoints import FoldCheckpoints
 from apomesh.runtime.folds import FoldCache
 from apomesh.runtime.sessions import Ending, SessionRuntime
 from apomesh.runtime.snapshots import SnapshotStore
@@ -122,7 +123,12 @@ class SessionRegistry:
         """Set by the daemon once the writers' collaborators exist (their ``on_end`` is ``end``)."""
         self.live: dict[str, SessionRuntime] = {}
         self.stranded: dict[str, Recoverable] = {}
-        self.folds = FoldCache(log_adapter.read)
+        self.fold_checkpoints = FoldCheckpoints(store, logger=self.log)
+        """Sessions' folded-state checkpoints: a session to adopt is folded from its latest."""
+        self.folds = FoldCache(
+            log_adapter.read,
+            start=lambda session_id: self.fold_checkpoints.fold(log_adapter, session_id),
+        )
         """Sessions this daemon does not drive (ended ones above all) are read through this
         cache, so a request folds only what was appended since the last one."""
 
@@ -218,10 +224,9 @@ class SessionRegistry:
         rec = self.stranded.get(session_id)
         state = rec.state if rec is not None else None
         if state is None:
-            envelopes = await self.log_adapter.read(session_id)
-            if not envelopes:
+            state = await self.fold_checkpoints.fold(self.log_adapter, session_id)
+            if state.last_index < 0:
                 raise NotFound(f"session {session_id}")
-            state = fold(envelopes, session_id)
         if state.terminal:
             raise ApomeshError(f"session {session_id} has already ended ({state.status})")
         return await self.adopt(state, recovered=None, fresh_children=False, start=False)

@@ -3,7 +3,7 @@ ended longer ago than ``[retention] ended_after`` (the daemon's sweep at boot an
 ``apomesh sessions purge --ended-before``).
 
 A purge removes everything the daemon keeps of a session: its subject on the log stream, its
-snapshots, conversation segments, definitions and journal records, the ``Idempotency-Key`` records
+snapshots, conversation segments, definitions and journal records, its fold checkpoint, the ``Idempotency-Key`` records
 that answer it (a retry after the purge starts a new session), and last its completed-session
 record. The completed record goes last on purpose: a purge cut short (a crash, a lost connection)
 leaves it behind, so the session is still listed as ended and the next sweep or the operator's
@@ -23,6 +23,7 @@ from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core.errors import CommandRefused, NotFound
 from apomesh.core.ports import EventLog
 from apomesh.core.state import fold
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB
 from apomesh.runtime.registry import (
     IDEMPOTENCY_DB,
     CompletedRecord,
@@ -87,6 +88,7 @@ class Retention:
             deletes = [(IDEMPOTENCY_DB, key) for key in keys.get(session_id, ())]
             for db in SESSION_DATABASES:
                 deletes.extend((db, key) for key, _ in await self.store.scan(db, f"{session_id}/"))
+            deletes.append((CHECKPOINT_DB, session_id))
             deletes.append(("completed", session_id))
             await self.store.write_batch([], deletes)
             self._forget(session_id)

@@ -84,6 +84,7 @@ from apomesh.core.events import (
 from apomesh.core.journal import idempotency_key
 from apomesh.core.ports import EventLog
 from apomesh.core.state import AgentView, SessionState, apply, check
+from apomesh.core.state_codec import make_checkpoint
 from apomesh.plugins.api import (
     BATCH_DONE_EARLY,
     ROOT_PURPOSES,
@@ -95,6 +96,7 @@ from apomesh.plugins.api import (
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime import tracing
 from apomesh.runtime.config import LimitsConfig
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_EVERY, FoldCheckpoints, KnowsSequences
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import worker_pins
 from apomesh.runtime.protocol import (
@@ -164,6 +166,10 @@ class SessionDeps:
     """Runs a background task the daemon cancels at shutdown."""
     closing: Callable[[], bool]
     """True once the daemon shuts down: nothing waits for the log any more."""
+    checkpoints: FoldCheckpoints | None = None
+    """Where the writer stores its session's folded state now and then (None: it does not)."""
+    checkpoint_every: int = CHECKPOINT_EVERY
+    """Events appended between two of those checkpoints."""
 
 
 @dataclass
@@ -236,6 +242,13 @@ class SessionRuntime:
         """The tasks driving an agent (``drive_agent``), stopped when the session is held."""
         self._id_prefix = os.urandom(8).hex()
         self._id_counter = itertools.count()
+        self._last_event_id: str | None = None
+        """The event id of the envelope at ``state.last_index``, once this writer appended."""
+        self._last_seq: int | None = None
+        """Its stream sequence, when the log knows it."""
+        self._checkpointed = -1
+        """The index of the last fold checkpoint this writer stored (-1: none yet)."""
+        self._checkpointing: asyncio.Task[None] | None = None
 
     # --- the single writer -----------------------------------------------------------------------
 
@@ -295,6 +308,54 @@ class SessionRuntime:
         self.deps.metrics.append_seconds.observe(seconds)
         for env in envs:
             apply(self.state, env)
+        # Noted with the state in one synchronous stretch: a checkpoint pairs them.
+        self._last_event_id = envs[-1].event_id
+        log_adapter = self.deps.log
+        self._last_seq = (
+            log_adapter.known_sequence(self.session_id, envs[-1].index)
+            if isinstance(log_adapter, KnowsSequences)
+            else None
+        )
+        self._after_commit()
+
+    # --- fold checkpoints (runtime.fold_checkpoints) ----------------------------------------------
+
+    def _after_commit(self) -> None:
+        """Start storing a fold checkpoint once ``checkpoint_every`` events were appended since
+        the last (one at a time, as a task of its own: the step's caller does not wait for it);
+        drop the session's checkpoint once it has ended."""
+        checkpoints, every = self.deps.checkpoints, self.deps.checkpoint_every
+        if checkpoints is None:
+            return
+        if self.state.terminal:
+            if self._checkpointed >= 0 or self.state.last_index >= every:
+                self.deps.spawn(self._drop_checkpoint(checkpoints))
+            return
+        if self._checkpointing is not None and not self._checkpointing.done():
+            return
+        if self.state.last_index - self._checkpointed >= every:
+            self._checkpointing = self.deps.spawn(self._write_checkpoint(checkpoints))
+
+    async def _write_checkpoint(self, checkpoints: FoldCheckpoints) -> None:
+        await asyncio.sleep(0)  # the step that crossed the threshold is answered first
+        if self.state.terminal or self.conflict is not None or self._last_event_id is None:
+            return
+        # Every applied event was acknowledged by the log first, so the state is durable there.
+        checkpoint = make_checkpoint(self.state, self._last_event_id, self._last_seq)
+        self._checkpointed = checkpoint.index
+        try:
+            await checkpoints.write(checkpoint)
+        except Exception as exc:  # only an accelerator: the next one is tried later
+            log.warning("session %s: fold checkpoint not stored: %s", self.session_id, exc)
+
+    async def _drop_checkpoint(self, checkpoints: FoldCheckpoints) -> None:
+        writing = self._checkpointing
+        if writing is not None:
+            await asyncio.wait([writing])  # its write lands first, so the delete is the last word
+        try:
+            await checkpoints.delete(self.session_id)
+        except Exception as exc:
+            log.warning("session %s: fold checkpoint not removed: %s", self.session_id, exc)
 
     async def append(self, *events: Event) -> int:
         """Append a step's events unconditionally decided (checked by the fold all the same);

@@ -1,0 +1,197 @@
+"""Folded-state checkpoints across a daemon SIGKILL, on a real nats-server, a real ``apomesh serve``
+process and its real state store (LMDB, written through to the replicated bucket, as a daemon given
+NATS URLs runs it).
+
+- A session that crossed the checkpoint threshold (ten events here) is resumed after a SIGKILL
+  from its checkpoint: the boot scan folds only the events after it, and the state it resumes
+  from is the fold of the whole log. Once the session ends its checkpoint is gone.
+- A checkpoint the log contradicts (its event id is not the log's at its index) and one that does
+  not decode are ignored: those sessions fold from their first event, and resume correctly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx
+import msgspec
+import pytest
+
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.adapters.nats_connect import connect
+from apomesh.adapters.natsserver import NatsServer
+from apomesh.core.state import SessionState, fold
+from apomesh.core.state_codec import decode_checkpoint
+from apomesh.core.views import session_view
+from apomesh.runtime.config import load_config
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, FoldCheckpoints
+from apomesh.runtime.node import open_state_store
+from apomesh.sdk.client import Client
+from apomesh.testing import DaemonProcess
+
+pytestmark = pytest.mark.anyio
+
+EVERY = 10
+"""The checkpoint threshold the daemon runs with: a session of a few dozen events crosses it."""
+DEADLINE = 60.0
+
+
+def long_thinker(steps: int = 12) -> dict[str, Any]:
+    """A solo agent that looks around ``steps`` times (no side effect), then asks a human and
+    parks on the pause: its log holds still while the daemon is killed and restarted."""
+    look = {"tool": "fs.list", "args": {"path": "."}}
+    turns: list[dict[str, Any]] = [
+        {"text": f"step {n}", "tool_calls": [look]} for n in range(steps)
+    ]
+    turns.append({"tool_calls": [{"tool": "ask_human", "args": {"question": "Go on?"}}]})
+    turns.append({"final": "done"})
+    return {
+        "name": "long-thinker",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.list", "ask_human"],
+        "model": {"provider": "scripted", "turns": turns},
+    }
+
+
+@pytest.fixture(scope="module")
+def daemon(
+    nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    process = DaemonProcess(
+        [nats_server.url],
+        tmp_path_factory.mktemp("checkpoints") / "daemon",
+        workers=1,
+        env={"APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_EVERY": str(EVERY)},
+    )
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+async def read_log(nats_url: str, session_id: str) -> SessionState:
+    nc = await connect([nats_url])
+    try:
+        return fold(await JetStreamLog(nc).read(session_id), session_id)
+    finally:
+        await nc.close()
+
+
+async def parked(client: Client, nats_url: str, session_id: str, after: int = -1) -> SessionState:
+    """The session's folded log once it is parked on an open pause past index ``after``."""
+    with anyio.fail_after(DEADLINE):
+        while True:
+            view = await client.get_session(session_id)
+            if view.status == "paused" and view.last_index > after:
+                state = await read_log(nats_url, session_id)
+                if state.hitl_pending and state.last_index == view.last_index:
+                    return state
+            await anyio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def daemon_store(daemon: DaemonProcess) -> AsyncIterator[AsyncStore]:
+    """The state store of a stopped daemon, opened as it opens it (its LMDB, written through to
+    the replicated bucket, which is the authority)."""
+    config = load_config(None, env={}, overrides={"nats": {"urls": daemon.nats_urls}})
+    store = AsyncStore(await open_state_store(config, daemon.data_dir, daemon.nats_urls, {}))
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+async def stored(daemon: DaemonProcess) -> dict[str, bytes]:
+    """The checkpoint records in a stopped daemon's state store, by session."""
+    async with daemon_store(daemon) as store:
+        return dict(await store.scan(CHECKPOINT_DB, ""))
+
+
+def boot_report(daemon: DaemonProcess) -> dict[str, Any]:
+    return dict(httpx.get(f"{daemon.url}/healthz", timeout=10).json()["boot"])
+
+
+async def finish(client: Client, nats_url: str, session_id: str) -> None:
+    state = await read_log(nats_url, session_id)
+    (pause_id,) = state.hitl_pending
+    await client.answer_hitl(session_id, pause_id, "yes")
+    with anyio.fail_after(DEADLINE):
+        while (await client.get_session(session_id)).status != "completed":
+            await anyio.sleep(0.05)
+
+
+async def same_as_the_log(client: Client, nats_url: str, session_id: str, before: int) -> None:
+    """The restarted daemon drives the session from a state equal to the fold of its whole log:
+    parked again on the same question, its view (the writer's state) is the log's."""
+    state = await parked(client, nats_url, session_id, after=before)
+    view = await client.get_session(session_id)
+    expected = session_view(state)
+    assert view.last_index == expected.last_index == state.last_index
+    assert view.status == "paused"
+    assert [(a.ref, a.parent, a.phase) for a in view.agents] == [
+        (a.ref, a.parent, a.phase) for a in expected.agents
+    ]
+    assert view.side_effects == expected.side_effects == 0
+
+
+async def test_a_long_session_resumes_from_its_checkpoint_reading_only_the_tail(
+    daemon: DaemonProcess, nats_server: NatsServer
+) -> None:
+    client = Client(daemon.url)
+    session_id = await client.start_session("think long", definition=long_thinker())
+    before = await parked(client, nats_server.url, session_id)
+    assert before.last_index > EVERY
+    await anyio.to_thread.run_sync(daemon.kill)
+
+    records = await stored(daemon)
+    assert set(records) == {session_id}
+    checkpoint = decode_checkpoint(records[session_id])
+    assert EVERY <= checkpoint.index <= before.last_index
+    assert checkpoint.seq is not None  # JetStream told the writer where the event is stored
+
+    await anyio.to_thread.run_sync(daemon.start)
+    report = boot_report(daemon)
+    assert report["from_checkpoints"] == 1
+    assert report["checkpoints_ignored"] == 0
+    assert report["events_folded"] == before.last_index - checkpoint.index
+    await same_as_the_log(client, nats_server.url, session_id, before.last_index)
+
+    await finish(client, nats_server.url, session_id)
+    await anyio.to_thread.run_sync(daemon.kill)
+    assert await stored(daemon) == {}  # an ended session keeps no checkpoint
+    await anyio.to_thread.run_sync(daemon.start)
+
+
+async def test_a_checkpoint_the_log_contradicts_or_that_does_not_decode_is_ignored(
+    daemon: DaemonProcess, nats_server: NatsServer
+) -> None:
+    client = Client(daemon.url)
+    contradicted = await client.start_session("contradicted", definition=long_thinker())
+    garbled = await client.start_session("garbled", definition=long_thinker())
+    states = {s: await parked(client, nats_server.url, s) for s in (contradicted, garbled)}
+    await anyio.to_thread.run_sync(daemon.kill)
+
+    records = await stored(daemon)
+    assert set(records) == {contradicted, garbled}
+    # As if the log had been purged and the session id reused: another event at its index.
+    wrong = msgspec.structs.replace(decode_checkpoint(records[contradicted]), event_id="f" * 32)
+    async with daemon_store(daemon) as store:
+        await FoldCheckpoints(store).write(wrong)
+        await store.write_batch([(CHECKPOINT_DB, garbled, b"\xc1 not a checkpoint")])
+
+    await anyio.to_thread.run_sync(daemon.start)
+    report = boot_report(daemon)
+    assert report["from_checkpoints"] == 0
+    assert report["checkpoints_ignored"] == 2
+    # Both folded from their first event.
+    assert report["events_folded"] == sum(s.last_index + 1 for s in states.values())
+    for session_id, state in states.items():
+        await same_as_the_log(client, nats_server.url, session_id, state.last_index)
+        await finish(client, nats_server.url, session_id)
