@@ -249,6 +249,8 @@ class SessionRuntime:
         self._checkpointed = -1
         """The index of the last fold checkpoint this writer stored (-1: none yet)."""
         self._checkpointing: asyncio.Task[None] | None = None
+        self._sequences = deps.log if isinstance(deps.log, KnowsSequences) else None
+        """The log, when it tells the stream sequence of an event (asked at every append)."""
 
     # --- the single writer -----------------------------------------------------------------------
 
@@ -310,10 +312,9 @@ class SessionRuntime:
             apply(self.state, env)
         # Noted with the state in one synchronous stretch: a checkpoint pairs them.
         self._last_event_id = envs[-1].event_id
-        log_adapter = self.deps.log
         self._last_seq = (
-            log_adapter.known_sequence(self.session_id, envs[-1].index)
-            if isinstance(log_adapter, KnowsSequences)
+            self._sequences.known_sequence(self.session_id, envs[-1].index)
+            if self._sequences is not None
             else None
         )
         self._after_commit()
