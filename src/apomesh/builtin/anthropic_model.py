@@ -39,10 +39,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import httpx_sse
+if TYPE_CHECKING:
+    import httpx
 
 from apomesh.builtin.openai_model import (
     NO_RESULT,
@@ -50,6 +50,7 @@ from apomesh.builtin.openai_model import (
     Credential,
     OpenAIProvider,
     api_tool_name,
+    event_source,
     http_errors,
     model_response,
     read_to_end,
@@ -268,7 +269,7 @@ class AnthropicModel:
                 if reply.status_code >= 300:
                     await reply.aread()
                     raise refusal(reply, PROVIDER_NAME, secret=self.api_key)
-                events = httpx_sse.EventSource(reply).aiter_sse()
+                events = event_source(reply)
                 async for event in events:
                     for delta in message.feed(event.event, event.data):
                         await emit_delta(delta)

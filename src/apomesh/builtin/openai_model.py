@@ -51,10 +51,10 @@ import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-import httpx_sse
+if TYPE_CHECKING:
+    import httpx
 
 from apomesh.core.definition import ModelSpec, ToolCallSpec
 from apomesh.core.errors import DefinitionError
@@ -102,7 +102,7 @@ OPTIONS: dict[str, str] = {
 """Every ``[model]`` option the provider takes (``ModelProvider.options``)."""
 RESERVED_BODY_KEYS = frozenset({"model", "messages", "tools", "stream"})
 """Body keys apomesh sets itself, which ``extra_body`` may not replace."""
-POOL_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+POOL_LIMITS = {"max_connections": 64, "max_keepalive_connections": 16}
 WORKER_ONLY_OPTIONS = ("base_url", "api_key_env")
 """Options a definition may not give: they are the worker's configured credentials."""
 RESERVED_ENV_PREFIX = "APOMESH_"
@@ -451,10 +451,12 @@ class _ClientPool:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def client(self) -> httpx.AsyncClient:
+        import httpx  # imported on first use: it is a fifth of a second of every process's start
+
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop or self._client.is_closed:
             self._client = httpx.AsyncClient(
-                follow_redirects=False, timeout=DEFAULT_TIMEOUT, limits=POOL_LIMITS
+                follow_redirects=False, timeout=DEFAULT_TIMEOUT, limits=httpx.Limits(**POOL_LIMITS)
             )
             self._loop = loop
         return self._client
@@ -561,6 +563,9 @@ def check_stream_option(options: Mapping[str, Any], where: str) -> None:
 def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
     """Transport failures of a call to ``url`` as retryable ``ModelError``s: a timeout, a
     connection that broke mid-answer (a stream cut off), an endpoint that cannot be reached."""
+    import httpx
+    import httpx_sse
+
     try:
         yield
     except httpx.TimeoutException:
@@ -584,6 +589,13 @@ def http_errors(provider: str, url: str, timeout: float) -> Iterator[None]:
         ) from None
 
 
+def event_source(reply: httpx.Response) -> AsyncIterator[Any]:
+    """The server-sent events of a streamed answer."""
+    import httpx_sse
+
+    return httpx_sse.EventSource(reply).aiter_sse()
+
+
 DRAIN_SECONDS = 1.0
 """How long a finished stream's remaining bytes (its last, empty chunk) are waited for."""
 
@@ -592,6 +604,8 @@ async def read_to_end(events: AsyncIterator[Any]) -> None:
     """Read what follows the end of an answer in its stream, so that its kept-alive connection
     goes back to the pool (a response left half-read closes it); a server that keeps the
     stream open past ``DRAIN_SECONDS`` or breaks it now costs only that connection."""
+    import httpx
+
     with contextlib.suppress(httpx.HTTPError, TimeoutError):
         async with asyncio.timeout(DRAIN_SECONDS):
             async for _ in events:
@@ -760,7 +774,7 @@ async def respond_streaming(
             if reply.status_code >= 300:
                 await reply.aread()
                 raise refusal(reply, PROVIDER_NAME, secret=model.api_key)
-            events = httpx_sse.EventSource(reply).aiter_sse()
+            events = event_source(reply)
             async for event in events:
                 if event.data.strip() == "[DONE]":
                     break
