@@ -2,7 +2,9 @@
 
 ``bench.lookup`` is read-only: it answers a fixed-size record for a key. ``bench.append`` is a
 side effect: it appends one fixed-width line to ``bench/<session>.log`` in the workspace with
-``O_APPEND`` and no fsync (the naive floor does the very same write).
+``O_APPEND`` and no fsync (the naive floor does the very same write). Its probe answers whether
+a call's line is in the file, so a call cut off between its intent and its result (a kill -9) is
+run again only if its line was never written: recovery then leaves no effect unrun and none twice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from apomesh.plugins.api import Tool, ToolContext
+from apomesh.plugins.api import ProbeResult, Tool, ToolContext
 from apomesh.plugins.hookspecs import hookimpl
 
 LINE_WIDTH = 64
@@ -42,6 +44,18 @@ async def append(ctx: ToolContext, args: dict[str, Any]) -> str:
     return "appended"
 
 
+async def appended(ctx: ToolContext, args: dict[str, Any]) -> ProbeResult:
+    """Whether the call's line is in the session's file (the probe of ``bench.append``)."""
+    path = ctx.workspace / "bench" / f"{ctx.session_id}.log"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ProbeResult("not_happened")
+    if line_for(ctx.session_id, int(args.get("step", 0))) in data:
+        return ProbeResult("happened", result="appended")
+    return ProbeResult("not_happened")
+
+
 @hookimpl
 def register_tools(register: Callable[[Tool], None]) -> None:
     register(
@@ -59,5 +73,6 @@ def register_tools(register: Callable[[Tool], None]) -> None:
             run=append,
             parameters={"type": "object", "properties": {"step": {"type": "integer"}}},
             side_effect=True,
+            probe=appended,
         )
     )
