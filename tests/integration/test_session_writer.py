@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -241,3 +242,26 @@ async def test_a_lease_deleted_while_driven_is_taken_again_unless_the_session_en
     registry._lease_changed(SID, None)  # a deletion of a session no longer driven: ignored
     await asyncio.sleep(0.05)
     assert leases.acquired == 2
+
+
+async def test_a_session_cut_off_at_hand_over_keeps_its_lease_a_lease_ttl_then_gives_it_back(
+    tmp_path: Path,
+) -> None:
+    """A drained daemon that goes on running (maintenance) renews its presence record, which keeps
+    its leases: a session the drain cut off (an effect may still be in flight on its worker) is
+    held as long as a crashed daemon's lease would be, then given back for a peer to adopt."""
+    log, runtime = await paused_writer(tmp_path, [])
+    leases = CountedLeases()
+    registry = lease_registry(log, leases)
+    registry.snapshots = cast(Any, SimpleNamespace(forget=lambda key: None))
+    registry.live[SID] = runtime
+    assert not runtime.state.cleanly_suspended
+    assert await registry.hand_over(hold_cut_off=0.3) == [SID]
+    assert SID not in registry.live
+    await asyncio.sleep(0.1)
+    assert leases.released == 0  # still held: a peer waits
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if leases.released:
+            break
+    assert leases.released == 1

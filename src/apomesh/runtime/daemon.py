@@ -289,7 +289,7 @@ class Daemon:
             peers = []
         handed: list[str] = []
         if peers:
-            handed = await self.registry.hand_over()
+            handed = await self.registry.hand_over(hold_cut_off=self.kv.leases.ttl)
             self.presence.handed_over = handed
             log.info("drain: %d sessions handed over to %d live peers", len(handed), len(peers))
         self.presence.state = "drained"

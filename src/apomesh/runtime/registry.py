@@ -306,12 +306,13 @@ class SessionRegistry:
             )
         return len(pending)
 
-    async def hand_over(self) -> list[str]:
+    async def hand_over(self, *, hold_cut_off: float) -> list[str]:
         """After ``drain``, for the live peers: this daemon stops driving every session. Those
         that logged ``SessionSuspended`` get their leases back at once, for a peer to adopt them
-        with no unknown outcome; one cut off by the grace period keeps its lease, no longer
-        renewed, and a peer adopts it once this daemon's presence record ages out, as after a
-        crash. Answers their ids."""
+        with no unknown outcome; one cut off by the grace period (a side effect may still be in
+        flight on its worker) keeps its lease ``hold_cut_off`` seconds more, as long as a lease
+        outlives a crashed daemon, and a peer adopts it then (or once this daemon's presence
+        record ages out, should it exit first). Answers their ids."""
         handed: list[str] = []
         for session_id, runtime in list(self.live.items()):
             await runtime.stop()
@@ -322,9 +323,17 @@ class SessionRegistry:
             if runtime.state.cleanly_suspended:
                 with contextlib.suppress(Exception):
                     await self.leases.release(session_id, self.owner)
+            else:
+                self.spawn(self._release_later(session_id, hold_cut_off))
             handed.append(session_id)
         self.changed()
         return handed
+
+    async def _release_later(self, session_id: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if session_id not in self.live:
+            with contextlib.suppress(Exception):
+                await self.leases.release(session_id, self.owner)
 
     async def stop_all(self) -> None:
         """Daemon shutdown: stop every writer; its leases lapse with its presence record (see
