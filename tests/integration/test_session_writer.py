@@ -178,11 +178,16 @@ class CountedLeases(SlowLeases):
     def __init__(self) -> None:
         self.acquired = 0
         self.released = 0
+        self.holder: str | None = None
+        """What ``owner`` answers (None: nobody holds it; ``acquire`` then takes it)."""
 
     async def acquire(self, session_id: str, owner: str) -> bool:
         self.acquired += 1
         await asyncio.sleep(0.01)
-        return True
+        return self.holder in (None, owner)
+
+    async def owner(self, session_id: str) -> str | None:
+        return self.holder
 
     async def release(self, session_id: str, owner: str) -> bool:
         self.released += 1
@@ -204,14 +209,21 @@ def lease_registry(log: MemoryLog, leases: Any) -> SessionRegistry:
 async def test_a_lease_taken_by_another_owner_stops_the_writer(tmp_path: Path) -> None:
     ended: list[Ending] = []
     log, runtime = await paused_writer(tmp_path, ended)
-    registry = lease_registry(log, CountedLeases())
+    leases = CountedLeases()
+    registry = lease_registry(log, leases)
     registry.live[SID] = runtime
     registry._lease_changed(SID, "daemon-here")  # its own adoption: nothing to do
     registry._lease_changed("some-other-session", "daemon-elsewhere")  # not driven here
+    leases.holder = "daemon-here"
+    registry._lease_changed(SID, "daemon-elsewhere")  # seen late: the lease is ours again now
     await asyncio.sleep(0.05)
     assert ended == [] and runtime.conflict is None
+    leases.holder = "daemon-elsewhere"
     registry._lease_changed(SID, "daemon-elsewhere")
-    await asyncio.sleep(0)  # on_end runs as its own task
+    for _ in range(100):
+        await asyncio.sleep(0.01)  # the lease is looked at, then on_end runs as its own task
+        if ended:
+            break
     assert [e.kind for e in ended] == ["conflict"]
     assert "daemon-elsewhere" in ended[0].reason
     with pytest.raises(Fenced):

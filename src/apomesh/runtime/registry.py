@@ -352,24 +352,27 @@ class SessionRegistry:
         runtime = self.live.get(session_id)
         if runtime is None or owner == self.owner:
             return
-        if owner is not None:
-            # Taken over by another owner (this daemon's record lapsed, a long outage, say): the
-            # session is driven there now; stop driving it here.
-            message = f"the lease of session {session_id} is held by {owner}"
-            runtime.superseded(AppendConflict(message), message)
-            return
-        # Deleted while driven here (not by this daemon: it gives a lease back only once the
-        # session has left the live set): take it again, unless another owner has it by now.
-        self.spawn(self._retake(session_id, runtime))
+        # Taken by another owner (this daemon's record lapsed: a long outage, say), or deleted
+        # under a live session: look at the lease as it is now (a change seen late is no proof)
+        # before the writer is stopped or the lease taken again.
+        self.spawn(self._check_lease(session_id, runtime))
 
-    async def _retake(self, session_id: str, runtime: SessionRuntime) -> None:
+    async def _check_lease(self, session_id: str, runtime: SessionRuntime) -> None:
         with contextlib.suppress(Exception):
-            if await self.leases.acquire(session_id, self.owner):
-                if self.live.get(session_id) is not runtime:
-                    await self.leases.release(session_id, self.owner)  # it ended meanwhile
+            holder = await self.leases.owner(session_id)
+            if self.live.get(session_id) is not runtime or holder == self.owner:
                 return
+            if holder is None:  # deleted, or its holder is gone: take it again
+                if await self.leases.acquire(session_id, self.owner):
+                    if self.live.get(session_id) is not runtime:
+                        await self.leases.release(session_id, self.owner)  # it ended meanwhile
+                    return
+                holder = await self.leases.owner(session_id)
             if self.live.get(session_id) is runtime:
-                message = f"the lease of session {session_id} is held by another owner"
+                # The session is driven there now: stop driving it here.
+                message = (
+                    f"the lease of session {session_id} is held by {holder or 'another owner'}"
+                )
                 runtime.superseded(AppendConflict(message), message)
 
     # --- completed records -----------------------------------------------------------------------
