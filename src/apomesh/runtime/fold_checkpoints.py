@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import ResumePoint
 from apomesh.core.envelope import Envelope
-from apomesh.core.errors import CodecError, FoldError, LogError, LogUnavailable
+from apomesh.core.errors import CodecError, FoldError, LogError, LogUnavailable, StoreError
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState, apply, fold
 from apomesh.core.state_codec import (
@@ -92,14 +92,24 @@ class FoldCheckpoints:
         await self.store.write_batch([], [(CHECKPOINT_DB, session_id)])
 
     async def load(self, session_id: str) -> ResumePoint | None:
-        """The session's checkpoint as a resume point, or None (none stored, or not usable)."""
-        raw = await self.store.get(CHECKPOINT_DB, session_id)
+        """The session's checkpoint as a resume point, or None (none stored, not usable, or the
+        store cannot be read now: the log then says everything)."""
+        try:
+            raw = await self.store.get(CHECKPOINT_DB, session_id)
+        except StoreError as exc:
+            self.log.warning("session %s: fold checkpoint not read (%s)", session_id, exc)
+            return None
         return None if raw is None else self._usable(session_id, raw)
 
     async def load_all(self) -> dict[str, ResumePoint]:
-        """Every usable checkpoint, by session."""
+        """Every usable checkpoint, by session (none when the store cannot be read now)."""
         points = {}
-        for session_id, raw in await self.store.scan(CHECKPOINT_DB, ""):
+        try:
+            stored = await self.store.scan(CHECKPOINT_DB, "")
+        except StoreError as exc:
+            self.log.warning("fold checkpoints not read (%s); sessions fold from their start", exc)
+            return {}
+        for session_id, raw in stored:
             point = self._usable(session_id, raw)
             if point is not None:
                 points[session_id] = point
