@@ -231,10 +231,10 @@ async def test_a_symlink_swapped_in_during_writes_never_escapes(
     outside = workspace.parent / "swap-target"
     outside.mkdir()
     (workspace / "d").mkdir()
-    # Another process turns workspace/d into a symlink to `outside` and back, over and over,
-    # staying a moment in each state so that calls start in one and finish in the other. (A thread
-    # would share the interpreter lock with the calls, and slow each of them down to its switch
-    # interval.)
+    # Another process turns workspace/d into a symlink to `outside` and back, over and over (an
+    # atomic exchange, so d is never missing for a call to make again), staying a moment in each
+    # state so that calls start in one and finish in the other. (A thread would share the
+    # interpreter lock with the calls, and slow each of them down to its switch interval.)
     swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(workspace), str(outside)])
     refused = 0
     try:
@@ -256,18 +256,18 @@ async def test_a_symlink_swapped_in_during_writes_never_escapes(
 
 
 SWAPPER = """
-import contextlib, os, sys, time
+import ctypes, os, sys, time
 workspace, outside = sys.argv[1], sys.argv[2]
-d, real = os.path.join(workspace, "d"), os.path.join(workspace, "d-real")
+d, link = os.path.join(workspace, "d"), os.path.join(workspace, "d-link")
 stop = os.path.join(os.path.dirname(workspace), "swap-stop")
+os.symlink(outside, link)
+renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
 while not os.path.exists(stop):
-    with contextlib.suppress(OSError):
-        os.rename(d, real)
-        os.symlink(outside, d)
-        time.sleep(0.0005)
-        os.unlink(d)
-        os.rename(real, d)
-        time.sleep(0.0005)
+    # Exchange the directory and the symlink in one step: d is always one or the other.
+    if renameat2(AT_FDCWD, d.encode(), AT_FDCWD, link.encode(), RENAME_EXCHANGE) != 0:
+        sys.exit(f"renameat2: {os.strerror(ctypes.get_errno())}")
+    time.sleep(0.0005)
 """
 
 
