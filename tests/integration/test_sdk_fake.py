@@ -4,6 +4,7 @@ results and errors, event streams that reconnect across a server restart, and th
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -295,3 +296,35 @@ def test_the_sync_client_offers_the_same_calls(
                 break
     with pytest.raises(RuntimeError):
         client.get_session(session_id)
+
+
+@pytest.mark.anyio
+async def test_a_read_whose_connection_is_closed_unanswered_is_sent_once_more() -> None:
+    """A kept-alive connection the server closes as a request goes out: a GET is sent again on
+    a new connection; a write is not (it may have been applied), and says the server dropped it."""
+    answered: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await reader.readuntil(b"\r\n\r\n")
+        if not answered or len(answered) == 2:  # the first request, and the write, go unanswered
+            answered.append(request)
+            writer.close()
+            return
+        answered.append(request)
+        body = b'{"daemons": []}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, Client(f"http://127.0.0.1:{port}") as client:
+        assert await client.list_daemons() == []
+        assert [r.split(b" ")[0] for r in answered] == [b"GET", b"GET"]
+        with pytest.raises(ServerUnavailable, match="without sending a response"):
+            await client.drain_daemon("d-1")
+        assert len(answered) == 3

@@ -341,7 +341,9 @@ class Client:
         # Every write says JSON, body or not: the daemon refuses any other (415).
         if method != "GET":
             headers = {"Content-Type": "application/json", **(headers or {})}
-        for attempt in range(len(self.urls)):
+        failed_over = 0
+        sent_again = False
+        while True:
             try:
                 response = await self._http.request(
                     method, path, content=content, params=params, headers=headers
@@ -349,9 +351,17 @@ class Client:
                 break
             except httpx.ConnectError as exc:
                 # Never sent: the next daemon may take it.
-                if attempt == len(self.urls) - 1:
+                failed_over += 1
+                if failed_over == len(self.urls):
                     raise _unreachable(self.url, exc) from exc
                 self._fail_over()
+            except httpx.RemoteProtocolError as exc:
+                # The server closed the connection with no answer: most often a kept-alive one
+                # it closed as this request went out. A read is sent once more (on a new
+                # connection); a write is not, since it may have been applied.
+                if method != "GET" or sent_again:
+                    raise _unreachable(self.url, exc) from exc
+                sent_again = True
             except httpx.TransportError as exc:
                 raise _unreachable(self.url, exc) from exc
         if response.status_code >= 400:
