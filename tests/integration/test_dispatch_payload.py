@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from tests.writers import writer_deps
 
 from apomesh.core.definition import AgentConfig, Budget, ModelSpec
 from apomesh.core.errors import PayloadTooLarge
 from apomesh.core.state import new_state
 from apomesh.plugins.api import Message
-from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.config import load_config
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.protocol import (
@@ -26,7 +26,7 @@ from apomesh.runtime.protocol import (
     MemoryFetch,
     Run,
 )
-from apomesh.runtime.sessions import DispatchSlot, SessionDeps, SessionRuntime
+from apomesh.runtime.sessions import DispatchSlot, SessionRuntime
 from apomesh.runtime.workers import WorkerPool
 
 pytestmark = pytest.mark.anyio
@@ -51,24 +51,7 @@ class FakeNats:
 
 
 def runtime(tmp_path: Path, pool: WorkerPool) -> SessionRuntime:
-    async def on_end(*_: Any) -> None:
-        return None
-
-    deps = SessionDeps(
-        log=cast(Any, None),
-        workers=pool,
-        snapshots=cast(Any, None),
-        store=cast(Any, None),
-        plugins=PluginHost(),
-        limits=load_config(None, env={}).limits,
-        metrics=DaemonMetrics(),
-        incarnation="test",
-        workspace=tmp_path,
-        on_end=on_end,
-        spawn=asyncio.ensure_future,
-        closing=lambda: False,
-    )
-    return SessionRuntime(deps, new_state("s-big"))
+    return SessionRuntime(writer_deps(tmp_path, workers=pool), new_state("s-big"))
 
 
 def run_with(memory: AgentMemory | None, instructions: str = "") -> Run:

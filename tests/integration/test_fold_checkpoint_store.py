@@ -8,17 +8,17 @@ ignored, and the session folds from its first event to exactly the new log's sta
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import msgspec
 import pytest
 from tests.e2e.chaos_kit import shape_of, stored_session, thinker
 from tests.strategies import born, session_started
+from tests.writers import writer_deps
 
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
@@ -30,12 +30,9 @@ from apomesh.core.envelope import Envelope
 from apomesh.core.events import HitlPaused, SessionEnded
 from apomesh.core.state import fold, new_state
 from apomesh.core.state_codec import checkpoint_state, decode_checkpoint, make_checkpoint
-from apomesh.plugins.manager import PluginHost
-from apomesh.runtime.config import load_config
 from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, FoldCheckpoints
 from apomesh.runtime.folds import FoldCache
-from apomesh.runtime.metrics import DaemonMetrics
-from apomesh.runtime.sessions import Ending, SessionDeps, SessionRuntime
+from apomesh.runtime.sessions import SessionRuntime
 
 pytestmark = pytest.mark.anyio
 
@@ -83,6 +80,19 @@ async def sequence_of(log: JetStreamLog, session_id: str, index: int) -> int:
     return seq - (EVENTS - 1 - index)  # one session alone on the stream: sequences are dense
 
 
+async def checkpointed_on_jetstream(
+    nc: NATS, checkpoints: FoldCheckpoints
+) -> tuple[JetStreamLog, list[Envelope]]:
+    """A session logged on JetStream, with the checkpoint its writer would have stored at ``AT``
+    (its stream sequence included)."""
+    log = JetStreamLog(nc)
+    await log.ensure()
+    envelopes = a_session()
+    await logged(log, envelopes)
+    await checkpointed(checkpoints, envelopes, await sequence_of(log, envelopes[0].session_id, AT))
+    return log, envelopes
+
+
 async def reuse(nc: NATS, log: JetStreamLog, session_id: str) -> list[Envelope]:
     """Purge the session and store another log under its id (plain publishes: its message ids
     are still in the duplicate window)."""
@@ -101,12 +111,8 @@ async def reuse(nc: NATS, log: JetStreamLog, session_id: str) -> list[Envelope]:
 async def test_one_session_folds_from_its_checkpoint_reading_only_the_tail(
     nc: NATS, checkpoints: FoldCheckpoints
 ) -> None:
-    log = JetStreamLog(nc)
-    await log.ensure()
-    envelopes = a_session()
+    _, envelopes = await checkpointed_on_jetstream(nc, checkpoints)
     session_id = envelopes[0].session_id
-    await logged(log, envelopes)
-    await checkpointed(checkpoints, envelopes, await sequence_of(log, session_id, AT))
 
     state = await checkpoints.fold(JetStreamLog(nc), session_id)  # a fresh log knows no position
     assert state == fold(envelopes)
@@ -129,12 +135,8 @@ async def test_a_checkpoint_without_a_sequence_is_read_from_its_index(
 async def test_the_fold_cache_starts_a_session_from_its_checkpoint(
     nc: NATS, checkpoints: FoldCheckpoints
 ) -> None:
-    log = JetStreamLog(nc)
-    await log.ensure()
-    envelopes = a_session()
+    log, envelopes = await checkpointed_on_jetstream(nc, checkpoints)
     session_id = envelopes[0].session_id
-    await logged(log, envelopes)
-    await checkpointed(checkpoints, envelopes, await sequence_of(log, session_id, AT))
     cache = FoldCache(log.read, start=lambda sid: checkpoints.fold(log, sid))
 
     assert await cache.state(session_id) == fold(envelopes)
@@ -145,12 +147,8 @@ async def test_the_fold_cache_starts_a_session_from_its_checkpoint(
 async def test_a_purged_and_reused_session_folds_from_its_start(
     nc: NATS, checkpoints: FoldCheckpoints
 ) -> None:
-    log = JetStreamLog(nc)
-    await log.ensure()
-    envelopes = a_session()
+    log, envelopes = await checkpointed_on_jetstream(nc, checkpoints)
     session_id = envelopes[0].session_id
-    await logged(log, envelopes)
-    await checkpointed(checkpoints, envelopes, await sequence_of(log, session_id, AT))
     other = await reuse(nc, log, session_id)
 
     state = await checkpoints.fold(JetStreamLog(nc), session_id)
@@ -218,25 +216,9 @@ async def stored_record(checkpoints: FoldCheckpoints, session_id: str, gone: boo
 async def test_the_writer_stores_what_the_log_has_and_drops_it_at_the_end(
     tmp_path: Path, checkpoints: FoldCheckpoints
 ) -> None:
-    async def on_end(runtime: SessionRuntime, ending: Ending) -> None:
-        pass
-
     log = MemoryLog()
-    deps = SessionDeps(
-        log=log,
-        workers=cast(Any, None),  # nothing here dispatches an agent
-        snapshots=cast(Any, None),
-        store=checkpoints.store,
-        plugins=PluginHost(),
-        limits=load_config(None, env={}).limits,
-        metrics=DaemonMetrics(),
-        incarnation="test",
-        workspace=tmp_path,
-        on_end=on_end,
-        spawn=asyncio.ensure_future,
-        closing=lambda: False,
-        checkpoints=checkpoints,
-        checkpoint_every=3,
+    deps = writer_deps(
+        tmp_path, log=log, store=checkpoints.store, checkpoints=checkpoints, checkpoint_every=3
     )
     runtime = SessionRuntime(deps, new_state("s-writes"))
     await runtime.append(session_started(), born("root"))

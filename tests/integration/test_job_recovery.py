@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from tests.strategies import born, session_started
+from tests.writers import writer_deps
 
 from apomesh.adapters.memory_log import MemoryLog
 from apomesh.core.events import AsyncJobFinished, AsyncJobStarted
@@ -20,9 +21,7 @@ from apomesh.core.state import new_state
 from apomesh.plugins.api import Tool, ToolContext
 from apomesh.plugins.hookspecs import hookimpl
 from apomesh.plugins.manager import PluginHost
-from apomesh.runtime.config import load_config
-from apomesh.runtime.metrics import DaemonMetrics
-from apomesh.runtime.sessions import Held, SessionDeps, SessionRuntime
+from apomesh.runtime.sessions import Held, SessionRuntime
 
 pytestmark = pytest.mark.anyio
 SID = "s-jobs"
@@ -52,23 +51,7 @@ async def taken_up(
     RUNS.clear()
     log = MemoryLog()
 
-    async def on_end(*_: Any) -> None:
-        return None
-
-    deps = SessionDeps(
-        log=log,
-        workers=cast(Any, None),  # nothing here dispatches an agent
-        snapshots=cast(Any, None),
-        store=cast(Any, None),
-        plugins=PluginHost.for_tests(JobTools()),
-        limits=load_config(None, env={}).limits,
-        metrics=DaemonMetrics(),
-        incarnation="test",
-        workspace=tmp_path,
-        on_end=on_end,
-        spawn=asyncio.ensure_future,
-        closing=lambda: False,
-    )
+    deps = writer_deps(tmp_path, log=log, plugins=PluginHost.for_tests(JobTools()))
     runtime = SessionRuntime(deps, new_state(SID))
     job = AsyncJobStarted("root", "j1", tool, {}, side_effect=side_effect, idempotent=True)
     await runtime.append(session_started(), born("root"), job)

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import pytest
 from tests.strategies import born, session_started
+from tests.writers import writer_deps
 
 from apomesh.adapters.memory_log import MemoryLog
 from apomesh.core import envelope
@@ -26,11 +27,8 @@ from apomesh.core.events import (
     OperatorAction,
 )
 from apomesh.core.state import SessionState, fold, new_state
-from apomesh.plugins.manager import PluginHost
-from apomesh.runtime.config import load_config
-from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.registry import SessionRegistry
-from apomesh.runtime.sessions import Ending, SessionDeps, SessionRuntime
+from apomesh.runtime.sessions import Ending, SessionRuntime
 
 pytestmark = pytest.mark.anyio
 SID = "s-writer"
@@ -42,21 +40,7 @@ def writer(
     async def on_end(runtime: SessionRuntime, ending: Ending) -> None:
         ended.append(ending)
 
-    deps = SessionDeps(
-        log=log,
-        workers=cast(Any, None),  # nothing here dispatches an agent
-        snapshots=cast(Any, None),
-        store=cast(Any, None),
-        plugins=PluginHost(),
-        limits=load_config(None, env={}).limits,
-        metrics=DaemonMetrics(),
-        incarnation="test",
-        workspace=tmp_path,
-        on_end=on_end,
-        spawn=asyncio.ensure_future,
-        closing=lambda: False,
-    )
-    return SessionRuntime(deps, state or new_state(SID))
+    return SessionRuntime(writer_deps(tmp_path, log=log, on_end=on_end), state or new_state(SID))
 
 
 async def paused_writer(tmp_path: Path, ended: list[Ending]) -> tuple[MemoryLog, SessionRuntime]:
