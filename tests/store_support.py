@@ -16,9 +16,12 @@ def replicated_store(
 ) -> ReplicatedStore:
     """A ``ReplicatedStore`` on a new or existing LMDB dir ``path`` and the bucket at ``urls``."""
     servers = [urls] if isinstance(urls, str) else list(urls)
-    return asyncio.run(
-        ReplicatedStore.open(LmdbStore(path), servers, replicas=replicas, timeout=timeout)
-    )
+    local = LmdbStore(path)
+    try:
+        return asyncio.run(ReplicatedStore.open(local, servers, replicas=replicas, timeout=timeout))
+    except BaseException:
+        local.close()  # as the daemon does: an open tried again finds LMDB free
+        raise
 
 
 def empty_replicated_store(urls: str | Sequence[str], path: Path) -> ReplicatedStore:
