@@ -318,6 +318,24 @@ class DaemonProcess:
         self.start()
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (Linux ``/proc``; True elsewhere)."""
+    import os
+
+    tasks = f"/proc/{pid}/task"
+    if not os.path.isdir(tasks):
+        return True
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 class WorkerProcess:
     """An ``apomesh worker`` process; ``kill()`` is SIGKILL, ``freeze()``/``thaw()`` SIGSTOP/SIGCONT.
     ``config`` is a config file it reads (``--config``): its NATS credentials, its model
@@ -379,10 +397,17 @@ class WorkerProcess:
             self.proc.wait(10)
 
     def freeze(self) -> None:
+        """SIGSTOP, returning once every thread of the process has stopped (a signal is delivered
+        after ``kill`` returns: without the wait, the process could still take a lock or send a
+        message the test believes it can no longer send)."""
         import os
         import signal
+        import time
 
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _all_threads_stopped(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def thaw(self) -> None:
         import os
