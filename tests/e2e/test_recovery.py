@@ -421,3 +421,48 @@ async def test_recovery_classifier_plugins_decide_before_the_builtin_rules(
     assert resumed == auto
     assert listed == recoverable
     assert report["auto_resume"] == len(auto) and report["recoverable"] == len(recoverable)
+
+
+@pytest.mark.anyio
+async def test_the_boot_scan_starts_the_sessions_it_adopted_in_waves_once_all_are_classified(
+    fresh_nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions adopted by the scan are leased as they are classified and started afterwards,
+    ``START_WAVE`` at a time: each wave logs its ``SessionRecovered`` and every one is started."""
+    from apomesh.runtime import recovery
+
+    monkeypatch.setattr(recovery, "START_WAVE", 2)
+    host = PluginHost.for_tests()
+    shape = shape_of(thinker(2), host)
+    sessions = {f"quiet{n}": stored_session(f"quiet{n}", shape, events=6) for n in range(7)}
+    await write_log(fresh_nats_server.url, *sessions.values())
+    nc = await connect([fresh_nats_server.url])
+    store = AsyncStore(LmdbStore(tmp_path / "lmdb"))
+    config = load_config(None, env={}, overrides={"daemon": {"data_dir": str(tmp_path)}})
+    log = JetStreamLog(nc)
+    daemon = Daemon(
+        config,
+        nc=nc,
+        log_adapter=log,
+        heartbeats=HeartbeatStream(nc),
+        kv=await KvBuckets.open(nc.jetstream()),
+        store=store,
+        plugins=host,
+        workspace=tmp_path / "workspace",
+    )
+    try:
+        with anyio.fail_after(60):
+            await daemon.start()
+            assert daemon.boot_report["auto_resume"] == 7
+            live = dict(daemon.registry.live)
+            assert set(live) == set(sessions)
+            for runtime in live.values():
+                await runtime.opened.wait()  # no worker: each waits for room after its opening
+            for session_id in sessions:
+                kinds = [type(env.event).__name__ for env in await log.read(session_id)]
+                assert kinds[6] == "SessionRecovered", kinds
+            assert all(r.task is not None and not r.task.done() for r in live.values())
+    finally:
+        await daemon.aclose()
+        await nc.close()
+        await store.aclose()

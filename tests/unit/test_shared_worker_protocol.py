@@ -176,3 +176,29 @@ async def test_a_dispatch_the_worker_replaced_with_a_newer_epoch_is_lost() -> No
     await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents={"s1/root": 4}, seq=2))
     with pytest.raises(WorkerLost):
         dispatch.future.result()
+
+
+async def test_placement_and_acks_find_a_dispatch_by_its_agent_as_dispatches_come_and_go() -> None:
+    nc = FakeNats()
+    workers = pool(nc)
+    await workers.register(Register("w1", "w1", [], ["scripted"], max_agents=3))
+    info = workers.workers["w1"]
+    first = workers.track("w1", "s1", "root", 1)
+    listed = {"s1/root": 1, "other/root": 1}
+    await workers.beat(Beat("w1", "w1", {"daemon-a": "inc-2"}, agents=listed, seq=1, max_agents=3))
+    assert workers.free_slots(info) == 2  # our s1/root is ours, not another daemon's
+    workers.untrack(first)
+    assert workers.free_slots(info) == 1  # listed, and no dispatch of ours: someone else's
+    again = workers.track("w1", "s1", "root", 2)
+    assert workers.free_slots(info) == 2
+    assert workers.runs("w1", "s1", "root", 2) and not workers.runs("w1", "s1", "root", 1)
+    stale = workers.track("w1", "s1", "root", 1)
+    nc.acks.append(DispatchAck(True, beat_seq=4))
+    assert await workers.send_run("w1", Run("s1", "root", 2, CONFIG, "act", "go"))
+    assert (again.acked_seq, stale.acked_seq) == (4, None)  # the ack names one epoch
+    # A worker registering again keeps what its beats said it runs.
+    await workers.register(Register("w1", "w1", [], ["scripted"], max_agents=3))
+    assert workers.free_slots(workers.workers["w1"]) == 2
+    for dispatch in (again, stale):
+        workers.untrack(dispatch)
+    assert workers.free_slots(workers.workers["w1"]) == 1

@@ -3,9 +3,10 @@
 ``BootScan.run`` skips sessions with a completed record, folds the rest (in one pass over the
 stream when the log adapter can, ``fold_all``; one by one otherwise, and for the sessions the pass
 cannot vouch for; each from its fold checkpoint when the log confirms it,
-``runtime.fold_checkpoints``), books terminal ones as completed, auto-resumes the safe ones through the
-registry (a drained session under its own agent refs; waiting for a lease another owner still holds) and strands the others on the
-recoverable list with their category (``recoverable``, ``pin_mismatch``, ``undecodable``, ...).
+``runtime.fold_checkpoints``), books terminal ones as completed, auto-resumes the safe ones through
+the registry (a drained session under its own agent refs; waiting for a lease another owner still
+holds; each adopted as it is classified, all started once every session is) and strands the others
+on the recoverable list with their category (``recoverable``, ``pin_mismatch``, ``undecodable``, ...).
 ``classify`` is the verdict for one folded session: the plugins' recovery classifiers first, then
 the core rules. A session whose lease another daemon holds is not classified: it is that daemon's,
 and ``Takeover`` watches it.
@@ -40,8 +41,16 @@ from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
 from apomesh.runtime.presence import Presence
 from apomesh.runtime.registry import Recoverable, SessionRegistry
+from apomesh.runtime.sessions import SessionRuntime
 
 log = logging.getLogger("apomesh.daemon")
+
+
+START_WAVE = 256
+"""Sessions the boot scan starts at once once every session is classified."""
+
+WAVE_WAIT = 10.0
+"""The longest the boot scan waits for a wave of sessions to log their openings."""
 
 
 @runtime_checkable
@@ -120,6 +129,7 @@ class BootScan:
         scanned = pass_result.states if pass_result is not None else {}
         # Every lease in one read (not one per session); asked one by one only if that fails.
         holders = await self.registry.lease_holders()
+        adopted: list[SessionRuntime] = []
 
         async def one(session_id: str) -> None:
             state = scanned.pop(session_id, None)
@@ -153,8 +163,13 @@ class BootScan:
                     # Gated like the reads: tens of thousands of lease requests sent at once
                     # time out (and each then waits for its lease to come free).
                     async with gate:
-                        await self.registry.adopt(
-                            state, recovered="auto", fresh_children=fresh_children(state)
+                        adopted.append(
+                            await self.registry.adopt(
+                                state,
+                                recovered="auto",
+                                fresh_children=fresh_children(state),
+                                start=False,
+                            )
                         )
                 except ApomeshError as exc:
                     self.log.warning(
@@ -175,7 +190,14 @@ class BootScan:
                 )
             )
 
-        await asyncio.gather(*(one(s) for s in session_ids))
+        try:
+            await asyncio.gather(*(one(s) for s in session_ids))
+        finally:
+            # Started once every session is classified, not as each is adopted (thousands of
+            # sessions driving their first steps would share the interpreter with the scan), and
+            # in waves (tens of thousands of openings sent at once time out on the log).
+            if adopted:
+                self.spawn(self._start_in_waves(adopted))
         stats = checkpoints.stats
         resumed = len(pass_result.resumed) if pass_result is not None else 0
         folded = pass_result.folded if pass_result is not None else 0
@@ -249,6 +271,20 @@ class BootScan:
             len(result.suspect),
         )
         return result
+
+    async def _start_in_waves(self, adopted: list[SessionRuntime]) -> None:
+        """Start the sessions the scan adopted, ``START_WAVE`` at a time: the next wave once this
+        one has logged its openings (or after ``WAVE_WAIT`` seconds)."""
+        for first in range(0, len(adopted), START_WAVE):
+            wave = adopted[first : first + START_WAVE]
+            for runtime in wave:
+                if self.closing():
+                    return
+                runtime.start("auto")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
+                )
 
     async def _adopt_when_free(self, state: SessionState) -> None:
         """Auto-resume a session whose lease another owner still holds, once it expires (a

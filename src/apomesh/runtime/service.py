@@ -604,7 +604,7 @@ class Service:
                 id=w.worker_id,
                 name=w.name,
                 last_heartbeat=w.last_beat_wall,
-                agents=list(w.agents),
+                agents=sorted(w.agents),
                 tools=list(w.tools),
                 providers=list(w.providers),
                 alive=now - w.last_seen <= pool.threshold,

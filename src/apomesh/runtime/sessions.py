@@ -96,7 +96,7 @@ from apomesh.plugins.api import (
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime import tracing
 from apomesh.runtime.config import LimitsConfig
-from apomesh.runtime.fold_checkpoints import CHECKPOINT_EVERY, FoldCheckpoints, KnowsSequences
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_EVERY, FoldCheckpoints, sequences_of
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import worker_pins
 from apomesh.runtime.protocol import (
@@ -216,6 +216,9 @@ class SessionRuntime:
         self.changed = asyncio.Condition()
         self._writer = asyncio.Lock()
         self.task: asyncio.Task[None] | None = None
+        self.opened = asyncio.Event()
+        """Set once the started writer has logged its opening (``SessionRecovered``, a missing
+        root's birth) or stopped trying: what a boot scan starting sessions in waves waits for."""
         self.held_reason: str | None = None
         self.conflict: AppendConflict | None = None
         """Set when another writer appended to this session's log: nothing more is written here."""
@@ -249,7 +252,7 @@ class SessionRuntime:
         self._checkpointed = -1
         """The index of the last fold checkpoint this writer stored (-1: none yet)."""
         self._checkpointing: asyncio.Task[None] | None = None
-        self._sequences = deps.log if isinstance(deps.log, KnowsSequences) else None
+        self._sequences = sequences_of(deps.log)
         """The log, when it tells the stream sequence of an event (asked at every append)."""
 
     # --- the single writer -----------------------------------------------------------------------
@@ -1427,6 +1430,7 @@ class SessionRuntime:
                         root, "born", config=shape.root, task=self.state.goal, task_index=0
                     )
                 )
+            self.opened.set()
             for job in list(self.state.jobs_in_flight.values()):
                 await self._take_up_job(job, recovered)
             kind = self.deps.plugins.coordination_kinds()[shape.coordination]
@@ -1459,6 +1463,7 @@ class SessionRuntime:
                     )
                 )
         finally:
+            self.opened.set()
             tracing.set_attributes({"apomesh.status": self.state.status})
             if self.state.terminal:
                 await self.deps.on_end(self, Ending("finished"))

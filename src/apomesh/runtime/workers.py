@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +69,11 @@ class WorkerInfo:
     providers: list[str]
     last_seen: float
     last_beat_wall: float
-    agents: list[str] = field(default_factory=list)
+    agents: set[str] = field(default_factory=set)
+    """The agents (``session/agent``) its latest beat lists, for every daemon."""
+    listed_mine: int = 0
+    """How many of ``agents`` this daemon has a dispatch in flight for (kept as dispatches come
+    and go, so placement never walks ``agents``)."""
     load: int = 0
     instance: str = ""
     plugins: dict[str, str] = field(default_factory=dict)
@@ -126,10 +129,9 @@ class WorkerPool:
         self.workers: dict[str, WorkerInfo] = {}
         self.lost_workers: dict[str, WorkerInfo] = {}
         """Workers declared lost, newest last, listed as such until they register again."""
-        self._in_flight: dict[str, set[Dispatch]] = {}
-        self._in_flight_keys: dict[str, Counter[str]] = {}
-        """``Dispatch.key`` of the dispatches in flight on each worker (placement asks it while
-        many agents wait for room, so it must stay cheap)."""
+        self._in_flight: dict[str, dict[str, set[Dispatch]]] = {}
+        """Worker -> ``Dispatch.key`` -> the dispatches of that agent in flight on it (an ack, a
+        delta's fence and placement look one agent up among thousands: never a walk of all)."""
         self._reregister_sent: dict[str, float] = {}
         self._dispatch_refused: dict[str, float] = {}
         self._registration_refused: dict[str, float] = {}
@@ -169,7 +171,8 @@ class WorkerPool:
             instance=reg.instance,
             plugins=dict(reg.plugins),
             max_agents=max(1, reg.max_agents),
-            agents=known.agents if known else [],
+            agents=known.agents if known else set(),
+            listed_mine=known.listed_mine if known else 0,
             beat_seq=known.beat_seq if known else 0,
         )
         self.lost_workers.pop(reg.worker_id, None)
@@ -203,11 +206,13 @@ class WorkerPool:
         if beat.seq < worker.beat_seq:
             return  # an older beat (or a restarted process, which registers anew)
         worker.beat_seq = beat.seq
-        worker.agents = list(beat.agents)
+        worker.agents = set(beat.agents)
+        mine = self._in_flight.get(beat.worker_id, {})
+        worker.listed_mine = sum(1 for agent in worker.agents if agent in mine)
         worker.max_agents = max(1, beat.max_agents)
         if worker.full_at is not None and beat.seq > worker.full_at:
             worker.full_at = None
-        for dispatch in list(self._in_flight.get(beat.worker_id, ())):
+        for dispatch in self._dispatches_on(beat.worker_id):
             if (
                 dispatch.acked_seq is not None
                 and beat.seq > dispatch.acked_seq
@@ -330,8 +335,7 @@ class WorkerPool:
         beat."""
         if worker.full_at is not None:
             return 0
-        mine = self._in_flight_keys.get(worker.worker_id, Counter[str]())
-        others = sum(1 for agent in worker.agents if agent not in mine)
+        others = len(worker.agents) - worker.listed_mine
         return worker.max_agents - others - worker.load
 
     def release(self, worker_id: str) -> None:
@@ -345,30 +349,39 @@ class WorkerPool:
         dispatch = Dispatch(
             worker_id, session_id, agent, epoch, asyncio.get_running_loop().create_future()
         )
-        self._in_flight.setdefault(worker_id, set()).add(dispatch)
-        self._in_flight_keys.setdefault(worker_id, Counter())[dispatch.key] += 1
+        on_worker = self._in_flight.setdefault(worker_id, {})
+        same_agent = on_worker.get(dispatch.key)
+        if same_agent is None:
+            on_worker[dispatch.key] = same_agent = set()
+            worker = self.workers.get(worker_id)
+            if worker is not None and dispatch.key in worker.agents:
+                worker.listed_mine += 1
+        same_agent.add(dispatch)
         return dispatch
 
     def runs(self, worker_id: str, session_id: str, agent: str, epoch: int) -> bool:
         """Whether this daemon's dispatch of ``agent`` under ``epoch`` is in flight on
         ``worker_id``."""
-        return any(
-            d.session_id == session_id and d.agent == agent and d.epoch == epoch
-            for d in self._in_flight.get(worker_id, ())
-        )
+        same_agent = self._in_flight.get(worker_id, {}).get(f"{session_id}/{agent}", ())
+        return any(d.epoch == epoch for d in same_agent)
+
+    def _dispatches_on(self, worker_id: str) -> list[Dispatch]:
+        """Every dispatch in flight on ``worker_id`` (a copy: the caller may settle them)."""
+        return [d for same in self._in_flight.get(worker_id, {}).values() for d in same]
 
     def untrack(self, dispatch: Dispatch) -> None:
-        pending = self._in_flight.get(dispatch.worker_id)
-        if pending is None or dispatch not in pending:
+        on_worker = self._in_flight.get(dispatch.worker_id)
+        same_agent = on_worker.get(dispatch.key) if on_worker is not None else None
+        if on_worker is None or same_agent is None or dispatch not in same_agent:
             return
-        pending.discard(dispatch)
-        keys = self._in_flight_keys[dispatch.worker_id]
-        keys[dispatch.key] -= 1
-        if keys[dispatch.key] <= 0:
-            del keys[dispatch.key]
-        if not pending:
+        same_agent.discard(dispatch)
+        if not same_agent:
+            del on_worker[dispatch.key]
+            worker = self.workers.get(dispatch.worker_id)
+            if worker is not None and dispatch.key in worker.agents:
+                worker.listed_mine -= 1
+        if not on_worker:
             del self._in_flight[dispatch.worker_id]
-            del self._in_flight_keys[dispatch.worker_id]
 
     @property
     def page_bytes(self) -> int:
@@ -417,12 +430,8 @@ class WorkerPool:
                 worker.full_at = ack.beat_seq
             return False
         self._dispatch_refused.pop(worker_id, None)
-        for dispatch in self._in_flight.get(worker_id, ()):
-            if (dispatch.session_id, dispatch.agent, dispatch.epoch) == (
-                run.session_id,
-                run.agent,
-                run.epoch,
-            ):
+        for dispatch in self._in_flight.get(worker_id, {}).get(f"{run.session_id}/{run.agent}", ()):
+            if dispatch.epoch == run.epoch:
                 dispatch.acked_seq = ack.beat_seq
         return True
 
@@ -498,7 +507,7 @@ class WorkerPool:
             del self.lost_workers[next(iter(self.lost_workers))]
         self.metrics.workers_lost.inc()
         self.log.warning("worker %s lost: %s", worker_id, reason)
-        for dispatch in list(self._in_flight.get(worker_id, ())):
+        for dispatch in self._dispatches_on(worker_id):
             if dispatch.future.done():
                 continue
             with contextlib.suppress(Exception):
