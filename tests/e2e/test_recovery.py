@@ -9,12 +9,13 @@ log straight to JetStream as a daemon that died would have left it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +209,9 @@ def _lmdb_alone(mesh: Mesh) -> None:
 
 
 @pytest.mark.anyio
-async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(bare_mesh: Mesh) -> None:
+async def test_lost_lmdb_never_reruns_a_side_effect_and_the_session_completes(
+    bare_mesh: Mesh,
+) -> None:
     goal = "lost-lmdb"
     await anyio.to_thread.run_sync(_lmdb_alone, bare_mesh)
     async with Client(bare_mesh.url) as client:
@@ -350,19 +353,20 @@ def classifier_plugin(classifier: object) -> object:
     return Plugin()
 
 
-async def boot_scan_with(
-    server: NatsServer, tmp: Path, host: PluginHost, sessions: dict[str, list[Envelope]]
-) -> tuple[dict[str, Any], dict[str, str], set[str]]:
-    """Write ``sessions`` to a fresh log, boot an in-process daemon with ``host``'s plugins and
-    answer (its boot report, the recoverable sessions' categories, the auto-resumed ids)."""
-    await write_log(server.url, *sessions.values())
-    nc = await connect([server.url])
+@contextlib.asynccontextmanager
+async def in_process_daemon(
+    nats_url: str, tmp: Path, host: PluginHost
+) -> AsyncIterator[tuple[Daemon, JetStreamLog]]:
+    """A daemon in this process on the NATS at ``nats_url`` (its data dir ``tmp``, ``host``'s
+    plugins), not started, and its log; closed with everything it opened."""
+    nc = await connect([nats_url])
     store = AsyncStore(LmdbStore(tmp / "lmdb"))
     config = load_config(None, env={}, overrides={"daemon": {"data_dir": str(tmp)}})
+    log = JetStreamLog(nc)
     daemon = Daemon(
         config,
         nc=nc,
-        log_adapter=JetStreamLog(nc),
+        log_adapter=log,
         heartbeats=HeartbeatStream(nc),
         kv=await KvBuckets.open(nc.jetstream()),
         store=store,
@@ -370,16 +374,26 @@ async def boot_scan_with(
         workspace=tmp / "workspace",
     )
     try:
+        yield daemon, log
+    finally:
+        await daemon.aclose()
+        await nc.close()
+        await store.aclose()
+
+
+async def boot_scan_with(
+    server: NatsServer, tmp: Path, host: PluginHost, sessions: dict[str, list[Envelope]]
+) -> tuple[dict[str, Any], dict[str, str], set[str]]:
+    """Write ``sessions`` to a fresh log, boot an in-process daemon with ``host``'s plugins and
+    answer (its boot report, the recoverable sessions' categories, the auto-resumed ids)."""
+    await write_log(server.url, *sessions.values())
+    async with in_process_daemon(server.url, tmp, host) as (daemon, _):
         await daemon.start()
         return (
             dict(daemon.boot_report),
             {sid: rec.category for sid, rec in daemon.registry.stranded.items()},
             set(daemon.registry.live),
         )
-    finally:
-        await daemon.aclose()
-        await nc.close()
-        await store.aclose()
 
 
 def _classified_sessions(host: PluginHost) -> dict[str, list[Envelope]]:
@@ -436,21 +450,7 @@ async def test_the_boot_scan_starts_the_sessions_it_adopted_in_waves_once_all_ar
     shape = shape_of(thinker(2), host)
     sessions = {f"quiet{n}": stored_session(f"quiet{n}", shape, events=6) for n in range(7)}
     await write_log(fresh_nats_server.url, *sessions.values())
-    nc = await connect([fresh_nats_server.url])
-    store = AsyncStore(LmdbStore(tmp_path / "lmdb"))
-    config = load_config(None, env={}, overrides={"daemon": {"data_dir": str(tmp_path)}})
-    log = JetStreamLog(nc)
-    daemon = Daemon(
-        config,
-        nc=nc,
-        log_adapter=log,
-        heartbeats=HeartbeatStream(nc),
-        kv=await KvBuckets.open(nc.jetstream()),
-        store=store,
-        plugins=host,
-        workspace=tmp_path / "workspace",
-    )
-    try:
+    async with in_process_daemon(fresh_nats_server.url, tmp_path, host) as (daemon, log):
         with anyio.fail_after(60):
             await daemon.start()
             assert daemon.boot_report["auto_resume"] == 7
@@ -462,7 +462,3 @@ async def test_the_boot_scan_starts_the_sessions_it_adopted_in_waves_once_all_ar
                 kinds = [type(env.event).__name__ for env in await log.read(session_id)]
                 assert kinds[6] == "SessionRecovered", kinds
             assert all(r.task is not None and not r.task.done() for r in live.values())
-    finally:
-        await daemon.aclose()
-        await nc.close()
-        await store.aclose()
