@@ -5,7 +5,11 @@ the browser is shared by the module, each page has a fresh context).
 When the tests collected need the browser and Debian's chromium is not installed, the run
 provisions it before any test starts: as root it installs the package with apt-get; otherwise it
 stops at once with the exact command to run (a browser is never downloaded, and a console test is
-never skipped)."""
+never skipped).
+
+Before any test, the project's own modules are byte-compiled (as a wheel install leaves them):
+under ``PYTHONDONTWRITEBYTECODE`` an editable install would otherwise compile them from source in
+every daemon and worker process the tests start, about 0.4 s of CPU each."""
 
 from __future__ import annotations
 
@@ -20,6 +24,15 @@ import pytest
 
 BROWSER_FIXTURES = frozenset({"browser", "page"})
 INSTALL_CHROMIUM = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for tree in (root / "src" / "apomesh", root / "plugins"):
+        # Best effort: a read-only checkout runs as before, each process compiling what it needs.
+        compileall.compile_dir(tree, quiet=2)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
