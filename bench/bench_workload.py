@@ -27,9 +27,11 @@ nats-server, two in-process workers) runs the S x N workload; at half the effect
 and started again, and the operator's bulk resume (``resume_matching``) takes every session that
 waits for one; the figure is restart to all done, polled with one sessions listing every 20 ms
 (the daemon under test serves the poll). The floor runs as a child process on its own
-nats-server, SIGKILLed at half its effects, and restarted: each session replays the events after
+nats-server (``floor_child.py``, importing only nats-py and LMDB), SIGKILLed at half its effects,
+and restarted: each session replays the events after
 its snapshot and goes on. For both: effects duplicated (a step's line twice), effects never run
-(a step with no line) and sessions lost.
+(a step with no line) and sessions lost. apomesh's modules are byte-compiled first, as a wheel
+install leaves them.
 
 Durability as measured: LMDB synced on every commit for both; JetStream as configured (default:
 an acknowledged event is in the server's files and fsynced within two minutes; ``always``:
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import itertools
 import os
 import signal
@@ -61,7 +64,9 @@ from nats.js.api import StorageType, StreamConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_runtime import make_config, percentile, run_sessions, scratch
+from floor_child import FLOOR_CHILD, TURN_TEXT
 
+import apomesh
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core.events import AgentSnapshotted
 from apomesh.core.views import TERMINAL_STATUSES
@@ -71,8 +76,6 @@ from apomesh.sdk.client import Client
 from apomesh.testing import DaemonProcess, install_plugin_package
 
 BENCHTOOLS = Path(__file__).resolve().parent / "benchtools"
-TURN_TEXT = "Looked the record up; appending the step's line next. " * 3
-"""The model's words each turn: with the two calls and their results, ~300 bytes a step."""
 STEP_SOURCES = ("node", "turn")
 
 
@@ -318,68 +321,13 @@ async def apomesh_kill(base: Path, sessions: int, steps: int) -> Recovery:
         await asyncio.to_thread(daemon.kill)
 
 
-async def floor_child(url: str, base: Path, sessions: int, steps: int) -> None:
-    """The floor as its own process (``--floor-child``): each session picks up from its LMDB
-    snapshot and the events after it, so a restart after kill -9 goes on where it stopped."""
-    nc = await nats.connect(url, name="bench-floor")
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name="FLOOR", subjects=["floor.>"], storage=StorageType.FILE))
-    env = lmdb.open(str(base / "floor-lmdb"), map_size=1 << 30, sync=True)
-    folder = base / "bench"
-    folder.mkdir(exist_ok=True)
-
-    def put(key: bytes, value: bytes) -> None:
-        with env.begin(write=True) as txn:
-            txn.put(key, value)
-
-    async def session(n: int) -> None:
-        subject = f"floor.s{n}"
-        with env.begin() as txn:
-            stored = txn.get(subject.encode())
-        seq, next_step = (0, 0)
-        if stored is not None:
-            seq, next_step = (int(x) for x in stored[:40].split(b",")[:2])
-        try:  # the events after the snapshot: here the last one tells the step it reached
-            msg = await js.get_last_msg("FLOOR", subject)
-            if msg.seq > seq:
-                seq, next_step = msg.seq, int(msg.data.split(b",")[0]) + 1
-        except nats.js.errors.NotFoundError:
-            pass
-        fd = os.open(folder / f"s{n}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            for step in range(next_step, steps):
-                event = f"{step},{TURN_TEXT}".encode().ljust(300)
-                ack = await js.publish(
-                    subject, event, headers={"Nats-Expected-Last-Subject-Sequence": str(seq)}
-                )
-                seq = ack.seq
-                os.write(fd, f"s{n} step {step}".ljust(63).encode() + b"\n")
-                await asyncio.to_thread(
-                    put, subject.encode(), f"{seq},{step + 1},".encode().ljust(300)
-                )
-        finally:
-            os.close(fd)
-
-    await asyncio.gather(*(session(n) for n in range(sessions)))
-    await nc.close()
-    env.close()
-
-
 async def floor_kill(base: Path, sessions: int, steps: int) -> Recovery:
     server = NatsServer(single_node(base / "floor-nats", name="floor"))
     await asyncio.to_thread(server.start)
     folder = base / "bench"
-    command = [
-        sys.executable,
-        __file__,
-        "--floor-child",
-        server.url,
-        str(base),
-        "--sessions",
-        str(sessions),
-        "--steps",
-        str(steps),
-    ]
+    # Its own small script: the loop's restart imports what the loop needs, not this module's
+    # apomesh imports.
+    command = [sys.executable, str(FLOOR_CHILD), server.url, str(base), str(sessions), str(steps)]
     try:
         child = subprocess.Popen(command)
         while lines_in(folder) < sessions * steps // 2 and child.poll() is None:
@@ -426,6 +374,10 @@ async def main_async(args: argparse.Namespace) -> None:
             f"| {ms(r['cpu'][0])} / {ms(r['cpu'][1])} |"
         )
     if args.kill:
+        # Both processes start from bytecode, as from a wheel install (pip compiles at install):
+        # under PYTHONDONTWRITEBYTECODE an editable install compiles apomesh from source at every
+        # start, about 0.4 s, while nats-py and LMDB come compiled.
+        compileall.compile_dir(Path(apomesh.__file__).parent, quiet=2)
         ours, naive = [], []
         for _ in range(args.reps):
             with scratch("apomesh-kill-") as base:
@@ -455,12 +407,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="S=5, N=10, one repetition")
     parser.add_argument("--no-kill", dest="kill", action="store_false", help="skip kill -9")
-    parser.add_argument("--floor-child", nargs=2, metavar=("URL", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.floor_child:
-        url, base = args.floor_child
-        asyncio.run(floor_child(url, Path(base), args.sessions, args.steps))
-        return
     if args.quick:
         args.sessions, args.steps, args.reps = 5, 10, 1
     install_plugin_package(BENCHTOOLS)
