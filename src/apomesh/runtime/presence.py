@@ -4,7 +4,7 @@ Several daemons may serve one NATS cluster. Each one keeps a ``DaemonRecord`` in
 ``APOMESH_DAEMONS`` KV bucket (``adapters.kv.PresenceTable``): its id (the lease owner name), host,
 HTTP URL, incarnation, state, the sessions it drives and those stranded here for an operator, and
 when it started and was last seen. ``Presence`` writes it every renewal interval and soon after a
-change (``nudge``); the bucket's TTL, the lease TTL, ages out the record of a daemon that died. The
+change (``nudge``; ``rewrite_delay`` paces the writes of a large record); the bucket's TTL, the lease TTL, ages out the record of a daemon that died. The
 record is what keeps the daemon's session leases alive (``adapters.kv.LeaseTable``): a lease
 naming a daemon without a record is free for a peer to take. A record's ``state`` is ``active``,
 ``draining`` (it places no new session and is stopping its own at node boundaries) or ``drained``
@@ -53,6 +53,19 @@ class DaemonRecord(msgspec.Struct, frozen=True, kw_only=True):
     def gone(self) -> bool:
         """Whether its sessions are for a peer to adopt: it drained them away."""
         return self.state == "drained"
+
+
+REWRITE_SHARE = 10
+"""After a nudge the record is written again no sooner than this many times its last write took:
+a record listing tens of thousands of sessions takes tens of milliseconds to build and send, and
+a burst of changes would otherwise keep the event loop writing it."""
+
+
+def rewrite_delay(last_write: float, interval: float) -> float:
+    """How long to gather changes before the next write, given the last one took ``last_write``
+    seconds: at least 50 ms (a burst of changes is one write), ``REWRITE_SHARE`` times the last
+    write for a large record, never more than a quarter of the renewal ``interval``."""
+    return min(interval / 4, max(0.05, REWRITE_SHARE * last_write))
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -113,15 +126,18 @@ class Presence:
 
     async def publish_forever(self, interval: float) -> None:
         """Keep the record alive (every ``interval`` and soon after each ``nudge``)."""
+        last_write = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), interval)
             self._changed.clear()
-            await asyncio.sleep(0.05)  # a burst of changes is one write
+            await asyncio.sleep(rewrite_delay(last_write, interval))
+            began = time.perf_counter()
             try:
                 await self.publish()
             except Exception as exc:
                 self.log.warning("presence record not renewed: %s", exc)
+            last_write = time.perf_counter() - began
 
     async def withdraw(self) -> None:
         with contextlib.suppress(Exception):
