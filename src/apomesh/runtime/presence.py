@@ -5,8 +5,9 @@ Several daemons may serve one NATS cluster. Each one keeps a ``DaemonRecord`` in
 HTTP URL, incarnation, state, the sessions it drives and those stranded here for an operator, and
 when it started and was last seen. ``Presence`` writes it every renewal interval and soon after a
 change (``nudge``; ``rewrite_delay`` paces the writes of a large record); the bucket's TTL, the
-lease TTL, ages out the record of a daemon that died. The record is what keeps the daemon's session leases alive (``adapters.kv.LeaseTable``): a lease
-naming a daemon without a record is free for a peer to take. A record's ``state`` is ``active``,
+lease TTL, ages out the record of a daemon that died. The record is what keeps the daemon's
+session leases alive (``adapters.kv.LeaseTable``): a lease naming a daemon without a record is
+free for a peer to take. A record's ``state`` is ``active``,
 ``draining`` (it places no new session and is stopping its own at node boundaries) or ``drained``
 (it drives nothing any more: the sessions it lists were handed over, their leases released, for
 a live peer to adopt at once). ``peers`` answers every live record; a peer's takeover
