@@ -60,19 +60,6 @@ class KnowsSequences(Protocol):
     def known_sequence(self, session_id: str, index: int) -> int | None: ...
 
 
-def sequences_of(log_adapter: object) -> KnowsSequences | None:
-    """``log_adapter`` as a ``KnowsSequences``, or None (answered once per class: an
-    ``isinstance`` against a protocol walks its members, and every session's writer asks)."""
-    cls = type(log_adapter)
-    knows = _KNOWS_SEQUENCES.get(cls)
-    if knows is None:
-        knows = _KNOWS_SEQUENCES[cls] = isinstance(log_adapter, KnowsSequences)
-    return log_adapter if knows else None  # type: ignore[return-value]
-
-
-_KNOWS_SEQUENCES: dict[type, bool] = {}
-
-
 @dataclass
 class CheckpointStats:
     """What the folds from checkpoints did, since the daemon started."""

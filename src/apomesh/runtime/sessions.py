@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -96,7 +97,7 @@ from apomesh.plugins.api import (
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime import tracing
 from apomesh.runtime.config import LimitsConfig
-from apomesh.runtime.fold_checkpoints import CHECKPOINT_EVERY, FoldCheckpoints, sequences_of
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_EVERY, FoldCheckpoints, KnowsSequences
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import worker_pins
 from apomesh.runtime.protocol import (
@@ -170,6 +171,12 @@ class SessionDeps:
     """Where the writer stores its session's folded state now and then (None: it does not)."""
     checkpoint_every: int = CHECKPOINT_EVERY
     """Events appended between two of those checkpoints."""
+
+    @functools.cached_property
+    def sequences(self) -> KnowsSequences | None:
+        """The log, when it tells the stream sequence of an event (asked once per daemon: an
+        ``isinstance`` against a protocol walks its members)."""
+        return self.log if isinstance(self.log, KnowsSequences) else None
 
 
 @dataclass
@@ -252,7 +259,7 @@ class SessionRuntime:
         self._checkpointed = -1
         """The index of the last fold checkpoint this writer stored (-1: none yet)."""
         self._checkpointing: asyncio.Task[None] | None = None
-        self._sequences = sequences_of(deps.log)
+        self._sequences = deps.sequences
         """The log, when it tells the stream sequence of an event (asked at every append)."""
 
     # --- the single writer -----------------------------------------------------------------------
