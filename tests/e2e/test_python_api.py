@@ -63,12 +63,17 @@ class Script:
         self.runs = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> subprocess.Popen[bytes]:
+    def start(self, *args: str) -> subprocess.Popen[bytes]:
         self.runs += 1
         out = (self.directory / f"run{self.runs}.out").open("wb")
         err = (self.directory / f"run{self.runs}.err").open("wb")
+        # faulthandler: a run that outlives its timeout is ended with SIGABRT, which prints
+        # every thread's stack to its stderr, so a hang says where it is.
         self.proc = subprocess.Popen(
-            [sys.executable, self.path.name], cwd=self.directory, stdout=out, stderr=err
+            [sys.executable, "-X", "faulthandler", self.path.name, *args],
+            cwd=self.directory,
+            stdout=out,
+            stderr=err,
         )
         return self.proc
 
@@ -86,14 +91,23 @@ class Script:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
-    def run_to_end(self, timeout: float = 120.0) -> tuple[int, str, str]:
-        proc = self.start()
+    def run_to_end(self, *args: str, timeout: float = 120.0) -> tuple[int, str, str]:
+        """Run the script with ``args`` to its end; one still running after ``timeout`` fails
+        the test with the stacks of its threads."""
+        proc = self.start(*args)
         try:
             proc.wait(timeout)
-        finally:
-            if proc.poll() is None:
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+            raise AssertionError(
+                f"the script {' '.join([self.path.name, *args])} did not end within"
+                f" {timeout:g} s; its output: {self.output()}"
+            ) from None
         return (proc.returncode, *self.output())
 
     def blocked_on_pipe(self) -> bool:
@@ -288,12 +302,6 @@ def test_an_unknown_outcome_held_without_a_probe_waits_for_the_person(tmp_path: 
     assert "SessionNotCompleted" in err and "holds unknown outcomes for you to decide" in err, err
     assert "charge by root" in err
     # The person looked (nothing was charged) and resumes past it: the call is not run again.
-    proc = subprocess.run(
-        [sys.executable, script.path.name, "resume"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert (proc.returncode, proc.stdout) == (0, "billed\n"), proc.stderr
+    code, out, err = script.run_to_end("resume")
+    assert (code, out) == (0, "billed\n"), err
     assert not charges.exists()

@@ -81,6 +81,24 @@ from apomesh.runtime.worker import Worker
 
 log = logging.getLogger("apomesh.node")
 
+SLOW_SHUTDOWN_MARGIN = 20.0
+"""Seconds past ``[daemon] shutdown_timeout`` after which a shutdown still going logs what it is
+waiting on."""
+
+
+def _where(task: asyncio.Task[Any]) -> str:
+    """The innermost coroutine frame a pending task is suspended in, ``file:line in function``
+    (followed down its ``await`` chain: a task's own stack shows only its outermost frame)."""
+    awaited: Any = task.get_coro()
+    where = "not started"
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is None:
+            break
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return where
+
 HttpStarter = Callable[[Service, Config], Awaitable[Any]]
 """Starts the HTTP API for a node (``apomesh.api.server.serve_api``); answers a handle with
 ``url`` and ``async stop()``. The command line passes it in, so this layer never imports the API."""
@@ -530,22 +548,49 @@ class Node:
             self.daemon.presence.nudge()
 
     async def aclose(self) -> None:
-        if self._http_endpoint is not None:
-            await self._http_endpoint.stop()
-        if self.daemon is not None:
-            await self.daemon.aclose()
-        for nc, worker in self.workers:
-            await worker.aclose()
-            with contextlib.suppress(Exception):
-                await nc.close()
-        for nc in (self.control_nc, self.nc):
-            if nc is not None:
+        stage = ["the HTTP API"]
+        watchdog = asyncio.create_task(self._report_a_slow_shutdown(stage))
+        try:
+            if self._http_endpoint is not None:
+                await self._http_endpoint.stop()
+            stage[0] = "the daemon"
+            if self.daemon is not None:
+                await self.daemon.aclose()
+            stage[0] = "the in-process workers"
+            for nc, worker in self.workers:
+                await worker.aclose()
                 with contextlib.suppress(Exception):
-                    await nc.drain()
-        if self.store is not None:
-            await self.store.aclose()
-        if self.server is not None:
-            await asyncio.to_thread(self.server.stop)
-        for lock in reversed(self._locks):
-            lock.release()
-        self._locks.clear()
+                    await nc.close()
+            stage[0] = "the NATS connections"
+            for nc in (self.control_nc, self.nc):
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await nc.drain()
+            stage[0] = "the state store"
+            if self.store is not None:
+                await self.store.aclose()
+            stage[0] = "the embedded nats-server"
+            if self.server is not None:
+                await asyncio.to_thread(self.server.stop)
+        finally:
+            watchdog.cancel()
+            for lock in reversed(self._locks):
+                lock.release()
+            self._locks.clear()
+
+    async def _report_a_slow_shutdown(self, stage: list[str]) -> None:
+        """Once the shutdown has outlasted its grace period and then some, say what it waits on:
+        the stage, and where each of the event loop's other tasks is."""
+        await asyncio.sleep(self.config.daemon.shutdown_timeout + SLOW_SHUTDOWN_MARGIN)
+        current = asyncio.current_task()
+        waiting = [
+            f"{task.get_name()}: {_where(task)}"
+            for task in asyncio.all_tasks()
+            if task is not current and not task.done()
+        ]
+        log.warning(
+            "shutdown still waiting on %s after %g s; tasks: %s",
+            stage[0],
+            self.config.daemon.shutdown_timeout + SLOW_SHUTDOWN_MARGIN,
+            "; ".join(waiting) or "none",
+        )
