@@ -99,6 +99,7 @@ def _where(task: asyncio.Task[Any]) -> str:
         awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
     return where
 
+
 HttpStarter = Callable[[Service, Config], Awaitable[Any]]
 """Starts the HTTP API for a node (``apomesh.api.server.serve_api``); answers a handle with
 ``url`` and ``async stop()``. The command line passes it in, so this layer never imports the API."""
