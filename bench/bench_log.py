@@ -6,16 +6,16 @@ Starts its own nats-server (JetStream on, a tmp store, a free 127.0.0.1 port) an
 - awaited appends, one event per call: ``JetStreamLog.append`` vs a bare ``js.publish`` loop with
   the same headers (``Nats-Msg-Id`` and ``Nats-Expected-Last-Subject-Sequence`` chained from each
   acknowledgement);
-- batched appends of ``--batch`` events (and of 50): the adapter (chained awaited publishes below
-  32 events, an atomic batch from 32, see jetstream_log.py) vs bare ``publish_async`` + ``gather``
-  with the same message ids, where only the first event can carry the expected sequence (so
-  the bare figure is a ceiling the adapter does not aim for: it is not safe against a stale writer),
-  one session and then eight sessions at once;
+- batched appends of ``--batch`` events (and of 50): the adapter (the append's events as one
+  message, see log_messages.py) vs bare ``publish_async`` + ``gather`` of one message per event
+  with the same message ids, where only the first event can carry the expected sequence (so that
+  bare figure is not safe against a stale writer), one session and then eight sessions at once;
 - reading back one 10k-event session: ``read_raw`` (bytes) and ``read`` (decoded envelopes) vs a
   bare ordered consumer, plus the adapter's two read paths (batched direct get and ordered
   consumer) at several session sizes, which is how the read path was chosen;
-- the adapter's two append paths (chained awaited publishes and atomic batches) by step size, one
-  session and eight at once, which is how ``atomic_batch_min`` was chosen;
+- the adapter's append by step size with a message per event (``run_bytes=1``: each awaited
+  and chained, as releases before runs stored them) and with the step's events as one message,
+  one session and eight at once;
 - listing sessions with 10k and 100k sessions in the stream (filled with pipelined publishes).
 
 Run ``python bench/bench_log.py`` (``--quick`` for smaller counts, ``--runs N``). Figures are
@@ -50,6 +50,8 @@ from apomesh.core.envelope import Envelope, encode, make
 from apomesh.core.events import CoordinatorCheckpoint
 
 EVENT_BYTES = 300
+STEP_EVENTS = 2
+"""Events per append where the benchmark stores a session as the daemon would."""
 BARE_ACK_TIMEOUT = 60.0
 """nats-py's publish_async futures never resolve when the server answers with an error (its
 reply handler raises instead of failing the future), so the bare loops bound their waits."""
@@ -294,16 +296,18 @@ async def bench_batched(
 
 
 async def fill_session(nc: NATS, log: JetStreamLog, session: str, count: int) -> None:
-    """Store ``count`` events of one session, interleaved with another session's, quickly."""
-    for start in range(0, count, 200):
+    """Store ``count`` events of one session as the daemon does, two to an append (a step's
+    intent and pointer, its result and pointer), interleaved with another session's."""
+    for start in range(0, count, STEP_EVENTS):
         await log.append(
-            session, [event(session, index) for index in range(start, min(count, start + 200))]
+            session, [event(session, i) for i in range(start, min(count, start + STEP_EVENTS))]
         )
     noise = f"{session}-noise"
     await log.append(noise, [event(noise, index) for index in range(50)])
 
 
 async def bare_ordered_read(nc: NATS, log: JetStreamLog, session: str) -> int:
+    """Read a session's messages through a bare ordered consumer; answer how many there were."""
     js = nc.jetstream()
     config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, filter_subject=log.subject(session))
     subscription = await js.subscribe(
@@ -335,7 +339,7 @@ async def bench_read(nc: NATS, log: JetStreamLog, count: int, runs: int, report:
         decoded_times.append(time.perf_counter() - started)
         assert len(decoded) == count
         started = time.perf_counter()
-        assert await bare_ordered_read(nc, log, session) == count
+        assert await bare_ordered_read(nc, log, session) == -(-count // STEP_EVENTS)  # messages
         bare_times.append(time.perf_counter() - started)
     raw_s, decoded_s, bare_s = (
         statistics.median(t) for t in (raw_times, decoded_times, bare_times)
@@ -377,13 +381,13 @@ async def bench_read_paths(nc: NATS, log: JetStreamLog, sizes: list[int], runs: 
 
 
 async def bench_append_paths(nc: NATS, sizes: list[int], runs: int) -> None:
-    print("\n  append path by step size (median events/s): chained publishes vs atomic batch")
-    chained = JetStreamLog(nc, ensure_heartbeats=False, timeout=60, atomic_batch_min=1 << 30)
-    atomic = JetStreamLog(nc, ensure_heartbeats=False, timeout=60, atomic_batch_min=2)
+    print("\n  append by step size (median events/s): a message per event vs one message per step")
+    chained = JetStreamLog(nc, ensure_heartbeats=False, timeout=60, run_bytes=1)
+    packed = JetStreamLog(nc, ensure_heartbeats=False, timeout=60)
     for size in sizes:
         for sessions in (1, 8):
             figures = []
-            for name, log in (("chained", chained), ("atomic", atomic)):
+            for name, log in (("chained", chained), ("packed", packed)):
                 rates = []
                 for run in range(runs):
                     steps = max(4, 400 // size)
@@ -403,7 +407,7 @@ async def bench_append_paths(nc: NATS, sizes: list[int], runs: int) -> None:
                 figures.append(statistics.median(rates))
             print(
                 f"    steps of {size:>3}, {sessions} session{'s' if sessions > 1 else ' '}:"
-                f" chained {figures[0]:>8,.0f}   atomic {figures[1]:>8,.0f}"
+                f" a message per event {figures[0]:>8,.0f}   one per step {figures[1]:>8,.0f}"
             )
 
 

@@ -68,6 +68,8 @@ from tests.e2e.chaos_kit import shape_of, stored_session, thinker
 
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
+from apomesh.adapters.log_messages import pack
+from apomesh.adapters.memory_log import OutgoingEvent
 from apomesh.adapters.nats_connect import connect
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core import envelope
@@ -133,6 +135,9 @@ async def park(node: Node, count: int) -> tuple[list[str], float]:
     return ids, time.perf_counter() - started
 
 
+STEP_EVENTS = 2
+"""Events per stored message: a step's two appends each carry two (intent and pointer, result
+and pointer)."""
 IDLE_SECONDS = 15.0
 
 
@@ -186,23 +191,29 @@ async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> N
 
 async def publish_stored(url: str, sessions: list[list[envelope.Envelope]]) -> tuple[int, float]:
     """Publish the sessions' envelopes to the log stream as plain publishes, flushed in batches,
-    and wait until the stream holds them all; answer (events, seconds)."""
+    in the messages the log writes: ``STEP_EVENTS`` consecutive events to a message, as a step's
+    appends are (``adapters.log_messages``). Wait until the stream holds them all; answer
+    (events, seconds)."""
     nc = await connect([url])
     log = JetStreamLog(nc)
     await log.ensure()
     js = nc.jetstream()
     before = (await js.stream_info(log.stream)).state.messages
     started = time.perf_counter()
-    total = 0
+    total = messages = 0
     for envelopes in sessions:
-        subject = log.subject(envelopes[0].session_id)
-        for env in envelopes:
-            await nc.publish(subject, envelope.encode(env))
+        session_id = envelopes[0].session_id
+        subject = log.subject(session_id)
+        outgoing = [OutgoingEvent(e.index, envelope.encode(e), e.event_id) for e in envelopes]
+        for first in range(0, len(outgoing), STEP_EVENTS):
+            (run,) = pack(session_id, outgoing[first : first + STEP_EVENTS], 1 << 20)
+            await nc.publish(subject, run.payload)
+            messages += 1
         total += len(envelopes)
         if total % 20_000 < len(envelopes):
             await nc.flush()
     await nc.flush()
-    while (await js.stream_info(log.stream)).state.messages < before + total:
+    while (await js.stream_info(log.stream)).state.messages < before + messages:
         await asyncio.sleep(0.1)
     seconds = time.perf_counter() - started
     await nc.close()

@@ -158,16 +158,16 @@ def publish_raw(nats_url: str, session_id: str, entries: list[bytes]) -> None:
 
 
 def stored_count(nats_url: str, session_id: str) -> int:
-    """How many entries a session's log subject holds."""
+    """How many events a session's log holds (an append's events share one message)."""
 
     async def count() -> int:
         import nats
 
+        from apomesh.adapters.jetstream_log import JetStreamLog
+
         nc = await nats.connect(nats_url)
         try:
-            subject = f"apomesh.log.{session_id}"
-            info = await nc.jetstream().stream_info("APOMESH_LOG", subjects_filter=subject)
-            return int((info.state.subjects or {}).get(subject, 0))
+            return len(await JetStreamLog(nc, ensure_heartbeats=False).read_raw(session_id))
         finally:
             await nc.close()
 

@@ -8,6 +8,7 @@ ignored, and the session folds from its first event to exactly the new log's sta
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -62,7 +63,9 @@ def a_session(goal: str = "long", session_id: str | None = None) -> list[Envelop
 
 
 async def logged(log: JetStreamLog, envelopes: list[Envelope]) -> None:
-    await log.append(envelopes[0].session_id, envelopes)
+    """Append the session two events at a time, as a step's appends are (a message each)."""
+    for first in range(0, len(envelopes), 2):
+        await log.append(envelopes[0].session_id, envelopes[first : first + 2])
 
 
 async def checkpointed(
@@ -74,10 +77,10 @@ async def checkpointed(
 
 
 async def sequence_of(log: JetStreamLog, session_id: str, index: int) -> int:
-    await log.read(session_id, index - 1)  # the log notes where the session ends
-    seq = log.known_sequence(session_id, EVENTS - 1)
+    """The stream sequence of the message holding the session's event ``index``."""
+    seq = await log._start_seq_after(session_id, index - 1, time.monotonic() + 10)
     assert seq is not None
-    return seq - (EVENTS - 1 - index)  # one session alone on the stream: sequences are dense
+    return seq
 
 
 async def checkpointed_on_jetstream(

@@ -22,6 +22,7 @@ from apomesh.adapters.heartbeats import (
 )
 from apomesh.adapters.jetstream_log import LOG_STREAM, JetStreamLog, _Position
 from apomesh.adapters.nats_connect import NATS, close_quietly, connect
+from apomesh.core import envelope
 from apomesh.core.errors import (
     AppendConflict,
     LogError,
@@ -53,7 +54,7 @@ async def test_ensure_creates_both_streams_with_the_promised_settings(
     js = nc.jetstream()
     config = (await js.stream_info(LOG_STREAM)).config
     assert config.subjects == ["apomesh.log.*"]
-    assert config.allow_direct and config.allow_atomic
+    assert config.allow_direct
     assert (config.duplicate_window or 0) >= 120
     assert config.num_replicas == 1
     heartbeat = (await js.stream_info(HEARTBEAT_STREAM)).config
@@ -91,11 +92,11 @@ def nats_msgpack(value: Any) -> bytes:
     return msgspec.msgpack.encode(value)
 
 
-@pytest.mark.parametrize("atomic_batch_min", [2, 32], ids=["atomic", "chained"])
+@pytest.mark.parametrize("run_bytes", [1, None], ids=["a-message-per-event", "one-message"])
 async def test_a_retry_with_a_stale_position_never_duplicates(
-    nc: NATS, atomic_batch_min: int
+    nc: NATS, run_bytes: int | None
 ) -> None:
-    log = JetStreamLog(nc, atomic_batch_min=atomic_batch_min)
+    log = JetStreamLog(nc, run_bytes=run_bytes)
     await log.ensure()
     session = new_session()
     await log.append(session, events(session, 0, 5))
@@ -116,6 +117,45 @@ async def test_a_retry_with_a_stale_position_never_duplicates(
     with pytest.raises(AppendConflict):
         await log.append(session, events(session, 6, 3, tag="other"))
     assert await log.read(session) == events(session, 0, 8)
+
+
+async def test_an_append_is_one_message_and_a_log_of_bare_envelopes_reads_on_after_it(
+    nc: NATS, log: JetStreamLog
+) -> None:
+    """A log written before runs (one bare envelope per message) is read, tailed, folded and
+    appended to as before; the appends after it go as one message each."""
+    session = new_session()
+    js = nc.jetstream()
+    for env in events(session, 0, 3):  # the stored form of earlier releases
+        await js.publish(
+            log.subject(session),
+            envelope.encode(env),
+            headers={"Nats-Msg-Id": f"{session}:{env.index}"},
+        )
+    fresh = JetStreamLog(nc)  # knows nothing of where the session ends
+    await fresh.append(session, events(session, 3, 4))
+    await fresh.append(session, events(session, 7, 1))
+    await fresh.append(session, events(session, 8, 3))
+    info = await js.stream_info(LOG_STREAM, subjects_filter=log.subject(session))
+    assert info.state.subjects == {log.subject(session): 3 + 3}
+    everything = events(session, 0, 11)
+    reader = JetStreamLog(nc)
+    assert await reader.read(session) == everything
+    assert await reader.last_index(session) == 10
+    for after in range(-1, 11):  # starting inside a run, at its edges and in the bare part
+        assert await JetStreamLog(nc).read(session, after=after) == everything[after + 1 :]
+    tailed = []
+    async with aclosing(JetStreamLog(nc).tail(session, after=4)) as tail:
+        async for env in tail:
+            tailed.append(env)
+            if len(tailed) == 6:
+                break
+    assert tailed == everything[5:]
+    folded = await JetStreamLog(nc).fold_all(set(), sessions=[session])
+    assert folded.states[session].last_index == 10 and session not in folded.suspect
+    learned = JetStreamLog(nc)
+    await learned.learn_ends([session])
+    assert learned._positions[session].index == 10
 
 
 async def test_the_ends_of_many_sessions_are_learned_in_batches_and_a_stale_one_is_refused(

@@ -1,35 +1,28 @@
 """The event log on NATS JetStream: one stream, one subject per session, optimistic appends.
 
 Stream ``APOMESH_LOG`` holds subjects ``apomesh.log.<session_id>`` (file storage, direct gets
-allowed, atomic batches allowed, a two-minute duplicate window). Every message carries
-``Nats-Msg-Id: <session_id>:<index>`` (dedupe on retry) and every publish carries
+allowed, a two-minute duplicate window). An append's envelopes go as one message, a *run*
+(``adapters.log_messages``: cut into several only past the message size limit; logs written
+before runs hold one bare envelope per message, and every read takes both). Every message carries
+``Nats-Msg-Id: <session_id>:<first index>`` (dedupe on retry) and every publish carries
 ``Nats-Expected-Last-Subject-Sequence`` (optimistic concurrency), so a stale writer is refused.
 
-How a step's several events are sent, and why. The expected-sequence header of event k+1 needs
-the stream sequence of event k, known only once k is acknowledged. Three ways were weighed:
+Why a run. The expected-sequence header of a message needs the stream sequence of the one before
+it, known only once that one is acknowledged, so a step whose events went as a message each cost
+one awaited request per event (pipelining them with the header on the first only would be
+unsafe: if the first is refused because another writer got there, the others would still be
+stored after that writer's events; the ownership lease cannot stop a paused process that wakes
+up believing it still holds one, so every stored message must pass the check). An atomic batch
+is stored whole or not at all in one round trip, but the server stages each in a temporary file
+store, about 2.7 ms a batch, serialised across the stream. A run is one message: one request, one
+check, one fsync at ``sync_interval: always``, and stored whole or not at all like any message.
+An append cut into several runs (events over the limit together) sends them chained; a crash
+between them leaves the first runs stored, and the retry after it settles what is stored and
+sends only the rest.
 
-- Pipelining the events with the header on the first only (the fastest, one round trip): unsafe.
-  If the first is refused because another writer got there, the others are still stored after
-  that writer's events. The ownership lease makes the daemon the only writer of a session, but a
-  lease cannot stop a paused process that wakes up believing it still holds one; the
-  per-publish check is what stops such a zombie, so every stored event must pass it.
-- An atomic batch (nats-server >= 2.12): the header on its first message, stored whole or not at
-  all, one round trip. Correct, but on file storage the server stages each batch in a temporary
-  file store: about 2.7 ms per batch whatever its size, serialised across the stream's batches.
-- Awaiting each publish and chaining the header from each acknowledgement: correct, about 0.25 ms
-  per event on loopback, and concurrent sessions proceed in parallel.
-
-So steps of fewer than ``atomic_batch_min`` events (32 by default; nearly every step) are chained
-and larger ones go as atomic batches. bench/bench_log.py compares the two by step size: chained
-runs at 3-5k events/s for one session and 8-14k/s over eight, whatever the step size; atomic
-batches manage 0.7-4k/s for steps of 2 to 10, but 5-16k/s for one session's steps of 50 and
-5-24k/s for steps of 100 (the low ends on a disk busy with other work, which hurts the staged
-batches most). A step cut short by a crash leaves its first events stored; the retry after it
-settles what is stored and sends only the rest.
-
-Retries: a timeout or disconnect resends the same batch with the same expected sequence and
-message ids. If the first try was stored, the resend is refused (wrong last sequence, or a
-duplicate id in the batch) or acknowledged as a duplicate; each of those means "maybe written",
+Retries: a timeout or disconnect resends the same run with the same expected sequence and
+message id. If the first try was stored, the resend is refused (wrong last sequence) or
+acknowledged as a duplicate; each of those means "maybe written",
 and the session's stored tail is then compared with what we sent: our own events (same bytes, or
 same index and event id) count as written, anything else is ``AppendConflict``. So a retried
 append never duplicates and never loses an event. A server that stays out of reach is
@@ -47,8 +40,9 @@ size tried, 10 to 50k events (bench/bench_log.py), so there is no size past whic
 takes over. If a direct get answers with less than this process knows is stored (a lagging
 replica of an R3 stream may answer direct gets), the leader says where the log ends and the rest
 is read through an ordered consumer, which the leader serves. Appends look the session's end up
-from the leader too (message get, not direct get), so a lagging replica never misleads a retry. ``tail`` reads through an ordered consumer that starts at the stream
-sequence of the first wanted index, so nothing is missed or repeated between history and live.
+from the leader too (message get, not direct get), so a lagging replica never misleads a retry.
+``tail`` reads through an ordered consumer that starts at the stream sequence of the message
+holding the first wanted index, so nothing is missed or repeated between history and live.
 """
 
 from __future__ import annotations
@@ -56,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
@@ -66,10 +59,10 @@ from typing import Any, Literal
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
 from apomesh.adapters.heartbeats import HeartbeatStream
+from apomesh.adapters.log_messages import Run, entries, index_range, pack
 from apomesh.adapters.memory_log import (
     DEFAULT_MAX_EVENT_BYTES,
     OutgoingEvent,
@@ -97,17 +90,10 @@ from apomesh.core.ports import EventLog
 LOG_STREAM = "APOMESH_LOG"
 LOG_SUBJECT_PREFIX = "apomesh.log"
 DUPLICATE_WINDOW_SECONDS = 120.0
-MAX_ATOMIC_BATCH = 256
-"""Events per atomic batch; the server refuses batches over 1000 messages by default."""
-ATOMIC_BATCH_MIN = 32
-"""Steps at least this long go as atomic batches; shorter ones as chained publishes."""
 MULTI_LAST_SUBJECTS = 1000
 """Sessions per batched direct get of their last events (``learn_ends``)."""
 
 _WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
-_BATCH_DUPLICATE_ID = 10201
-_ATOMIC_DISABLED = 10174
-_ATOMIC_MIN_VERSION = (2, 12)
 
 _json_decode = msgspec.json.Decoder(dict[str, Any]).decode
 
@@ -182,7 +168,7 @@ class JetStreamLog:
         read_page: int = 5000,
         position_cache_size: int = 100_000,
         ensure_heartbeats: bool = True,
-        atomic_batch_min: int = ATOMIC_BATCH_MIN,
+        run_bytes: int | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be at least 1")
@@ -196,11 +182,10 @@ class JetStreamLog:
         self._timeout = timeout
         self._attempt_timeout = attempt_timeout
         self._max_event_bytes = max_event_bytes
+        self._run_bytes = min(run_bytes or max_event_bytes, max_event_bytes)
         self._read_page = read_page
         self._positions: OrderedDict[str, _Position] = OrderedDict()
         self._position_cache_size = position_cache_size
-        self._atomic = _server_supports_atomic(nc)
-        self._atomic_batch_min = max(2, atomic_batch_min)
         self._ensure_heartbeats = ensure_heartbeats
 
     @property
@@ -227,7 +212,6 @@ class JetStreamLog:
             storage=StorageType.FILE,
             num_replicas=self.replicas,
             allow_direct=True,
-            allow_atomic=True if self._atomic else None,
             duplicate_window=DUPLICATE_WINDOW_SECONDS,
             max_msg_size=self._max_event_bytes + 4096,
             deny_delete=True,
@@ -269,8 +253,6 @@ class JetStreamLog:
             changes["num_replicas"] = self.replicas
         if not current.allow_direct:
             changes["allow_direct"] = True
-        if self._atomic and not current.allow_atomic:
-            changes["allow_atomic"] = True
         if (current.duplicate_window or 0) < DUPLICATE_WINDOW_SECONDS:
             changes["duplicate_window"] = DUPLICATE_WINDOW_SECONDS
         if (current.max_msg_size or -1) not in (-1, wanted.max_msg_size) and (
@@ -303,27 +285,31 @@ class JetStreamLog:
         verified = False
         problem = "no answer"
         backoff = 0.02
+        runs: list[Run] = []
         while pending:
             if position is None:
                 position, verified = await self._stored_position(session_id, deadline), True
             first = pending[0].index
             if position.index >= first:
                 pending, position = await self._settle(session_id, pending, position, deadline)
+                runs = []
                 continue
             if position.index < first - 1:
                 if not verified:  # only a belief from earlier calls: ask the stream before refusing
                     position, verified = await self._stored_position(session_id, deadline), True
                     continue
                 raise gap_conflict(session_id, first, position.index)
-            atomic = self._atomic and len(pending) >= self._atomic_batch_min
-            chunk = pending[: MAX_ATOMIC_BATCH if atomic else 1]
+            if not runs:
+                runs = pack(session_id, pending, self._run_bytes)
+            run = runs[0]
             outcome, seq, detail = await self._publish(
-                subject, session_id, chunk, position.seq, deadline
+                subject, session_id, run, position.seq, deadline
             )
             if outcome == "written":
-                position = _Position(chunk[-1].index, seq)
+                position = _Position(run.last, seq)
                 self._remember(session_id, position)
-                pending = pending[len(chunk) :]
+                pending = pending[len(run.events) :]
+                runs = runs[1:]  # packing is greedy from the front: the rest stay as they were
                 backoff = 0.02
                 continue
             if outcome == "transient":
@@ -338,6 +324,7 @@ class JetStreamLog:
                 continue
             # "maybe written": learn where the session's log really ends and settle from there.
             self._positions.pop(session_id, None)
+            runs = []
             fresh = await self._stored_position(session_id, deadline)
             if fresh == position:
                 if outcome == "duplicate":
@@ -354,31 +341,20 @@ class JetStreamLog:
             self._remember(session_id, position)
 
     async def _publish(
-        self,
-        subject: str,
-        session_id: str,
-        chunk: Sequence[OutgoingEvent],
-        expected_seq: int,
-        deadline: float,
+        self, subject: str, session_id: str, run: Run, expected_seq: int, deadline: float
     ) -> tuple[_Outcome, int, str]:
-        """Send one chunk; return the outcome, the stream sequence of its last event, and a detail."""
+        """Send one run; return the outcome, the stream sequence it was stored at, and a detail."""
         timeout = min(self._attempt_timeout, deadline - time.monotonic())
         if timeout <= 0:
             return "transient", 0, "deadline reached"
+        headers = {
+            "Nats-Msg-Id": run.msg_id(session_id),
+            "Nats-Expected-Last-Subject-Sequence": str(expected_seq),
+        }
         try:
-            if len(chunk) == 1:
-                outgoing = chunk[0]
-                headers = {
-                    "Nats-Msg-Id": f"{session_id}:{outgoing.index}",
-                    "Nats-Expected-Last-Subject-Sequence": str(expected_seq),
-                }
-                reply = await self._replies.request(
-                    subject, outgoing.payload, timeout=timeout, headers=headers
-                )
-            else:
-                reply = await self._publish_atomic(
-                    subject, session_id, chunk, expected_seq, timeout
-                )
+            reply = await self._replies.request(
+                subject, run.payload, timeout=timeout, headers=headers
+            )
         except nats.errors.ConnectionClosedError:
             raise LogUnavailable(
                 f"append to session {session_id}: the NATS connection is closed"
@@ -395,41 +371,9 @@ class JetStreamLog:
         description = str(error.get("description", error))
         if code in _WRONG_LAST_SEQUENCE:
             return "wrong_last", 0, description
-        if code == _BATCH_DUPLICATE_ID:
-            return "duplicate", 0, description
-        if code == _ATOMIC_DISABLED:
-            # The stream lost its atomic setting (recreated by an older build?): go one by one.
-            self._atomic = False
-            return "transient", 0, description
         if error.get("code") == 503 or "inflight" in description:
             return "transient", 0, description
         raise LogError(f"append to session {session_id} refused: {description} (err_code {code})")
-
-    async def _publish_atomic(
-        self,
-        subject: str,
-        session_id: str,
-        chunk: Sequence[OutgoingEvent],
-        expected_seq: int,
-        timeout: float,
-    ) -> Msg:
-        batch_id = os.urandom(12).hex()
-        last = len(chunk)
-        for position, outgoing in enumerate(chunk, start=1):
-            headers = {
-                "Nats-Batch-Id": batch_id,
-                "Nats-Batch-Sequence": str(position),
-                "Nats-Msg-Id": f"{session_id}:{outgoing.index}",
-            }
-            if position == 1:
-                headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_seq)
-            if position == last:
-                headers["Nats-Batch-Commit"] = "1"
-                return await self._replies.request(
-                    subject, outgoing.payload, timeout=timeout, headers=headers
-                )
-            await self._nc.publish(subject, outgoing.payload, headers=headers)
-        raise AssertionError("unreachable: a chunk is never empty")
 
     async def _settle(
         self, session_id: str, pending: list[OutgoingEvent], position: _Position, deadline: float
@@ -493,12 +437,7 @@ class JetStreamLog:
             message = answer["message"]
             seq = int(message["seq"])
             data = base64.b64decode(message.get("data") or b"")
-            headers = (
-                _parse_headers(base64.b64decode(message["hdrs"])) if message.get("hdrs") else {}
-            )
-            index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
-            if index is None:
-                index = decode(data, session_id=session_id).index
+            _, index = _message_range(data, session_id)
             position = _Position(index, seq)
             self._remember(session_id, position, leader=True)
             return position
@@ -523,9 +462,7 @@ class JetStreamLog:
         if status is not None:
             raise LogError(f"last index of session {session_id}: direct get answered {status}")
         seq = int(headers["Nats-Sequence"])
-        index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
-        if index is None:
-            index = decode(reply.data, session_id=session_id).index
+        _, index = _message_range(reply.data, session_id)
         position = _Position(index, seq)
         self._remember(session_id, position)
         return position
@@ -614,7 +551,8 @@ class JetStreamLog:
                 },
                 timeout=_remaining(deadline, f"read session {session_id}"),
             )
-            payloads.extend(msg.data for msg in page.messages)
+            for msg in page.messages:
+                _take(payloads, msg.data, first)
             if page.messages:
                 last_seq = page.last_sequence
             if not page.messages or page.pending == 0:
@@ -639,7 +577,7 @@ class JetStreamLog:
                     msg = await subscription.next_msg(
                         timeout=_remaining(deadline, f"read session {session_id}")
                     )
-                    payloads.append(msg.data)
+                    _take(payloads, msg.data, first)
                     if len(payloads) >= count and msg.metadata.num_pending == 0:
                         return _StoredRun(first, payloads, msg.metadata.sequence.stream)
             finally:
@@ -664,15 +602,17 @@ class JetStreamLog:
             return None
         if after == last.index - 1:
             return last.seq
-        # Indexes rise with stream sequences, so a binary search over sequences finds the start
-        # in O(log n) direct gets without keeping a per-session index of sequences.
+        # Indexes rise with stream sequences, so a binary search over sequences finds the message
+        # holding ``after + 1`` in O(log n) direct gets without a per-session index of sequences.
         subject = self.subject(session_id)
         low, high = 1, last.seq
         while low < high:
             middle = (low + high) // 2
-            seq, index = await self._first_at_or_after(subject, session_id, middle, deadline)
-            if index > after:
-                if index == after + 1:
+            seq, first, last_held = await self._first_at_or_after(
+                subject, session_id, middle, deadline
+            )
+            if last_held > after:
+                if first <= after + 1:
                     return seq
                 high = middle
             else:
@@ -681,7 +621,9 @@ class JetStreamLog:
 
     async def _first_at_or_after(
         self, subject: str, session_id: str, seq: int, deadline: float
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
+        """The first message of the session at or after stream sequence ``seq``: its sequence and
+        the first and last index it holds."""
         page = await direct_get_batch(
             self._nc,
             self.stream,
@@ -692,10 +634,8 @@ class JetStreamLog:
             raise LogError(f"session {session_id}: no message at or after stream sequence {seq}")
         msg = page.messages[0]
         headers = msg.headers or {}
-        index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
-        if index is None:
-            index = decode(msg.data, session_id=session_id).index
-        return int(headers["Nats-Sequence"]), index
+        first, last = _message_range(msg.data, session_id)
+        return int(headers["Nats-Sequence"]), first, last
 
     async def tail(self, session_id: str, after: int = -1) -> AsyncIterator[Envelope]:
         subject = self.subject(session_id)
@@ -726,12 +666,13 @@ class JetStreamLog:
                     raise LogUnavailable(
                         f"tail session {session_id}: the NATS connection is closed"
                     ) from None
-                index = _msg_index(msg, session_id)
-                if index is not None and index < expected:
-                    continue  # before ``after`` (a scan from the session's start)
-                envelope = decode_entry(session_id, expected, msg.data)
-                expected += 1
-                yield envelope
+                first, payloads = entries(msg.data)
+                for offset, data in enumerate(payloads):
+                    if first is not None and first + offset < expected:
+                        continue  # before ``after`` (a scan from the session's start)
+                    envelope = decode_entry(session_id, expected, data)
+                    expected += 1
+                    yield envelope
         finally:
             await _unsubscribe_quietly(subscription)
 
@@ -782,11 +723,9 @@ class JetStreamLog:
                 if not subject.startswith(prefix) or seq is None:
                     continue
                 session_id = subject[len(prefix) :]
-                index = _index_from_msg_id(headers.get("Nats-Msg-Id"), session_id)
-                if index is None:
-                    index = _probe_index(msg.data)
-                if index is not None:
-                    self._remember(session_id, _Position(index, int(seq)))
+                held = index_range(msg.data)
+                if held is not None:
+                    self._remember(session_id, _Position(held[1], int(seq)))
 
     # -- listing and deleting ----------------------------------------------------------------
 
@@ -827,14 +766,6 @@ def _check_run(session_id: str, entries: list[tuple[int, bytes]]) -> None:
             check_dense(session_id, position, claimed)
 
 
-def _server_supports_atomic(nc: NATS) -> bool:
-    try:
-        version = nc.connected_server_version
-        return (version.major, version.minor) >= _ATOMIC_MIN_VERSION
-    except Exception:  # not connected yet, or a version string we cannot read
-        return True
-
-
 def _remaining(deadline: float, what: str) -> float:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -842,27 +773,24 @@ def _remaining(deadline: float, what: str) -> float:
     return remaining
 
 
-def _index_from_msg_id(msg_id: str | None, session_id: str) -> int | None:
-    if not msg_id:
-        return None
-    session, _, index = msg_id.rpartition(":")
-    if session != session_id or not index.isdigit():
-        return None
-    return int(index)
+def _take(payloads: list[bytes], data: bytes, first: int) -> None:
+    """Add a stored message's envelopes to ``payloads``, which are to start at index ``first``:
+    a leading message holding earlier ones too (a run that starts before it) gives only the
+    rest. What follows is taken whole, to be checked index by index by the caller."""
+    held_from, held = entries(data)
+    if not payloads and held_from is not None and held_from < first:
+        held = held[first - held_from :]
+    payloads.extend(held)
 
 
-def _msg_index(msg: Msg, session_id: str) -> int | None:
-    return _index_from_msg_id((msg.headers or {}).get("Nats-Msg-Id"), session_id)
-
-
-def _parse_headers(raw: bytes) -> dict[str, str]:
-    """Headers of a stored message as the message-get API returns them (``NATS/1.0`` block)."""
-    headers: dict[str, str] = {}
-    for line in raw.decode("utf-8", "replace").split("\r\n")[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip()] = value.strip()
-    return headers
+def _message_range(data: bytes, session_id: str) -> tuple[int, int]:
+    """The first and last index a stored message of the session holds (the codec's typed error,
+    naming the session, when its bytes are neither form)."""
+    held = index_range(data)
+    if held is None:
+        index = decode(data, session_id=session_id).index  # raises the typed error
+        return index, index
+    return held
 
 
 async def _unsubscribe_quietly(subscription: Any) -> None:

@@ -34,13 +34,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from apomesh.adapters.log_messages import envelopes
 from apomesh.adapters.nats_connect import (
     JS_API_PREFIX,
     DirectGetPage,
     api_request,
     direct_get_batch,
 )
-from apomesh.core.envelope import decode
+from apomesh.core.envelope import Envelope
 from apomesh.core.errors import CodecError, FoldError
 from apomesh.core.state import SessionState, apply, new_state
 
@@ -164,43 +165,50 @@ def _fold_page(
     """Fold one page of envelopes into their sessions' states (a session in ``waiting`` from its
     checkpoint, once the envelope at its index is seen to be the checkpoint's); False when a
     payload in it is not an envelope (its session is then named by ``_undecodable_sessions``)."""
-    states = result.states
     result.pages += 1
     decodable = True
     for msg in got.messages:
         try:
-            env = decode(msg.data)
+            held = envelopes(msg.data)
         except CodecError:
             decodable = False
             continue
-        result.events += 1
-        session_id = env.session_id
-        if session_id in skip or session_id in result.suspect:
-            continue
-        folded = states.get(session_id)
-        if folded is None:
-            point = waiting.get(session_id)
-            if point is not None:
-                at = point.state.last_index
-                if env.index < at:
-                    continue  # folded into the checkpoint already
-                del waiting[session_id]
-                if env.index == at and env.event_id == point.event_id:
-                    states[session_id] = point.state
-                    result.resumed.add(session_id)
-                else:  # the log holds something else there: fold it from its start
-                    result.stale.add(session_id)
-                    result.suspect.add(session_id)
-                continue
-            folded = states[session_id] = new_state(session_id)
-        try:
-            apply(folded, env)
-            result.folded += 1
-        except FoldError:
-            result.suspect.add(session_id)
-            result.resumed.discard(session_id)
-            del states[session_id]
+        for env in held:
+            _fold_one(result, env, skip, waiting)
     return decodable
+
+
+def _fold_one(
+    result: StreamFold, env: Envelope, skip: set[str], waiting: dict[str, ResumePoint]
+) -> None:
+    states = result.states
+    result.events += 1
+    session_id = env.session_id
+    if session_id in skip or session_id in result.suspect:
+        return
+    folded = states.get(session_id)
+    if folded is None:
+        point = waiting.get(session_id)
+        if point is not None:
+            at = point.state.last_index
+            if env.index < at:
+                return  # folded into the checkpoint already
+            del waiting[session_id]
+            if env.index == at and env.event_id == point.event_id:
+                states[session_id] = point.state
+                result.resumed.add(session_id)
+            else:  # the log holds something else there: fold it from its start
+                result.stale.add(session_id)
+                result.suspect.add(session_id)
+            return
+        folded = states[session_id] = new_state(session_id)
+    try:
+        apply(folded, env)
+        result.folded += 1
+    except FoldError:
+        result.suspect.add(session_id)
+        result.resumed.discard(session_id)
+        del states[session_id]
 
 
 async def _undecodable_sessions(
@@ -213,7 +221,7 @@ async def _undecodable_sessions(
     found = set()
     for msg in got.messages:
         try:
-            decode(msg.data)
+            envelopes(msg.data)
         except CodecError:
             subject = (msg.headers or {}).get("Nats-Subject", "")
             if subject.startswith(prefix + "."):
