@@ -102,3 +102,21 @@ async def test_the_least_recently_used_sessions_are_let_go(log: JetStreamLog) ->
     assert len(cache) == 2
     await cache.view(ids[0])
     assert cache.full_folds == 4
+
+
+async def test_an_ended_sessions_final_state_kept_from_its_writer_needs_no_read(
+    log: JetStreamLog,
+) -> None:
+    """The state a writer ends with is kept as is: the session is answered with no log read
+    (so while NATS is out of reach too); a state that has not ended is not taken."""
+    session_id = uuid.uuid4().hex
+    events = solo_completed()
+    final = fold(envelopes(session_id, events), session_id)
+    read = CountingRead(log)
+    cache = FoldCache(read)
+    with pytest.raises(ValueError, match="has not ended"):
+        cache.keep_ended(fold(envelopes(session_id, events[:-1]), session_id))
+    cache.keep_ended(final)
+    assert (await cache.view(session_id)).status == "completed"
+    assert await cache.state(session_id) is final
+    assert read.calls == [] and cache.full_folds == 0

@@ -17,7 +17,13 @@ from tests.writers import writer_deps
 
 from apomesh.adapters.memory_log import MemoryLog
 from apomesh.core import envelope
-from apomesh.core.errors import ApomeshError, AppendConflict, CommandRefused, Fenced
+from apomesh.core.errors import (
+    ApomeshError,
+    AppendConflict,
+    CommandRefused,
+    Fenced,
+    NotFound,
+)
 from apomesh.core.events import (
     AsyncJobStarted,
     CoordinatorCheckpoint,
@@ -25,6 +31,7 @@ from apomesh.core.events import (
     HitlAnswered,
     HitlPaused,
     OperatorAction,
+    SessionEnded,
 )
 from apomesh.core.state import SessionState, fold, new_state
 from apomesh.runtime.registry import SessionRegistry
@@ -86,6 +93,25 @@ async def test_an_answer_to_a_closed_pause_writes_nothing(tmp_path: Path) -> Non
     before = await log.last_index(SID)
     with pytest.raises(CommandRefused, match="already answered"):
         await runtime.answer_hitl("p1", "no", by="bob")
+    assert await log.last_index(SID) == before == runtime.state.last_index
+
+
+async def test_a_command_to_an_ended_session_is_refused_as_its_state_refuses_it(
+    tmp_path: Path,
+) -> None:
+    """While the ended session's writer is still there, a pause answered twice is refused as
+    such (as it is once the writer is gone), an unknown pause is not found, and anything the
+    state would accept is fenced by the end: nothing is written in any case."""
+    log, runtime = await paused_writer(tmp_path, [])
+    await runtime.answer_hitl("p1", "yes", by="alice")
+    await runtime.append(SessionEnded(status="completed", output="done"))
+    before = await log.last_index(SID)
+    with pytest.raises(CommandRefused, match="already answered"):
+        await runtime.answer_hitl("p1", "no", by="bob")
+    with pytest.raises(NotFound):
+        await runtime.answer_hitl("p2", "no", by="bob")
+    with pytest.raises(Fenced, match="has ended"):
+        await runtime.decide(lambda state: ([OperatorAction(action="cancel", by="carol")], None))
     assert await log.last_index(SID) == before == runtime.state.last_index
 
 

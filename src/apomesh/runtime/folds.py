@@ -75,6 +75,15 @@ class FoldCache:
     def forget(self, session_id: str) -> None:
         self._entries.pop(session_id, None)
 
+    def keep_ended(self, state: SessionState) -> None:
+        """Keep an ended session's final state as its writer folded it from what it appended
+        (it never changes again), so reading the session costs no log read, even while NATS is
+        out of reach."""
+        if not state.terminal:
+            raise ValueError(f"session {state.session_id} has not ended")
+        entry = self._entry(state.session_id)
+        entry.state, entry.view = state, None
+
     async def state(self, session_id: str) -> SessionState:
         """The session's state as the log holds it now. ``NotFound`` for a session with no
         events; a log that cannot be folded raises its ``CodecError``/``FoldError`` (and is not

@@ -250,6 +250,7 @@ class SessionRegistry:
             finally:
                 if self.live.get(session_id) is runtime:
                     del self.live[session_id]
+                    self.folds.keep_ended(state)
                 self.changed()
             runtime.deps.metrics.observe_session_end(
                 state.ended.status, state.last_ts - state.started_ts

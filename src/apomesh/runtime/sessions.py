@@ -277,7 +277,12 @@ class SessionRuntime:
             if self.conflict is not None:
                 raise Fenced(f"session {self.session_id} is driven by another writer")
             if self.state.terminal:
-                # A report or request that raced the session's end: refused, never appended.
+                # A report or request that raced the session's end: refused, never appended. A
+                # command the ended state refuses by itself (a pause answered twice) is refused
+                # as such, as it is once this writer is gone.
+                refused = _refusal(rule, self.state)
+                if refused is not None:
+                    raise refused
                 raise Fenced(f"session {self.session_id} has ended; nothing more is appended")
             if self.draining and self.state.suspended_index == self.state.last_index:
                 raise Fenced(f"session {self.session_id} is suspended for the next daemon")
@@ -1552,3 +1557,16 @@ def _path_label(reason: str) -> str:
     if reason.startswith("operator"):
         return "operator"
     return "worker_lost"
+
+
+def _refusal(rule: Rule[Any], state: SessionState) -> CommandRefused | NotFound | None:
+    """The ``CommandRefused`` or ``NotFound`` a rule raises against an ended session's state, if
+    it refuses the command by itself; None when it would have written, or fails otherwise (a rule
+    written for a live session: the session's end is then the answer)."""
+    try:
+        rule(state)
+    except (CommandRefused, NotFound) as refused:
+        return refused
+    except Exception:  # any other failure: the end is the answer
+        return None
+    return None
