@@ -158,6 +158,53 @@ async def test_an_append_is_one_message_and_a_log_of_bare_envelopes_reads_on_aft
     assert learned._positions[session].index == 10
 
 
+async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
+    nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the pass's pages hold every sequence, each session's end (last index, sequence) is
+    read off the pass; a purged session leaves a gap, and the sessions whose last message sits
+    in a page with a gap are asked for with ``learn_ends``. Either way the note is the truth."""
+    tag = uuid.uuid4().hex[:8]
+    options: dict[str, Any] = {
+        "stream": f"E_{tag}",
+        "subject_prefix": f"e{tag}.log",
+        "ensure_heartbeats": False,
+    }
+    writer = JetStreamLog(nc, **options)
+    await writer.ensure()
+    sessions = [new_session() for _ in range(6)]
+    for round_ in range(3):  # interleaved: two-event appends, a message each
+        for session in sessions:
+            await writer.append(session, events(session, 2 * round_, 2))
+    truth = {
+        s: await JetStreamLog(nc, **options)._stored_position(s, time.monotonic() + 5)
+        for s in sessions
+    }
+
+    asked: list[list[str]] = []
+    learn_ends = JetStreamLog.learn_ends
+
+    async def counted(self: JetStreamLog, session_ids: Any) -> None:
+        asked.append(list(session_ids))
+        await learn_ends(self, session_ids)
+
+    monkeypatch.setattr(JetStreamLog, "learn_ends", counted)
+    dense = JetStreamLog(nc, **options)
+    folded = await dense.fold_all(set(), sessions=sessions)
+    assert {s: dense._positions[s] for s in sessions} == truth
+    assert asked == [[]] and {s: folded.ends[s] for s in sessions} == {
+        s: (p.index, p.seq) for s, p in truth.items()
+    }
+
+    await writer.delete_session(sessions[0])  # a gap in the stream's sequences
+    asked.clear()
+    gapped = JetStreamLog(nc, **options)
+    await gapped.fold_all(set(), sessions=sessions[1:])
+    assert {s: gapped._positions[s] for s in sessions[1:]} == {s: truth[s] for s in sessions[1:]}
+    assert asked and set(asked[0]) == set(sessions[1:])  # the one page has the gap
+    await nc.jetstream().delete_stream(f"E_{tag}")
+
+
 async def test_the_ends_of_many_sessions_are_learned_in_batches_and_a_stale_one_is_refused(
     nc: NATS, log: JetStreamLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:

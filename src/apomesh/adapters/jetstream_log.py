@@ -688,8 +688,8 @@ class JetStreamLog:
         """Every session folded in one pass over the stream (``adapters.stream_fold``), passing
         over the sessions in ``skip`` and starting those in ``resume`` from their fold checkpoint
         (from its sequence on when every one of ``sessions`` has one); those the pass cannot
-        vouch for are ``suspect``. Where the unfinished ones end is noted too (``learn_ends``):
-        the boot scan resumes them next."""
+        vouch for are ``suspect``. Where the unfinished ones end is noted too (by the pass where
+        its pages are dense, else ``learn_ends``): the boot scan resumes them next."""
         folded = await fold_stream(
             self._nc,
             self.stream,
@@ -698,8 +698,17 @@ class JetStreamLog:
             resume=resume,
             sessions=sessions,
         )
+        unknown = []
+        for session_id, state in folded.states.items():
+            if state.terminal:
+                continue
+            end = folded.ends.get(session_id)
+            if end is not None and end[0] == state.last_index:
+                self._remember(session_id, _Position(*end))
+            else:
+                unknown.append(session_id)
         with contextlib.suppress(LogError):  # only a head start: appends look ends up anyway
-            await self.learn_ends([s for s, state in folded.states.items() if not state.terminal])
+            await self.learn_ends(unknown)
         return folded
 
     async def learn_ends(self, session_ids: Sequence[str]) -> None:

@@ -23,6 +23,13 @@ are folded onto the checkpoint's state. When every session the caller wants (``s
 checkpoint whose sequence is known, the pass starts at the lowest of those sequences instead of
 the stream's first, so a long session is read from its checkpoint on, not from its first event.
 A session whose checkpoint's envelope the pass never meets is left out (read one by one).
+
+Where each session's log ends (its last index and that message's stream sequence, ``ends``) is
+noted on the way where a page is dense: when it holds every sequence from where it was asked to
+start to its last, its k-th message is at sequence start + k, headers or not. A stream with
+deleted messages has pages with gaps; the sessions whose last message was in one are not in
+``ends`` (the caller asks for those). An end is only a belief either way: an append it misleads
+is refused by the expected-sequence check.
 """
 
 from __future__ import annotations
@@ -73,6 +80,9 @@ class StreamFold:
     folded: int = 0
     """How many envelopes were folded into a state (not dropped before a checkpoint)."""
     pages: int = 0
+    ends: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Session -> (its last index, the stream sequence of the message holding it), where the
+    pass could tell (see the module docstring)."""
 
 
 async def fold_stream(
@@ -123,7 +133,7 @@ async def fold_stream(
             if got.pending > 0 and got.last_sequence:
                 # The next page is asked for now and arrives while this one is folded.
                 upcoming = read_page(got.last_sequence + 1)
-            if not _fold_page(result, got, skip, waiting):
+            if not _fold_page(result, got, seq, skip, waiting):
                 for session_id in await _undecodable_sessions(
                     nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
                 ):
@@ -160,14 +170,21 @@ def _first_needed(
 
 
 def _fold_page(
-    result: StreamFold, got: DirectGetPage, skip: set[str], waiting: dict[str, ResumePoint]
+    result: StreamFold,
+    got: DirectGetPage,
+    start: int,
+    skip: set[str],
+    waiting: dict[str, ResumePoint],
 ) -> bool:
-    """Fold one page of envelopes into their sessions' states (a session in ``waiting`` from its
-    checkpoint, once the envelope at its index is seen to be the checkpoint's); False when a
-    payload in it is not an envelope (its session is then named by ``_undecodable_sessions``)."""
+    """Fold one page of envelopes, asked for from sequence ``start``, into their sessions' states
+    (a session in ``waiting`` from its checkpoint, once the envelope at its index is seen to be
+    the checkpoint's), noting where each session ends if the page is dense; False when a payload
+    in it is not an envelope (its session is then named by ``_undecodable_sessions``)."""
     result.pages += 1
     decodable = True
-    for msg in got.messages:
+    dense = got.last_sequence - start + 1 == len(got.messages)
+    ends = result.ends
+    for offset, msg in enumerate(got.messages):
         try:
             held = envelopes(msg.data)
         except CodecError:
@@ -175,6 +192,12 @@ def _fold_page(
             continue
         for env in held:
             _fold_one(result, env, skip, waiting)
+        if held:
+            last = held[-1]
+            if dense:
+                ends[last.session_id] = (last.index, start + offset)
+            else:
+                ends.pop(last.session_id, None)
     return decodable
 
 
