@@ -10,6 +10,7 @@ log straight to JetStream as a daemon that died would have left it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import subprocess
@@ -442,7 +443,9 @@ async def test_the_boot_scan_starts_the_sessions_it_adopted_in_waves_once_all_ar
     fresh_nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sessions adopted by the scan are leased as they are classified and started afterwards,
-    ``START_WAVE`` at a time: each wave logs its ``SessionRecovered`` and every one is started."""
+    ``START_WAVE`` at a time: each wave logs its ``SessionRecovered`` and every one is started.
+    The collector paused for the scan runs again after it, and what the scan froze out of its
+    walks is given back once the waves are started."""
     from apomesh.runtime import recovery
 
     monkeypatch.setattr(recovery, "START_WAVE", 2)
@@ -462,3 +465,6 @@ async def test_the_boot_scan_starts_the_sessions_it_adopted_in_waves_once_all_ar
                 kinds = [type(env.event).__name__ for env in await log.read(session_id)]
                 assert kinds[6] == "SessionRecovered", kinds
             assert all(r.task is not None and not r.task.done() for r in live.values())
+            assert gc.isenabled()
+            while gc.get_freeze_count():
+                await anyio.sleep(0.01)

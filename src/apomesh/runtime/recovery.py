@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
@@ -110,7 +111,22 @@ class BootScan:
         self.waiting_for_lease: set[str] = set()
 
     async def run(self) -> dict[str, Any]:
-        """Classify every session on the log; auto-resume the safe ones, strand the others."""
+        """Classify every session on the log; auto-resume the safe ones, strand the others.
+
+        The collector is paused for the scan, and what it leaves is kept out of the collector's
+        walks (``gc.freeze``) until its sessions are started (``_start_in_waves`` gives it
+        back): one state per session is allocated and kept, and every collection the scan's
+        allocations triggered walked them all over again (half of the scan of 100,000 sessions).
+        Reference counting still frees what is dropped."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return await self._scan()
+        finally:
+            if collecting:
+                gc.enable()
+
+    async def _scan(self) -> dict[str, Any]:
         started = time.perf_counter()
         completed = {sid for sid, _ in await self.store.list_completed()}
         session_ids = [s for s in await self.log_adapter.list_sessions() if s not in completed]
@@ -197,6 +213,7 @@ class BootScan:
             # sessions driving their first steps would share the interpreter with the scan), and
             # in waves (tens of thousands of openings sent at once time out on the log).
             if adopted:
+                gc.freeze()
                 self.spawn(self._start_in_waves(adopted))
         stats = checkpoints.stats
         resumed = len(pass_result.resumed) if pass_result is not None else 0
@@ -274,17 +291,21 @@ class BootScan:
 
     async def _start_in_waves(self, adopted: list[SessionRuntime]) -> None:
         """Start the sessions the scan adopted, ``START_WAVE`` at a time: the next wave once this
-        one has logged its openings (or after ``WAVE_WAIT`` seconds)."""
-        for first in range(0, len(adopted), START_WAVE):
-            wave = adopted[first : first + START_WAVE]
-            for runtime in wave:
-                if self.closing():
-                    return
-                runtime.start("auto")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
-                )
+        one has logged its openings (or after ``WAVE_WAIT`` seconds); then give what the scan
+        froze back to the collector."""
+        try:
+            for first in range(0, len(adopted), START_WAVE):
+                wave = adopted[first : first + START_WAVE]
+                for runtime in wave:
+                    if self.closing():
+                        return
+                    runtime.start("auto")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
+                    )
+        finally:
+            gc.unfreeze()
 
     async def _adopt_when_free(self, state: SessionState) -> None:
         """Auto-resume a session whose lease another owner still holds, once it expires (a
