@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import msgspec
 
 from apomesh.adapters.memory_log import OutgoingEvent
-from apomesh.core.envelope import SCHEMA_VERSION, Envelope, decode
+from apomesh.core import envelope
+from apomesh.core.envelope import Envelope, decode
 
 RUN_MARKER = 0
 """The first element of a run; an envelope's is its schema version, never 0."""
@@ -141,7 +142,7 @@ def envelopes(data: bytes) -> list[Envelope]:
             decoded = _typed_run_decode(data).envelopes
         except msgspec.MsgspecError:
             decoded = None
-        if decoded is not None and all(env.v == SCHEMA_VERSION for env in decoded):
+        if decoded is not None and all(env.v == envelope.SCHEMA_VERSION for env in decoded):
             return decoded
         # An envelope of an older schema inside (upcast one by one), or not a run after all.
         first, payloads = entries(data)
