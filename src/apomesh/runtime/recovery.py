@@ -114,8 +114,8 @@ class BootScan:
         """Classify every session on the log; auto-resume the safe ones, strand the others.
 
         The collector is paused for the scan, and what it leaves is kept out of the collector's
-        walks (``gc.freeze``) until its sessions are started (``_start_in_waves`` gives it
-        back): one state per session is allocated and kept, and every collection the scan's
+        walks (``gc.freeze``) until its sessions are started (the end of ``_start_in_waves``
+        gives it back): one state per session is allocated and kept, and every collection the scan's
         allocations triggered walked them all over again (half of the scan of 100,000 sessions).
         Reference counting still frees what is dropped."""
         collecting = gc.isenabled()
@@ -214,7 +214,9 @@ class BootScan:
             # in waves (tens of thousands of openings sent at once time out on the log).
             if adopted:
                 gc.freeze()
-                self.spawn(self._start_in_waves(adopted))
+                # Unfrozen when the waves end, however they end (also when the daemon closes
+                # before their task has run at all).
+                self.spawn(self._start_in_waves(adopted)).add_done_callback(lambda _: gc.unfreeze())
         stats = checkpoints.stats
         resumed = len(pass_result.resumed) if pass_result is not None else 0
         folded = pass_result.folded if pass_result is not None else 0
@@ -291,21 +293,17 @@ class BootScan:
 
     async def _start_in_waves(self, adopted: list[SessionRuntime]) -> None:
         """Start the sessions the scan adopted, ``START_WAVE`` at a time: the next wave once this
-        one has logged its openings (or after ``WAVE_WAIT`` seconds); then give what the scan
-        froze back to the collector."""
-        try:
-            for first in range(0, len(adopted), START_WAVE):
-                wave = adopted[first : first + START_WAVE]
-                for runtime in wave:
-                    if self.closing():
-                        return
-                    runtime.start("auto")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(
-                        asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
-                    )
-        finally:
-            gc.unfreeze()
+        one has logged its openings (or after ``WAVE_WAIT`` seconds)."""
+        for first in range(0, len(adopted), START_WAVE):
+            wave = adopted[first : first + START_WAVE]
+            for runtime in wave:
+                if self.closing():
+                    return
+                runtime.start("auto")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
+                )
 
     async def _adopt_when_free(self, state: SessionState) -> None:
         """Auto-resume a session whose lease another owner still holds, once it expires (a
