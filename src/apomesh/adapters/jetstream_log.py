@@ -308,7 +308,7 @@ class JetStreamLog:
             if outcome == "written":
                 position = _Position(run.last, seq)
                 self._remember(session_id, position)
-                pending = pending[len(run.events) :]
+                pending = pending[run.last - run.first + 1 :]
                 runs = runs[1:]  # packing is greedy from the front: the rest stay as they were
                 backoff = 0.02
                 continue

@@ -39,7 +39,6 @@ class Run:
     first: int
     last: int
     payload: bytes
-    events: tuple[OutgoingEvent, ...]
 
     def msg_id(self, session_id: str) -> str:
         return f"{session_id}:{self.first}"
@@ -95,7 +94,7 @@ def _run(session_id: str, chunk: list[OutgoingEvent]) -> Run:
     payload = _encode(
         [RUN_MARKER, session_id, chunk[0].index, [msgspec.Raw(o.payload) for o in chunk]]
     )
-    return Run(chunk[0].index, chunk[-1].index, payload, tuple(chunk))
+    return Run(chunk[0].index, chunk[-1].index, payload)
 
 
 def _head(data: bytes) -> _Head | None:
