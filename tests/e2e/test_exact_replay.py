@@ -316,6 +316,57 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(bare_mesh: Mesh) -> No
         assert ended["output"] in finals(server)  # the synthesis is the model's, not a plan
 
 
+def test_a_daemon_killed_while_a_nodes_snapshot_waits_for_the_next_turn_replays_that_node(
+    bare_mesh: Mesh,
+) -> None:
+    """A node's results are logged when it is reported; its snapshot waits for the agent's next
+    turn, to be committed with that turn's record. The daemon is SIGKILLed when that next turn
+    has reached it and neither is stored: the next daemon continues from the turn the log points
+    to, so the node is replayed (its effect served from the log, never run again) and only the
+    turn that was never recorded is put to the model again."""
+    gates = bare_mesh.base / "gates"
+    bare_mesh.daemon.env.update(
+        {
+            "KILL_POINTS_DIR": str(gates),
+            "PYTHONPATH": os.pathsep.join(
+                [str(KILL_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
+    )
+    with FreshModelServer() as server:
+        system = ReplayMesh(bare_mesh, server)
+        system.arm("node-unstored")
+        session_id = start(system.url, "node unstored", solo_appender(appends=3))
+        deadline = time.monotonic() + TIMEOUT
+        while not list(system.gates.glob("hit-node-unstored-*")):
+            assert time.monotonic() < deadline, "no node waited for its agent's next turn"
+            time.sleep(0.02)
+        (hit,) = system.gates.glob("hit-node-unstored-*")
+        assert int(hit.name.rpartition("-")[2]) == bare_mesh.daemon.pid
+        bare_mesh.daemon.kill()
+        bare_mesh.daemon.start()
+        ended = settle(system.url, session_id)
+        audited(system, session_id)
+        assert ended["status"] == "completed", ended
+        records = records_of(system.url, session_id)
+        resuming = [r for r in records if r.kind == "AgentResuming"]
+        assert resuming, "the agent was never resumed"
+        pointers = {
+            r.event["snapshot_id"]: r.event["source"]
+            for r in records
+            if r.kind == "AgentSnapshotted" and r.index < resuming[0].index
+        }
+        # The last snapshot logged before the kill is the first step's turn: its node was not.
+        assert pointers[resuming[0].event["snapshot_id"]] == "turn", (resuming[0], pointers)
+        lines = (system.mesh.daemon.workspace / session_id / "fresh").glob("*.txt")
+        written = [line for path in lines for line in path.read_text().splitlines()]
+        assert len(written) == len(set(written)) == 3, written
+        # Only the second step's turn, answered but never recorded, was asked for twice.
+        asked = asked_per_step(server)
+        assert sorted(asked.values()) == [1, 1, 2], asked
+        assert finals(server) == [ended["output"]]
+
+
 def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_asking_again(
     bare_mesh: Mesh,
 ) -> None:

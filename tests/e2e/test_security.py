@@ -984,7 +984,7 @@ def test_a_revoked_or_expired_token_gets_401(system: SecureSystem) -> None:
     assert expires_at["short-lived-reader"] is None
     assert expires_at["lasting-reader"] is not None
     for secret in (revocable, expiring, lasting):
-        assert secret.rsplit("_", 1)[1] not in json.dumps(tokens)  # stored hashed
+        assert secret.split("_", 2)[2] not in json.dumps(tokens)  # stored hashed
     system.tokens.update(revocable=revocable, expiring=expiring, lasting=lasting)
     with system.http("revocable") as client:
         assert client.get("/v1/sessions").status_code == 200
@@ -1019,7 +1019,7 @@ def test_a_first_start_with_auth_on_writes_an_operator_token_and_a_configured_on
     assert written.stat().st_mode & 0o777 == 0o600
     first = written.read_text().strip()
     assert settings.token_store.verify(first) == "operator"
-    assert first.rsplit("_", 1)[1] not in (tmp_path / "tokens.json").read_text()
+    assert first.split("_", 2)[2] not in (tmp_path / "tokens.json").read_text()
     # A second start keeps the tokens it has and makes no other.
     _auth_settings(load_config(None, env={}, overrides=beyond_loopback))
     assert written.read_text().strip() == first

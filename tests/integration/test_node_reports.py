@@ -96,11 +96,63 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
     ]
     records = [msgspec.msgpack.decode(value) for _, value in journal]
     assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]
-    # The journal copies ride in the snapshot commits (two per side-effecting step: the turn and
-    # the node), never in commits of their own.
-    assert all("snapshots" in b for b in batches), batches
-    assert len(batches) == 5 and sum(b.count("journal") for b in batches) == 5, batches
+    # One commit a step: a node's snapshot goes with the next turn's record, and the journal
+    # copies (each call's result, which replaced its intent's) ride in it, never on their own.
+    assert batches == [
+        ["defs", "segments", "snapshots"],
+        ["segments", "snapshots", "snapshots", "journal"],
+        ["segments", "snapshots", "snapshots", "journal", "journal"],
+    ], batches
     assert runtime.state.side_effects == 3
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+async def test_a_node_is_stored_alone_when_its_next_turn_is_slow_or_with_no_delay(
+    tmp_path: Path, delay: float
+) -> None:
+    """``node_commit_delay``: with 0 each node is stored and logged with its results (two
+    commits a side-effecting step); with a model slower than the delay, the node waiting for
+    its next turn is stored and logged alone, before that turn."""
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
+            "plugins": {"allow": ["apomesh"]},
+            "snapshots": {"node_commit_delay": delay},
+        },
+    )
+    async with Node(config, http=False) as node:
+        assert node.daemon is not None and node.service is not None
+        for _, worker in node.workers:
+            await worker.wait_registered()
+        agent = writer([[write("a.txt", "one")], [write("b.txt", "two")]])
+        agent["model"]["turns"][1]["delay"] = 0.3  # the second turn comes after the delay
+        store = node.daemon.store
+        batches: list[list[str]] = []
+        write_batch = store.write_batch
+
+        async def counted(puts: Any, deletes: Any = ()) -> None:
+            batches.append([db for db, _, _ in puts])
+            await write_batch(puts, deletes)
+
+        store.write_batch = counted  # type: ignore[method-assign]
+        session_id = await node.service.create_session("slow", agent=None, definition=agent, by="t")
+        runtime = node.daemon.registry.live[session_id]
+        assert runtime.task is not None
+        await runtime.task
+        envelopes = await node.daemon.log.read(session_id)
+    assert runtime.state.status == "completed"
+    sources = [e.event.source for e in envelopes if isinstance(e.event, AgentSnapshotted)]
+    assert sources == ["turn", "node", "turn", "node", "turn"], sources
+    if delay == 0:
+        assert [b.count("snapshots") for b in batches] == [1, 1, 1, 1, 1], batches
+    else:
+        # The first node waited longer than the delay for its next turn: stored alone. The
+        # second node's next turn (the final answer) came at once: one commit for both.
+        assert [b.count("snapshots") for b in batches] == [1, 1, 1, 2], batches
+        assert batches[1] == ["segments", "snapshots", "journal"], batches
 
 
 @pytest.mark.anyio
@@ -155,13 +207,13 @@ async def test_a_report_carries_only_the_call_counts_that_changed(tmp_path: Path
             await worker.wait_registered()
         snapshots = node.daemon.snapshots
         carried: list[int] = []
-        write_snapshot = snapshots.write
+        stage_snapshot = snapshots.stage
 
         async def counted(agent_key: str, config: Any, report: Any, **kw: Any) -> Any:
             carried.append(len(report.call_counts))
-            return await write_snapshot(agent_key, config, report, **kw)
+            return await stage_snapshot(agent_key, config, report, **kw)
 
-        snapshots.write = counted  # type: ignore[method-assign]
+        snapshots.stage = counted  # type: ignore[method-assign]
         agent = writer([[write(f"f{n}.txt", str(n))] for n in range(12)])
         session_id = await node.service.create_session(
             "counts", agent=None, definition=agent, by="t"

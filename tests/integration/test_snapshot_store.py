@@ -162,3 +162,34 @@ async def test_an_agent_with_no_logged_snapshot_starts_afresh(tmp_path: Path) ->
     assert await snapshots.load_logged(AGENT, None) is None
     assert await snapshots.records(AGENT) == []
     await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_staged_snapshot_is_stored_only_when_committed_and_one_dropped_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """A node's snapshot staged and committed later with the next one (the deferred node) loads
+    whole; one staged and never committed (its daemon died, or its commit failed) leaves no
+    message behind, not even in a segment compacted later, and its id is never staged again."""
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    snapshots = SnapshotStore(store, compact_every=4)
+    first = await snapshots.stage(AGENT, None, node(1, {"a": 1}))
+    second = await snapshots.stage(AGENT, None, node(2, {"b": 1}), on=first)
+    assert await store.latest_snapshot(AGENT) is None  # nothing stored while staged
+    await snapshots.commit([first, second])
+    memory = await snapshots.load(AGENT)
+    assert memory is not None and memory.step == 2 and len(memory.messages) == 4
+    assert memory.call_counts == {"a": 1, "b": 1}
+
+    dropped = await snapshots.stage(AGENT, None, node(3, {"c": 1}))
+    for step in range(4, 12):  # past a compaction (every 4 segments)
+        staged = await snapshots.stage(AGENT, None, node(step, {}))
+        await snapshots.commit([staged])
+    assert staged.snapshot_id > dropped.snapshot_id  # the dropped id is never staged again
+    memory = await snapshots.load(AGENT)
+    assert memory is not None and memory.step == 11
+    contents = [m.content for m in memory.messages]
+    assert "call 3" not in contents and "wrote file 3" not in contents
+    assert len(contents) == 2 * 10
+    assert memory.call_counts == {"a": 1, "b": 1}
+    await store.aclose()

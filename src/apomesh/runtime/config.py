@@ -150,6 +150,9 @@ class SnapshotsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compact_every: Positive = 32
     fold_checkpoint_every: Positive = 10_000
     """Events a session's writer appends between two checkpoints of its folded state."""
+    node_commit_delay: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.05
+    """Seconds a node's snapshot waits for the agent's next model turn, to share its commit
+    (``runtime.sessions.DeferredNode``); past that it is stored alone. 0: stored at once."""
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

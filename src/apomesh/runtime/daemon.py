@@ -151,6 +151,7 @@ class Daemon:
             closing=lambda: self._closing,
             checkpoints=self.registry.fold_checkpoints,
             checkpoint_every=config.snapshots.fold_checkpoint_every,
+            node_commit_delay=config.snapshots.node_commit_delay,
         )
         self.registry.make_runtime = self._make_runtime
         self.control = ControlPlane(

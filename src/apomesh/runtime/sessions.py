@@ -116,7 +116,7 @@ from apomesh.runtime.protocol import (
     Run,
     TurnReport,
 )
-from apomesh.runtime.snapshots import SnapshotStore
+from apomesh.runtime.snapshots import SnapshotStore, StagedSnapshot
 from apomesh.runtime.workers import Dispatch, WorkerLost, WorkerPool
 
 log = logging.getLogger("apomesh.session")
@@ -171,6 +171,8 @@ class SessionDeps:
     """Where the writer stores its session's folded state now and then (None: it does not)."""
     checkpoint_every: int = CHECKPOINT_EVERY
     """Events appended between two of those checkpoints."""
+    node_commit_delay: float = 0.05
+    """Seconds a node's snapshot waits for its agent's next store write (``DeferredNode``)."""
 
     @functools.cached_property
     def sequences(self) -> KnowsSequences | None:
@@ -199,10 +201,32 @@ class DispatchSlot:
     """The encoded working memory, when it was too large to travel with the dispatch: the worker
     fetches it in pages of ``page_bytes``."""
     page_bytes: int = 0
+    deferred: DeferredNode | None = None
+    """The last node reported, its snapshot not stored yet (see ``DeferredNode``)."""
 
     @property
     def future(self) -> asyncio.Future[Any]:
         return self.dispatch.future
+
+
+@dataclass
+class DeferredNode:
+    """A node whose results are on the log and whose snapshot waits for the agent's next store
+    write (``SessionRuntime._store``): the next turn's record, the next node, the dispatch's
+    ``Done`` or its end. So a step commits to LMDB once (the node's snapshot travels with the
+    next turn's record) and its pointer joins the next turn's append. Until then the agent's
+    logged snapshot is its turn's: a daemon that dies first replays the node from that turn
+    (its journaled calls are served from the log), as when it died before the node's report.
+    A node waits at most ``SessionDeps.node_commit_delay`` (a model slower than that, a worker
+    gone quiet): then it is stored and logged alone, so what the session shows and what a crash
+    replays lag by little."""
+
+    staged: StagedSnapshot
+    pointer: AgentSnapshotted
+    stored: bool = False
+    """Whether its bytes are committed (only its pointer is left to append)."""
+    timer: asyncio.TimerHandle | None = None
+    """Stores it alone once ``node_commit_delay`` has passed with no next write."""
 
 
 Rule = Callable[[SessionState], tuple[Sequence[Event], T]]
@@ -502,6 +526,7 @@ class SessionRuntime:
             if isinstance(report, ModelCallFailed):
                 return await self._on_model_failed(report)
             assert isinstance(report, Done)
+            await self._log_deferred_or_drop(slot)
             await self._write_copies(f"{self.session_id}/{report.agent}")
             if not slot.future.done():
                 slot.future.set_result(report)
@@ -574,21 +599,25 @@ class SessionRuntime:
             return Reply("error", message="a result with no intent")
         agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
-
-        async def store() -> tuple[int, int]:
-            copies = self._journal_copies(agent_key)
-            try:
-                return await self.deps.snapshots.write(
-                    agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
-                )
-            except BaseException:
-                self._keep_copies(agent_key, copies)  # the worker sends the node again
-                raise
-
-        # The snapshot bytes first (with the journal copies kept since the agent's last store
-        # write), then the node's results and the pointer to those bytes in one decision and
-        # one append; the results' copies wait for the agent's next store write.
-        snapshot_id, written = await store()
+        deferred = slot.deferred
+        staged = await self.deps.snapshots.stage(
+            agent_key,
+            agent.config,
+            report,
+            after_id=agent.snapshot_id or 0,
+            on=deferred.staged if deferred is not None else None,
+        )
+        # The node's results are logged now; its snapshot waits for the agent's next store
+        # write (``DeferredNode``). A node before it that no turn stored (its calls were all
+        # read-only) is stored now, its pointer logged with these results.
+        delay = self.deps.node_commit_delay
+        if delay > 0:
+            before = await self._store(slot, agent_key) if deferred is not None else []
+            after: list[Event] = []
+        else:
+            before = await self._store(slot, agent_key, staged)
+            after = [self._pointer(report, staged)]
+            self.deps.metrics.snapshot_bytes.inc(staged.written)
 
         def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
             recorded = [
@@ -596,18 +625,102 @@ class SessionRuntime:
                 for call in report.results
                 if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
             ]
-            pointer = self._pointer_events(slot, report, snapshot_id, written)
-            return [*recorded, *pointer], recorded
+            return [*before, *self._running(slot, report), *recorded, *after], recorded
 
         recorded = await self.decide(results)
+        self._clear_deferred(slot)
+        if delay > 0:
+            waiting = DeferredNode(staged, self._pointer(report, staged))
+            waiting.timer = asyncio.get_running_loop().call_later(
+                delay, self._deferred_due, slot, waiting
+            )
+            slot.deferred = waiting
         self._copy_results(agent_key, recorded)
         slot.running_logged = True
         slot.nodes.add(node)
-        self.deps.metrics.snapshot_bytes.inc(written)
         self._observe_answer(report)
         for timing in report.tool_timings:
             self.deps.metrics.observe_tool_call(timing.tool, timing.seconds, timing.outcome)
         return Reply("ok")
+
+    async def _store(
+        self, slot: DispatchSlot, agent_key: str, staged: StagedSnapshot | None = None
+    ) -> list[Event]:
+        """One LMDB commit of what the agent has waiting (its deferred node's snapshot and the
+        journal copies kept since its last store write) with ``staged``, a turn's snapshot,
+        when given. Answers the deferred node's pointer, for the caller to append first in its
+        next append (and clear ``slot.deferred`` once that landed). A failed commit leaves both
+        waiting, for the worker's retry."""
+        deferred = slot.deferred
+        batch = [deferred.staged] if deferred is not None and not deferred.stored else []
+        if staged is not None:
+            batch.append(staged)
+        copies = self._journal_copies(agent_key)
+        if batch or copies:
+            try:
+                await self.deps.snapshots.commit(batch, journal={agent_key: copies})
+            except BaseException:
+                self._keep_copies(agent_key, copies)
+                raise
+        if deferred is None:
+            return []
+        if not deferred.stored:
+            deferred.stored = True
+            self.deps.metrics.snapshot_bytes.inc(deferred.staged.written)
+        return [deferred.pointer]
+
+    @staticmethod
+    def _clear_deferred(slot: DispatchSlot) -> None:
+        """The deferred node is stored and logged (or dropped): forget it and its timer."""
+        deferred, slot.deferred = slot.deferred, None
+        if deferred is not None and deferred.timer is not None:
+            deferred.timer.cancel()
+
+    def _deferred_due(self, slot: DispatchSlot, deferred: DeferredNode) -> None:
+        """``node_commit_delay`` passed with ``deferred`` still waiting: store and log it."""
+        if slot.deferred is deferred and self.slots.get(slot.agent) is slot:
+            self.deps.spawn(self._log_deferred_when_due(slot, deferred))
+
+    async def _log_deferred_when_due(self, slot: DispatchSlot, deferred: DeferredNode) -> None:
+        async with slot.lock:
+            if slot.deferred is not deferred or self.slots.get(slot.agent) is not slot:
+                return  # a report of the agent took it meanwhile
+            try:
+                await self._log_deferred(slot)
+            except Exception as exc:  # it stays deferred: the agent's next write takes it
+                log.warning(
+                    "the node of %s/%s at step %d waits for its next write: %s",
+                    self.session_id,
+                    slot.agent,
+                    deferred.pointer.step,
+                    exc,
+                )
+
+    async def _log_deferred(self, slot: DispatchSlot) -> None:
+        """Store and log the dispatch's deferred node, if any, on its own (the dispatch ended
+        or is ending: no later report of it takes it). The caller holds ``slot.lock``."""
+        if slot.deferred is None:
+            return
+        agent_key = f"{self.session_id}/{slot.agent}"
+        await self.append(*await self._store(slot, agent_key))
+        self._clear_deferred(slot)
+
+    async def _log_deferred_or_drop(self, slot: DispatchSlot) -> None:
+        """``_log_deferred`` for a dispatch that has ended, whatever happens: a node that cannot
+        be stored or logged now is dropped, and the agent continues from the snapshot the log
+        points to (the node replayed from its turn, its journaled calls served from the log).
+        The caller holds ``slot.lock``."""
+        try:
+            await self._log_deferred(slot)
+        except Exception as exc:
+            log.warning(
+                "the last node of %s/%s epoch %d is not stored (%s); its turn is replayed",
+                self.session_id,
+                slot.agent,
+                slot.epoch,
+                exc,
+            )
+        self._clear_deferred(slot)
 
     def _observe_answer(self, report: NodeReport | TurnReport) -> None:
         call = report.model_call
@@ -617,28 +730,26 @@ class SessionRuntime:
             )
 
     @staticmethod
-    def _pointer_events(
-        slot: DispatchSlot, report: NodeReport | TurnReport, snapshot_id: int, written: int
-    ) -> list[Event]:
-        """The events that log a stored snapshot: its pointer, after the agent's ``running``
-        when this dispatch has not logged it yet."""
-        events: list[Event] = []
-        if not slot.running_logged:
-            events.append(AgentLifecycle(report.agent, "running", worker=report.worker_id))
+    def _running(slot: DispatchSlot, report: NodeReport | TurnReport) -> list[Event]:
+        """The agent's ``running``, when this dispatch has not logged it yet."""
+        if slot.running_logged:
+            return []
+        return [AgentLifecycle(report.agent, "running", worker=report.worker_id)]
+
+    @staticmethod
+    def _pointer(report: NodeReport | TurnReport, staged: StagedSnapshot) -> AgentSnapshotted:
+        """The pointer that logs a stored snapshot."""
         call = report.model_call
-        events.append(
-            AgentSnapshotted(
-                report.agent,
-                snapshot_id=snapshot_id,
-                source=report.source,
-                step=report.step,
-                size=written,
-                model_calls=1 if call is not None else 0,
-                prompt_tokens=call.prompt_tokens if call is not None else 0,
-                completion_tokens=call.completion_tokens if call is not None else 0,
-            )
+        return AgentSnapshotted(
+            report.agent,
+            snapshot_id=staged.snapshot_id,
+            source=report.source,
+            step=report.step,
+            size=staged.written,
+            model_calls=1 if call is not None else 0,
+            prompt_tokens=call.prompt_tokens if call is not None else 0,
+            completion_tokens=call.completion_tokens if call is not None else 0,
         )
-        return events
 
     def _observe_model_call(
         self, agent: str, seconds: float, prompt: int, completion: int, outcome: str
@@ -703,24 +814,28 @@ class SessionRuntime:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
         agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
-        copies = self._journal_copies(agent_key)
-        try:
-            snapshot_id, written = await self.deps.snapshots.write(
-                agent_key, agent.config, report, after_id=agent.snapshot_id or 0, journal=copies
-            )
-        except BaseException:
-            self._keep_copies(agent_key, copies)
-            raise
-        events = self._pointer_events(slot, report, snapshot_id, written)
+        deferred = slot.deferred
+        staged = await self.deps.snapshots.stage(
+            agent_key,
+            agent.config,
+            report,
+            after_id=agent.snapshot_id or 0,
+            on=deferred.staged if deferred is not None else None,
+        )
+        # One commit: the node before this turn (deferred) and the turn; their pointers lead
+        # this append.
+        before = await self._store(slot, agent_key, staged)
+        events = [*before, *self._running(slot, report), self._pointer(report, staged)]
         if intent is not None and not self.draining:
             # The turn's first intent is decided with its pointer, in one append.
             reply = await self._on_journal_begin(slot, intent, before=events)
         else:
             await self.append(*events)
             reply = Reply("ok")
+        self._clear_deferred(slot)
         slot.running_logged = True
         slot.nodes.add(node)
-        self.deps.metrics.snapshot_bytes.inc(written)
+        self.deps.metrics.snapshot_bytes.inc(staged.written)
         self._observe_answer(report)
         if intent is not None and self.draining:
             return self._stop_at_boundary(slot)  # the turn is kept; its effect waits
@@ -1249,9 +1364,11 @@ class SessionRuntime:
         while True:
             if ended is not None:
                 # A report of the ended dispatch still being decided (its snapshot stored, its
-                # pointer not yet appended) finishes first: the next dispatch continues from it.
+                # pointer not yet appended) finishes first, and its deferred node is logged:
+                # the next dispatch continues from it.
                 async with ended.lock:
-                    ended = None
+                    await self._log_deferred_or_drop(ended)
+                ended = None
             await self.wait_for(lambda: self._ready_to_dispatch(ref))
             if self.held_reason:
                 raise Held(self.held_reason)
@@ -1335,6 +1452,12 @@ class SessionRuntime:
                         continue
                     refused = 0
                     done = await slot.future
+                except Drained:
+                    # Stopped at a node boundary: that node is stored and logged before the
+                    # session can be marked suspended (it waits for this slot to go).
+                    async with slot.lock:
+                        await self._log_deferred_or_drop(slot)
+                    raise
                 except PayloadTooLarge as exc:
                     # Never sendable, however often it is tried: the agent fails, once, saying why.
                     reason = f"the dispatch cannot be sent: {exc.message}"

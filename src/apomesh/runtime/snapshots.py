@@ -20,13 +20,19 @@ the node that completes the turn writes a record without it. The turn's assistan
 the conversation only with that node, so a turn is never in the segments twice.
 
 The LMDB copies of the agent's journal entries (``journal``) that its writer has not stored yet
-travel in the same write as the snapshot (``write(journal=...)``): one commit per node instead of
+travel in the same write as the snapshot (``commit(journal=...)``): one commit per node instead of
 one per copy.
+
+A snapshot is staged (``stage``: numbered and encoded, nothing stored) and committed later
+(``commit``), several in one commit: the session writer keeps a node's snapshot staged until the
+agent's next turn and commits both at once (``runtime.sessions.DeferredNode``). A staged snapshot
+carries the tail it leads to, and only a commit moves the agent's tail there, so one that is never
+committed leaves nothing behind. ``write`` is both at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +86,21 @@ def _segment(messages: list[Message], counts: dict[str, int]) -> bytes:
     return _encoder.encode(CountedSegment(messages, counts) if counts else messages)
 
 
+@dataclass(frozen=True)
+class StagedSnapshot:
+    """A snapshot numbered and encoded by ``SnapshotStore.stage``, not stored yet."""
+
+    agent_key: str
+    snapshot_id: int
+    source: str
+    written: int
+    """Its bytes (keys and values), as a snapshot pointer states them."""
+    puts: list[tuple[str, str, bytes]]
+    deletes: list[tuple[str, str]]
+    tail: _Tail
+    """What the store's tail of the agent is once this is committed (the next one's start)."""
+
+
 @dataclass
 class _Tail:
     """What the daemon remembers of an agent's recent segments between nodes."""
@@ -93,6 +114,17 @@ class _Tail:
     """The call counts as stored so far by this process (None until it wrote some); a report's
     counts that differ from these go in its segment."""
 
+    def copy(self) -> _Tail:
+        counts = dict(self.counts) if self.counts is not None else None
+        return _Tail(
+            self.next_seq,
+            self.base_seq,
+            self.next_snapshot,
+            list(self.small),
+            self.has_definition,
+            counts,
+        )
+
 
 class SnapshotStore:
     """Writes and loads agent snapshots in the LMDB store."""
@@ -101,6 +133,10 @@ class SnapshotStore:
         self.store = store
         self.compact_every = max(2, compact_every)
         self._tails: dict[str, _Tail] = {}
+        """Each agent's tail as committed (a staged snapshot carries its own until then)."""
+        self._issued: dict[str, int] = {}
+        """The last snapshot id staged for each agent: never staged twice, even when a commit
+        that failed is staged again."""
 
     async def _tail(self, agent_key: str) -> _Tail:
         tail = self._tails.get(agent_key)
@@ -121,23 +157,26 @@ class SnapshotStore:
             self._tails[agent_key] = tail
         return tail
 
-    async def write(
+    async def stage(
         self,
         agent_key: str,
         config: AgentConfig | None,
         report: NodeReport | TurnReport,
         *,
         after_id: int = 0,
-        journal: Mapping[str, bytes] | None = None,
-    ) -> tuple[int, int]:
-        """Store one node's snapshot; answers (snapshot_id, bytes written).
+        on: StagedSnapshot | None = None,
+    ) -> StagedSnapshot:
+        """One node's snapshot, numbered and encoded but not stored yet: ``commit`` stores it.
+        It continues from ``on`` (a snapshot of the agent staged and maybe not committed yet,
+        which is then committed first or with it) or else from what is committed; a staged
+        snapshot never committed leaves nothing behind.
 
         ``after_id`` is the latest snapshot id the log points to: new ids continue above it even
-        when the store lost its records, so a pointer on the log never names two snapshots.
-        ``journal`` (call key -> record) are journal copies stored in the same commit; they are
-        not counted in the bytes written (those are the snapshot's)."""
-        tail = await self._tail(agent_key)
-        tail.next_snapshot = max(tail.next_snapshot, after_id + 1)
+        when the store lost its records, so a pointer on the log never names two snapshots."""
+        tail = (on.tail if on is not None else await self._tail(agent_key)).copy()
+        tail.next_snapshot = max(
+            tail.next_snapshot, after_id + 1, self._issued.get(agent_key, 0) + 1
+        )
         puts: list[tuple[str, str, bytes]] = []
         deletes: list[tuple[str, str]] = []
         if not tail.has_definition and config is not None:
@@ -182,12 +221,45 @@ class SnapshotStore:
         )
         snapshot_id = tail.next_snapshot
         tail.next_snapshot += 1
+        self._issued[agent_key] = snapshot_id
         puts.append(("snapshots", snapshot_key(agent_key, snapshot_id), _encoder.encode(record)))
         written = sum(len(k) + len(v) for _, k, v in puts)
-        if journal:
-            puts.extend(("journal", journal_key(agent_key, k), v) for k, v in journal.items())
+        return StagedSnapshot(agent_key, snapshot_id, report.source, written, puts, deletes, tail)
+
+    async def commit(
+        self,
+        staged: Sequence[StagedSnapshot],
+        *,
+        journal: Mapping[str, Mapping[str, bytes]] | None = None,
+    ) -> None:
+        """Store staged snapshots, oldest first, and ``journal`` (agent key -> call key ->
+        record: journal copies) in one commit: all of it or, on an error, none."""
+        puts: list[tuple[str, str, bytes]] = []
+        deletes: list[tuple[str, str]] = []
+        for snapshot in staged:
+            puts.extend(snapshot.puts)
+            deletes.extend(snapshot.deletes)
+        for agent_key, copies in (journal or {}).items():
+            puts.extend(("journal", journal_key(agent_key, k), v) for k, v in copies.items())
         await self.store.write_batch(puts, deletes)
-        return snapshot_id, written
+        for snapshot in staged:
+            self._tails[snapshot.agent_key] = snapshot.tail
+
+    async def write(
+        self,
+        agent_key: str,
+        config: AgentConfig | None,
+        report: NodeReport | TurnReport,
+        *,
+        after_id: int = 0,
+        journal: Mapping[str, bytes] | None = None,
+    ) -> tuple[int, int]:
+        """Store one node's snapshot (``stage`` and ``commit``); answers (snapshot_id, bytes
+        written). ``journal`` (call key -> record) are journal copies stored in the same commit;
+        they are not counted in the bytes written (those are the snapshot's)."""
+        staged = await self.stage(agent_key, config, report, after_id=after_id)
+        await self.commit([staged], journal={agent_key: journal or {}})
+        return staged.snapshot_id, staged.written
 
     async def load(self, agent_key: str, snapshot_id: int | None = None) -> AgentMemory | None:
         """The working memory at ``snapshot_id`` (default: the latest), or None when there is none."""
@@ -261,6 +333,7 @@ class SnapshotStore:
 
     def forget(self, agent_key: str) -> None:
         self._tails.pop(agent_key, None)
+        self._issued.pop(agent_key, None)
 
 
 def _merged(parts: list[tuple[int, list[Message], dict[str, int]]]) -> bytes:

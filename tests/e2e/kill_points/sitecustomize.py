@@ -9,7 +9,10 @@ directory on its ``PYTHONPATH`` and ``KILL_POINTS_DIR`` naming a directory stops
 - ``report``: after the effect, before the report carrying its result;
 - ``done``: before sending a ``Done`` with the agent's plan or final answer;
 - ``turn-stored`` (in an ``apomesh serve`` process): after the daemon stored a model turn's
-  snapshot, before it appended the turn's pointer to the log.
+  snapshot, before it appended the turn's pointer to the log;
+- ``node-unstored`` (in an ``apomesh serve`` process): a node's results are logged and its
+  reply sent, its snapshot waits for the agent's next store write, and the next turn's report
+  has just reached the daemon (neither is stored yet).
 
 The first worker to reach an armed point takes it (``arm-<point>`` renamed to
 ``hit-<point>-<pid>``, so it fires once) and freezes there; the test then SIGKILLs that pid, or
@@ -56,18 +59,27 @@ def _install(directory: str) -> None:
 
     worker_module.Worker.send = send  # type: ignore[method-assign]
 
+    from apomesh.core.events import TURN_SOURCE
+    from apomesh.runtime import sessions as sessions_module
     from apomesh.runtime import snapshots as snapshots_module
-    from apomesh.runtime.protocol import TurnReport
 
-    real_write = snapshots_module.SnapshotStore.write
+    real_commit = snapshots_module.SnapshotStore.commit
 
-    async def write(self: Any, agent_key: str, config: Any, report: Any, **kw: Any) -> Any:
-        written = await real_write(self, agent_key, config, report, **kw)
-        if isinstance(report, TurnReport):
+    async def commit(self: Any, staged: Any, **kw: Any) -> Any:
+        await real_commit(self, staged, **kw)
+        if any(snapshot.source == TURN_SOURCE for snapshot in staged):
             fire("turn-stored")
-        return written
 
-    snapshots_module.SnapshotStore.write = write  # type: ignore[method-assign]
+    snapshots_module.SnapshotStore.commit = commit  # type: ignore[method-assign]
+
+    real_on_turn = sessions_module.SessionRuntime._on_turn
+
+    async def on_turn(self: Any, slot: Any, report: Any, size: int) -> Any:
+        if slot.deferred is not None:
+            fire("node-unstored")
+        return await real_on_turn(self, slot, report, size)
+
+    sessions_module.SessionRuntime._on_turn = on_turn  # type: ignore[method-assign]
 
 
 if DIRECTORY:
