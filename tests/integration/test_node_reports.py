@@ -190,7 +190,7 @@ async def test_in_process_workers_report_over_the_local_link_with_the_same_check
 
         link = worker.local_links[node.daemon.daemon_id]
         forged = Done("another-worker", session_id, "root", 1, outcome="final", output="x")
-        reply = await link(ENCODER.encode(forged))
+        reply = await link(forged, ENCODER.encode(forged))
         assert reply.status == "fenced"
         assert "cannot report as another-worker" in reply.message
 

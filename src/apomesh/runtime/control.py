@@ -192,14 +192,18 @@ class ControlPlane:
     async def _process_report(self, msg: Msg) -> None:
         await _reply(msg, await self.answer(msg.data, subject_worker(msg.subject)))
 
-    async def answer(self, data: bytes, sender: str | None) -> Reply:
-        """The reply to one encoded report sent by worker ``sender``: refused when it is over the
-        size ceiling, undecodable, or names another worker; otherwise its session writer's."""
+    def _report_ceiling(self) -> int:
+        """The largest report taken at all, in bytes encoded."""
         limits = self.limits
-        ceiling = (
+        return (
             max(limits.max_snapshot_bytes, limits.max_event_bytes, limits.max_tool_args_bytes)
             + 4096
         )
+
+    async def answer(self, data: bytes, sender: str | None) -> Reply:
+        """The reply to one encoded report sent by worker ``sender``: refused when it is over the
+        size ceiling, undecodable, or names another worker; otherwise its session writer's."""
+        ceiling = self._report_ceiling()
         if len(data) > ceiling:
             self.log.warning(
                 "refused a report of %d bytes from %s (limit %d)", len(data), sender, ceiling
@@ -212,6 +216,10 @@ class ControlPlane:
             report = REPORT_DECODER.decode(data)
         except Exception as exc:
             return Reply("error", message=f"undecodable report: {exc}")
+        return await self._answer_report(report, len(data), sender)
+
+    async def _answer_report(self, report: Report, size: int, sender: str | None) -> Reply:
+        """The reply to a decoded report of ``size`` bytes encoded, sent by worker ``sender``."""
         if sender is not None and sender != report.worker_id:
             self.metrics.fenced_reports.inc()
             self.log.warning(
@@ -221,16 +229,22 @@ class ControlPlane:
                 sender,
             )
             return Reply("fenced", message=f"worker {sender} cannot report as {report.worker_id}")
-        return await self._decide(report, len(data))
+        return await self._decide(report, size)
 
-    def local_link(self, worker_id: str) -> Callable[[bytes], Awaitable[Reply]]:
+    def local_link(self, worker_id: str) -> Callable[[Report, bytes], Awaitable[Reply]]:
         """How an in-process worker (same process, same event loop) sends its reports to this
-        daemon without a NATS round trip: the same checks and writer as a report on the worker's
-        control subjects, answered in a task of the daemon's own (a worker cancelling its call
-        never cuts the daemon's handling short, as with a request over NATS)."""
+        daemon without a NATS round trip: the report and its encoding (whose size the limits
+        are checked against; the report itself is taken as it is, not decoded again), the same
+        checks and writer as a report on the worker's control subjects, answered in a task of
+        the daemon's own (a worker cancelling its call never cuts the daemon's handling short,
+        as with a request over NATS)."""
 
-        async def send(data: bytes) -> Reply:
-            task: asyncio.Future[Reply] = asyncio.ensure_future(self.answer(data, worker_id))
+        async def send(report: Report, data: bytes) -> Reply:
+            size = len(data)
+            if size > self._report_ceiling():
+                return await self.answer(data, worker_id)  # refused, as over NATS
+            answering = self._answer_report(report, size, worker_id)
+            task: asyncio.Future[Reply] = asyncio.ensure_future(answering)
             return await asyncio.shield(task)
 
         return send

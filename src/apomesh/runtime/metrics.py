@@ -13,12 +13,14 @@ test scrapes a real daemon to keep that list true.
 from __future__ import annotations
 
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from apomesh._version import __version__
+from apomesh.core.events import Event, event_name
 
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -137,6 +139,7 @@ class DaemonMetrics:
             ["kind"],
             registry=r,
         )
+        self._appended_by_kind: dict[type, Any] = {}
         self.append_seconds = Histogram(
             "apomesh_append_seconds",
             "Seconds one (batched) append to the log took.",
@@ -201,6 +204,17 @@ class DaemonMetrics:
             "Sessions this daemon stopped driving because another writer appended to their log.",
             registry=r,
         )
+
+    def count_appended(self, events: Iterable[Event]) -> None:
+        """Count appended events by kind (``apomesh_events_appended_total``); each kind's
+        counter is looked up once."""
+        children = self._appended_by_kind
+        for event in events:
+            kind = type(event)
+            child = children.get(kind)
+            if child is None:
+                child = children[kind] = self.events_appended.labels(event_name(event))
+            child.inc()
 
     def observe_model_call(
         self,

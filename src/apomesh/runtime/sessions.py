@@ -344,8 +344,7 @@ class SessionRuntime:
         started = time.perf_counter()
         await self._append_durably(envs)
         seconds = time.perf_counter() - started
-        for ev in events:
-            self.deps.metrics.events_appended.labels(event_name(ev)).inc()
+        self.deps.metrics.count_appended(events)
         self.deps.metrics.append_seconds.observe(seconds)
         for env in envs:
             apply(self.state, env)

@@ -135,7 +135,7 @@ class Worker:
     ) -> None:
         self.nc = nc
         self._replies = Replies(nc)
-        self.local_links: dict[str, Callable[[bytes], Awaitable[Reply]]] = {}
+        self.local_links: dict[str, Callable[[Report, bytes], Awaitable[Reply]]] = {}
         """Daemons in this very process (``ControlPlane.local_link``), by id: reports to them skip
         the NATS round trip; registration and heartbeats still go over NATS like any worker's."""
         self.plugin_versions = dict(plugin_versions or {})
@@ -450,7 +450,7 @@ class Worker:
         data = ENCODER.encode(report)
         link = self.local_links.get(daemon_id)
         if link is not None:
-            return await link(data)
+            return await link(report, data)
         subject = control_subject(daemon_id, _VERBS[type(report)], self.worker_id)
         started = time.monotonic()
         delay = 0.1
