@@ -55,13 +55,7 @@ class ReplayMesh:
         return self.mesh.url
 
     def worker(self) -> WorkerProcess:
-        env = {
-            "MODEL_KEY": "sk-fresh",
-            "KILL_POINTS_DIR": str(self.gates),
-            "PYTHONPATH": os.pathsep.join(
-                [str(KILL_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
+        env = {"MODEL_KEY": "sk-fresh", **kill_points_env(self.gates)}
         return self.mesh.worker(f"r{len(self.mesh.workers)}", env=env, config=self.config)
 
     def arm(self, point: str) -> None:
@@ -79,11 +73,31 @@ class ReplayMesh:
             time.sleep(0.02)
         raise AssertionError(f"no worker reached the kill point {point!r}")
 
+    def wait_daemon_hit(self, point: str) -> int:
+        """The pid of the daemon frozen at ``point`` (a daemon's kill point, see
+        ``kill_points``), once it stopped itself there."""
+        deadline = time.monotonic() + TIMEOUT
+        while not (hits := list(self.gates.glob(f"hit-{point}-*"))):
+            assert time.monotonic() < deadline, f"no daemon reached the kill point {point!r}"
+            time.sleep(0.02)
+        (hit,) = hits
+        return int(hit.name.rpartition("-")[2])
+
     def kill_at(self, point: str) -> None:
         """Arm ``point``, SIGKILL the worker that reaches it, start a fresh one in its place."""
         self.arm(point)
         self.wait_hit(point).kill()
         self.worker()
+
+
+def kill_points_env(gates: Path) -> dict[str, str]:
+    """The environment that makes a worker or daemon process carry the kill points."""
+    return {
+        "KILL_POINTS_DIR": str(gates),
+        "PYTHONPATH": os.pathsep.join(
+            [str(KILL_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    }
 
 
 def fresh(name: str) -> dict[str, Any]:
@@ -284,25 +298,13 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(bare_mesh: Mesh) -> No
     are put to the model, never answered with the stored-but-unlogged plan."""
     gates = bare_mesh.base / "gates"
     # The daemon carries the kill points too (``turn-stored`` is a daemon's point).
-    bare_mesh.daemon.env.update(
-        {
-            "KILL_POINTS_DIR": str(gates),
-            "PYTHONPATH": os.pathsep.join(
-                [str(KILL_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-    )
+    bare_mesh.daemon.env.update(kill_points_env(gates))
     with FreshModelServer() as server:
         system = ReplayMesh(bare_mesh, server)
         definition = fanout_appender()
         system.arm("turn-stored")
         session_id = start(system.url, "plan, unlogged", definition)
-        deadline = time.monotonic() + TIMEOUT
-        while not list(system.gates.glob("hit-turn-stored-*")):
-            assert time.monotonic() < deadline, "the daemon never stored a turn"
-            time.sleep(0.02)
-        (hit,) = system.gates.glob("hit-turn-stored-*")
-        assert int(hit.name.rpartition("-")[2]) == bare_mesh.daemon.pid
+        assert system.wait_daemon_hit("turn-stored") == bare_mesh.daemon.pid
         bare_mesh.daemon.kill()
         bare_mesh.daemon.start()  # nothing had a side effect yet: the session resumes by itself
         ended = settle(system.url, session_id)
@@ -325,24 +327,12 @@ def test_a_daemon_killed_while_a_nodes_snapshot_waits_for_the_next_turn_replays_
     to, so the node is replayed (its effect served from the log, never run again) and only the
     turn that was never recorded is put to the model again."""
     gates = bare_mesh.base / "gates"
-    bare_mesh.daemon.env.update(
-        {
-            "KILL_POINTS_DIR": str(gates),
-            "PYTHONPATH": os.pathsep.join(
-                [str(KILL_POINTS), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-    )
+    bare_mesh.daemon.env.update(kill_points_env(gates))
     with FreshModelServer() as server:
         system = ReplayMesh(bare_mesh, server)
         system.arm("node-unstored")
         session_id = start(system.url, "node unstored", solo_appender(appends=3))
-        deadline = time.monotonic() + TIMEOUT
-        while not list(system.gates.glob("hit-node-unstored-*")):
-            assert time.monotonic() < deadline, "no node waited for its agent's next turn"
-            time.sleep(0.02)
-        (hit,) = system.gates.glob("hit-node-unstored-*")
-        assert int(hit.name.rpartition("-")[2]) == bare_mesh.daemon.pid
+        assert system.wait_daemon_hit("node-unstored") == bare_mesh.daemon.pid
         bare_mesh.daemon.kill()
         bare_mesh.daemon.start()
         ended = settle(system.url, session_id)

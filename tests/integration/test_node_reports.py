@@ -33,7 +33,22 @@ def write(path: str, content: str) -> dict[str, Any]:
     return {"tool": "fs.write", "args": {"path": path, "content": content}}
 
 
-def one_worker_config(tmp_path: Path) -> Any:
+def count_commits(node: Node) -> list[list[str]]:
+    """A list that fills with the databases each of the node's store commits writes to."""
+    assert node.daemon is not None
+    store = node.daemon.store
+    batches: list[list[str]] = []
+    write_batch = store.write_batch
+
+    async def counted(puts: Any, deletes: Any = ()) -> None:
+        batches.append([db for db, _, _ in puts])
+        await write_batch(puts, deletes)
+
+    store.write_batch = counted  # type: ignore[method-assign]
+    return batches
+
+
+def one_worker_config(tmp_path: Path, **overrides: Any) -> Any:
     """A daemon with one in-process worker and the built-in plugins, its data under ``tmp_path``."""
     return load_config(
         None,
@@ -41,6 +56,7 @@ def one_worker_config(tmp_path: Path) -> Any:
         overrides={
             "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
             "plugins": {"allow": ["apomesh"]},
+            **overrides,
         },
     )
 
@@ -53,15 +69,7 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
         for _, worker in node.workers:
             await worker.wait_registered()
         agent = writer([[write("a.txt", "one")], [write("b.txt", "two"), write("c.txt", "three")]])
-        store = node.daemon.store
-        batches: list[list[str]] = []
-        write_batch = store.write_batch
-
-        async def counted(puts: Any, deletes: Any = ()) -> None:
-            batches.append([db for db, _, _ in puts])
-            await write_batch(puts, deletes)
-
-        store.write_batch = counted  # type: ignore[method-assign]
+        batches = count_commits(node)
         session_id = await node.service.create_session(
             "write", agent=None, definition=agent, by="t"
         )
@@ -114,30 +122,14 @@ async def test_a_node_is_stored_alone_when_its_next_turn_is_slow_or_with_no_dela
     """``node_commit_delay``: with 0 each node is stored and logged with its results (two
     commits a side-effecting step); with a model slower than the delay, the node waiting for
     its next turn is stored and logged alone, before that turn."""
-    config = load_config(
-        None,
-        env={},
-        overrides={
-            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
-            "plugins": {"allow": ["apomesh"]},
-            "snapshots": {"node_commit_delay": delay},
-        },
-    )
+    config = one_worker_config(tmp_path, snapshots={"node_commit_delay": delay})
     async with Node(config, http=False) as node:
         assert node.daemon is not None and node.service is not None
         for _, worker in node.workers:
             await worker.wait_registered()
         agent = writer([[write("a.txt", "one")], [write("b.txt", "two")]])
         agent["model"]["turns"][1]["delay"] = 0.3  # the second turn comes after the delay
-        store = node.daemon.store
-        batches: list[list[str]] = []
-        write_batch = store.write_batch
-
-        async def counted(puts: Any, deletes: Any = ()) -> None:
-            batches.append([db for db, _, _ in puts])
-            await write_batch(puts, deletes)
-
-        store.write_batch = counted  # type: ignore[method-assign]
+        batches = count_commits(node)
         session_id = await node.service.create_session("slow", agent=None, definition=agent, by="t")
         runtime = node.daemon.registry.live[session_id]
         assert runtime.task is not None

@@ -596,16 +596,9 @@ class SessionRuntime:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
         if any((report.agent, call.key) not in self.state.journal for call in report.results):
             return Reply("error", message="a result with no intent")
-        agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
         deferred = slot.deferred
-        staged = await self.deps.snapshots.stage(
-            agent_key,
-            agent.config,
-            report,
-            after_id=agent.snapshot_id or 0,
-            on=deferred.staged if deferred is not None else None,
-        )
+        staged = await self._stage(slot, agent_key, report)
         # The node's results are logged now; its snapshot waits for the agent's next store
         # write (``DeferredNode``). A node before it that no turn stored (its calls were all
         # read-only) is stored now, its pointer logged with these results.
@@ -641,6 +634,19 @@ class SessionRuntime:
         for timing in report.tool_timings:
             self.deps.metrics.observe_tool_call(timing.tool, timing.seconds, timing.outcome)
         return Reply("ok")
+
+    async def _stage(
+        self, slot: DispatchSlot, agent_key: str, report: NodeReport | TurnReport
+    ) -> StagedSnapshot:
+        """The report's snapshot, staged after the dispatch's deferred node (if any)."""
+        agent = self.state.agents[report.agent]
+        return await self.deps.snapshots.stage(
+            agent_key,
+            agent.config,
+            report,
+            after_id=agent.snapshot_id or 0,
+            on=slot.deferred.staged if slot.deferred is not None else None,
+        )
 
     async def _store(
         self, slot: DispatchSlot, agent_key: str, staged: StagedSnapshot | None = None
@@ -811,16 +817,8 @@ class SessionRuntime:
         limit = self.deps.limits.max_snapshot_bytes
         if size > limit:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
-        agent = self.state.agents[report.agent]
         agent_key = f"{self.session_id}/{report.agent}"
-        deferred = slot.deferred
-        staged = await self.deps.snapshots.stage(
-            agent_key,
-            agent.config,
-            report,
-            after_id=agent.snapshot_id or 0,
-            on=deferred.staged if deferred is not None else None,
-        )
+        staged = await self._stage(slot, agent_key, report)
         # One commit: the node before this turn (deferred) and the turn; their pointers lead
         # this append.
         before = await self._store(slot, agent_key, staged)
