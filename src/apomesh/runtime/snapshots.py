@@ -111,19 +111,41 @@ class _Tail:
     small: list[tuple[int, list[Message], dict[str, int]]] = field(default_factory=list)
     has_definition: bool = False
     counts: dict[str, int] | None = None
-    """The call counts as stored so far by this process (None until it wrote some); a report's
-    counts that differ from these go in its segment."""
+    """The call counts as committed so far by this process (None until it wrote some); a
+    report's counts that differ from these (and from ``staged_counts``) go in its segment. Every
+    tail of the agent shares this one dict: it grows with the agent's journaled calls, so a
+    staged snapshot never copies it."""
+    staged_counts: dict[str, int] = field(default_factory=dict)
+    """Counts of snapshots staged on this tail and not committed yet (a step's few), laid over
+    ``counts``; a commit folds them in."""
 
     def copy(self) -> _Tail:
-        counts = dict(self.counts) if self.counts is not None else None
         return _Tail(
             self.next_seq,
             self.base_seq,
             self.next_snapshot,
             list(self.small),
             self.has_definition,
-            counts,
+            self.counts,
+            dict(self.staged_counts),
         )
+
+    def changed(self, counts: Mapping[str, int]) -> dict[str, int]:
+        """Of a report's ``counts``, those that differ from what is known (all, before any)."""
+        if self.counts is None and not self.staged_counts:
+            return dict(counts)
+        committed = self.counts or {}
+        staged = self.staged_counts
+        return {k: v for k, v in counts.items() if staged.get(k, committed.get(k)) != v}
+
+    def committed(self) -> _Tail:
+        """This tail once its snapshot is committed: its staged counts folded into ``counts``."""
+        if self.staged_counts:
+            if self.counts is None:
+                self.counts = {}
+            self.counts.update(self.staged_counts)
+            self.staged_counts = {}
+        return self
 
 
 class SnapshotStore:
@@ -185,10 +207,7 @@ class SnapshotStore:
         if report.reset:
             tail.base_seq = tail.next_seq
             tail.small = []
-        known = tail.counts
-        changed = {
-            k: v for k, v in report.call_counts.items() if known is None or known.get(k) != v
-        }
+        changed = tail.changed(report.call_counts)
         if report.new_messages or changed:
             seq = tail.next_seq
             tail.next_seq += 1
@@ -204,11 +223,8 @@ class SnapshotStore:
                 )
                 tail.small = []
         # A report carries the counts its agent changed since its last report (an older worker
-        # sends them all): what is known grows by them.
-        if tail.counts is None:
-            tail.counts = dict(report.call_counts)
-        else:
-            tail.counts.update(report.call_counts)
+        # sends them all): what is known grows by them once this snapshot is committed.
+        tail.staged_counts.update(report.call_counts)
         record = SnapshotRecord(
             step=report.step,
             base_seq=tail.base_seq,
@@ -243,7 +259,7 @@ class SnapshotStore:
             puts.extend(("journal", journal_key(agent_key, k), v) for k, v in copies.items())
         await self.store.write_batch(puts, deletes)
         for snapshot in staged:
-            self._tails[snapshot.agent_key] = snapshot.tail
+            self._tails[snapshot.agent_key] = snapshot.tail.committed()
 
     async def write(
         self,
