@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -299,3 +300,87 @@ async def test_a_dead_server_is_log_unavailable(fresh_nats_server: Any) -> None:
             await buckets.leases.acquire("s-1", "daemon-a")
     finally:
         await close_quietly(client)
+
+
+@pytest.fixture
+def small_payload_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A nats-server whose ``max_payload`` is 64 KiB (the default is 1 MiB)."""
+    import dataclasses
+
+    from apomesh.adapters.natsserver import NatsServer, single_node
+
+    server = NatsServer(
+        dataclasses.replace(single_node(tmp_path_factory.mktemp("small")), max_payload=64 * 1024)
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_presence_record_over_max_payload_is_put_in_parts_and_read_whole(
+    small_payload_server: Any,
+) -> None:
+    """A daemon driving thousands of sessions has a presence record larger than one message:
+    it is put in parts under a head, read back whole, keeps the daemon's leases alive, and its
+    old parts go (two generations on, and all of them once a record fits again)."""
+    import nats.errors
+    from nats.js.kv import KeyValue
+
+    from apomesh.runtime.presence import Presence
+
+    client = await connect(small_payload_server.url)
+    try:
+        buckets = await KvBuckets.open(client.jetstream(), max_payload=client.max_payload)
+        sessions = [uuid.uuid4().hex for _ in range(6_000)]  # about 200 KB of record
+        presence = Presence(
+            buckets.daemons,
+            incarnation="daemon-big",
+            url="",
+            sessions=lambda: sessions,
+            stranded=lambda: sessions[:100],
+        )
+        encoded = msgspec.msgpack.encode(presence.record())
+        assert len(encoded) > 3 * 64 * 1024
+        raw: KeyValue = buckets.daemons._kv
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await raw.put("whole", encoded)  # one message cannot carry it
+        for _ in range(4):  # new generations replace the old
+            await presence.publish()
+        peers = await presence.peers()
+        assert sorted(peers["daemon-big"].sessions) == sorted(sessions)
+        assert peers["daemon-big"].stranded == sorted(sessions[:100])
+        assert await buckets.leases.acquire("s-1", "daemon-big")
+        assert not await buckets.leases.acquire("s-1", "daemon-other")  # its owner is alive
+        parts = await part_generations(client)
+        assert 1 <= len(parts) <= 2, parts  # older generations were deleted
+
+        sessions[:] = sessions[:10]  # the record fits in one message again: no parts are left
+        await presence.publish()
+        assert await part_generations(client) == set()
+        assert (await presence.peers())["daemon-big"].sessions == sorted(sessions)
+        await presence.withdraw()
+        assert "daemon-big" not in await presence.peers()
+    finally:
+        await close_quietly(client)
+
+
+async def part_generations(client: NATS) -> set[str]:
+    """The presence part generations the bucket holds values for now."""
+    js = client.jetstream()
+    prefix = f"$KV.{DAEMONS_BUCKET}."
+    info = await js.stream_info(f"KV_{DAEMONS_BUCKET}", subjects_filter=prefix + ">")
+    kv = await js.key_value(DAEMONS_BUCKET)
+    found: set[str] = set()
+    for subject in info.state.subjects or {}:
+        key = subject[len(prefix) :]
+        if ".part." not in key:
+            continue
+        try:
+            entry = await kv.get(key)
+        except Exception:
+            continue
+        if entry.value:
+            found.add(key.split(".part.")[1].split(".")[0])
+    return found

@@ -15,7 +15,8 @@ bucket, also the replicated state store's):
 - ``APOMESH_DAEMONS`` (``PresenceTable``): which daemons are alive. Each daemon puts its record
   (an opaque value: ``runtime.presence`` encodes it) under its id and renews it well inside the
   bucket's TTL (the lease TTL, a third of it, say), which ages out the record of a daemon that
-  died, and with it every lease that names it.
+  died, and with it every lease that names it. A record too large for one message is put in
+  parts under a small head (``PresenceTable``).
 
 KV keys allow only ``[-/_=.a-zA-Z0-9]`` and no leading, trailing or doubled dots, so names are
 encoded reversibly (``encode_key``): letters, digits, ``-`` and ``_`` stay, every other byte of
@@ -25,18 +26,22 @@ reached"); a bucket whose settings cannot be brought to the wanted ones raises `
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from apomesh.adapters.nats_connect import unavailable_as_log_error
-from apomesh.core.errors import CatalogError, PublishConflict
+from apomesh.core.errors import CatalogError, LogUnavailable, PublishConflict
 
 AGENTS_BUCKET = "APOMESH_AGENTS"
 SKILLS_BUCKET = "APOMESH_SKILLS"
@@ -332,24 +337,98 @@ class LeaseTable:
         return True
 
 
-class PresenceTable:
-    """The live daemons' records, by daemon id, aged out by the bucket's TTL."""
+PRESENCE_PART_BYTES = 256 * 1024
+"""The largest presence value put whole: a record over it is put in parts of this size, well
+under the 1 MiB ``max_payload`` a nats-server has by default (a daemon listing 100,000 sessions
+has a record of about 3.4 MB)."""
 
-    def __init__(self, kv: KeyValue, ttl: float, js: JetStreamContext) -> None:
+
+def presence_part_bytes(max_payload: int | None) -> int:
+    """The presence part size for a connection whose ``max_payload`` is given (None: unknown):
+    ``PRESENCE_PART_BYTES``, or a quarter of a smaller limit, leaving room for the subject and
+    the KV headers."""
+    if max_payload is None:
+        return PRESENCE_PART_BYTES
+    return max(1024, min(PRESENCE_PART_BYTES, int(max_payload) // 4))
+
+
+_PARTS = "parts"
+_PART_TOKEN = ".part."
+
+
+class PresenceTable:
+    """The live daemons' records, by daemon id, aged out by the bucket's TTL.
+
+    A record over ``part_bytes`` is put in parts: the parts first, each under
+    ``<daemon>.part.<generation>.<n>``, then under the daemon's own key a head (msgpack
+    ``["parts", generation, count, size]``) naming them. The daemon's own key is always the one
+    whose presence keeps its leases alive. A generation's parts are deleted two puts later, so a
+    reader that took the previous head still finds its parts; one that finds a part missing reads
+    the bucket again. A record that fits is put whole, as releases before parts put every one."""
+
+    def __init__(
+        self, kv: KeyValue, ttl: float, js: JetStreamContext, part_bytes: int = PRESENCE_PART_BYTES
+    ) -> None:
         self._kv = kv
         self._js = js
         self.ttl = ttl
+        self.part_bytes = part_bytes
+        self._generation = 0
+        self._token = uuid.uuid4().hex[:8]
+        self._parted: dict[str, list[tuple[str, int]]] = {}
+        """Per daemon, the generations of parts put and not deleted yet (newest last)."""
 
     async def put(self, daemon_id: str, record: bytes) -> None:
+        key = encode_key(daemon_id)
         with unavailable_as_log_error(f"publish daemon {daemon_id}"):
-            await self._kv.put(encode_key(daemon_id), record)
+            if len(record) <= self.part_bytes:
+                await self._kv.put(key, record)
+                await self._drop_parts(daemon_id, keep=0)
+                return
+            self._generation += 1
+            generation = f"{self._token}{self._generation}"
+            size = self.part_bytes
+            pieces = [record[at : at + size] for at in range(0, len(record), size)]
+            await asyncio.gather(
+                *(
+                    self._kv.put(_part_key(key, generation, n), piece)
+                    for n, piece in enumerate(pieces)
+                )
+            )
+            head = msgspec.msgpack.encode([_PARTS, generation, len(pieces), len(record)])
+            await self._kv.put(key, head)
+            self._parted.setdefault(daemon_id, []).append((generation, len(pieces)))
+            await self._drop_parts(daemon_id, keep=2)
+
+    async def _drop_parts(self, daemon_id: str, keep: int) -> None:
+        """Delete the daemon's part generations but the ``keep`` newest (best effort: parts
+        left behind age out with the bucket's TTL)."""
+        kept = self._parted.get(daemon_id, [])
+        if len(kept) <= keep:
+            return
+        dropped, self._parted[daemon_id] = kept[: len(kept) - keep], kept[len(kept) - keep :]
+        key = encode_key(daemon_id)
+        with contextlib.suppress(Exception):
+            for generation, count in dropped:
+                for n in range(count):
+                    await self._kv.delete(_part_key(key, generation, n))
 
     async def delete(self, daemon_id: str) -> None:
         with unavailable_as_log_error(f"withdraw daemon {daemon_id}"):
             await self._kv.delete(encode_key(daemon_id))
+        await self._drop_parts(daemon_id, keep=0)
 
     async def all(self) -> dict[str, bytes]:
-        """Every live daemon's record, by id (a record deleted or aged out is absent)."""
+        """Every live daemon's record, by id (a record deleted or aged out is absent), parts
+        put together."""
+        for _ in range(3):
+            values = await self._values()
+            records, complete = _assemble(values)
+            if complete:
+                return records
+        raise LogUnavailable("list daemons: a presence record's parts kept changing while read")
+
+    async def _values(self) -> dict[str, bytes]:
         # The stream's own subject list, not a key watcher: records ageing out while a watcher
         # counts what is pending can make it stop before the newest keys.
         prefix = f"$KV.{DAEMONS_BUCKET}."
@@ -360,8 +439,49 @@ class PresenceTable:
                 key = subject[len(prefix) :]
                 found = await _value(self._kv, key)
                 if found is not None and found[0]:
-                    out[decode_key(key)] = found[0]
+                    out[key] = found[0]
         return out
+
+
+def _part_key(key: str, generation: str, n: int) -> str:
+    return f"{key}{_PART_TOKEN}{generation}.{n}"
+
+
+def _assemble(values: dict[str, bytes]) -> tuple[dict[str, bytes], bool]:
+    """The records among the bucket's ``values`` (by KV key), each head's parts joined; False
+    when a head names a part that is not there (it was replaced while being read)."""
+    records: dict[str, bytes] = {}
+    for key, value in values.items():
+        if _PART_TOKEN in key:
+            continue
+        head = _parts_head(value)
+        if head is None:
+            records[decode_key(key)] = value
+            continue
+        generation, count, size = head
+        pieces = [values.get(_part_key(key, generation, n)) for n in range(count)]
+        if any(piece is None for piece in pieces):
+            return records, False
+        joined = b"".join(piece for piece in pieces if piece is not None)
+        if len(joined) != size:
+            return records, False
+        records[decode_key(key)] = joined
+    return records, True
+
+
+def _parts_head(value: bytes) -> tuple[str, int, int] | None:
+    """(generation, count, size) when ``value`` is the head of a record put in parts."""
+    if not value or value[0] != 0x94:  # a msgpack array of four; a record is a map
+        return None
+    try:
+        marker, generation, count, size = msgspec.msgpack.decode(value)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    if marker != _PARTS or not isinstance(generation, str):
+        return None
+    if not isinstance(count, int) or not isinstance(size, int):
+        return None
+    return generation, count, size
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,8 +501,10 @@ class KvBuckets:
         *,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         skill_history: int = DEFAULT_SKILL_HISTORY,
+        max_payload: int | None = None,
     ) -> KvBuckets:
-        """Create or open the buckets with ``replicas`` copies each."""
+        """Create or open the buckets with ``replicas`` copies each; ``max_payload`` is the
+        connection's, which presence parts stay well under."""
         agents = await open_bucket(
             js,
             KeyValueConfig(
@@ -429,5 +551,5 @@ class KvBuckets:
             AgentRegistry(agents),
             SkillCatalog(skills),
             LeaseTable(leases, daemons, js, lease_ttl),
-            PresenceTable(daemons, lease_ttl, js),
+            PresenceTable(daemons, lease_ttl, js, presence_part_bytes(max_payload)),
         )

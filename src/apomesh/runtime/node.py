@@ -496,7 +496,9 @@ class Node:
             max_event_bytes=config.limits.max_event_bytes,
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
-        kv = await KvBuckets.open(js, replicas, lease_ttl=config.daemon.lease_ttl)
+        kv = await KvBuckets.open(
+            js, replicas, lease_ttl=config.daemon.lease_ttl, max_payload=self.nc.max_payload
+        )
         self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
