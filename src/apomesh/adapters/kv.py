@@ -377,6 +377,9 @@ class PresenceTable:
         self._token = uuid.uuid4().hex[:8]
         self._parted: dict[str, list[tuple[str, int]]] = {}
         """Per daemon, the generations of parts put and not deleted yet (newest last)."""
+        self._joined: dict[str, tuple[str, bytes]] = {}
+        """Per KV key, the last record read (or put) in parts and its generation: a generation's
+        parts never change, so a head naming it again is answered without reading them."""
 
     async def put(self, daemon_id: str, record: bytes) -> None:
         key = encode_key(daemon_id)
@@ -397,6 +400,7 @@ class PresenceTable:
             )
             head = msgspec.msgpack.encode([_PARTS, generation, len(pieces), len(record)])
             await self._kv.put(key, head)
+            self._joined[key] = (generation, record)
             self._parted.setdefault(daemon_id, []).append((generation, len(pieces)))
             await self._drop_parts(daemon_id, keep=2)
 
@@ -422,51 +426,64 @@ class PresenceTable:
         """Every live daemon's record, by id (a record deleted or aged out is absent), parts
         put together."""
         for _ in range(3):
-            values = await self._values()
-            records, complete = _assemble(values)
-            if complete:
+            records = await self._records()
+            if records is not None:
                 return records
         raise LogUnavailable("list daemons: a presence record's parts kept changing while read")
 
-    async def _values(self) -> dict[str, bytes]:
+    async def _records(self) -> dict[str, bytes] | None:
+        """The records, or None when a head names a part that is gone (it was replaced while
+        being read: read again)."""
         # The stream's own subject list, not a key watcher: records ageing out while a watcher
         # counts what is pending can make it stop before the newest keys.
         prefix = f"$KV.{DAEMONS_BUCKET}."
-        out: dict[str, bytes] = {}
+        records: dict[str, bytes] = {}
         with unavailable_as_log_error("list daemons"):
             info = await self._js.stream_info(f"KV_{DAEMONS_BUCKET}", subjects_filter=prefix + ">")
             for subject in info.state.subjects or {}:
                 key = subject[len(prefix) :]
+                if _PART_TOKEN in key:
+                    continue  # read through its head, if one names it
                 found = await _value(self._kv, key)
-                if found is not None and found[0]:
-                    out[key] = found[0]
-        return out
+                if found is None or not found[0]:
+                    continue
+                record = await self._whole(key, found[0])
+                if record is None:
+                    return None
+                records[decode_key(key)] = record
+        return records
+
+    async def _whole(self, key: str, value: bytes) -> bytes | None:
+        """The record under ``key`` whose value is ``value``: itself, or the parts its head
+        names joined (None when one is missing or they do not add up)."""
+        head = _parts_head(value)
+        if head is None:
+            return value
+        generation, count, size = head
+        cached = self._joined.get(key)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        found = await asyncio.gather(
+            *(_value(self._kv, _part_key(key, generation, n)) for n in range(count))
+        )
+        pieces = [piece[0] for piece in found if piece is not None]
+        record = _joined(pieces, count, size)
+        if record is not None:
+            self._joined[key] = (generation, record)
+        return record
 
 
 def _part_key(key: str, generation: str, n: int) -> str:
     return f"{key}{_PART_TOKEN}{generation}.{n}"
 
 
-def _assemble(values: dict[str, bytes]) -> tuple[dict[str, bytes], bool]:
-    """The records among the bucket's ``values`` (by KV key), each head's parts joined; False
-    when a head names a part that is not there (it was replaced while being read)."""
-    records: dict[str, bytes] = {}
-    for key, value in values.items():
-        if _PART_TOKEN in key:
-            continue
-        head = _parts_head(value)
-        if head is None:
-            records[decode_key(key)] = value
-            continue
-        generation, count, size = head
-        pieces = [values.get(_part_key(key, generation, n)) for n in range(count)]
-        if any(piece is None for piece in pieces):
-            return records, False
-        joined = b"".join(piece for piece in pieces if piece is not None)
-        if len(joined) != size:
-            return records, False
-        records[decode_key(key)] = joined
-    return records, True
+def _joined(pieces: list[bytes], count: int, size: int) -> bytes | None:
+    """The record a head of ``count`` parts and ``size`` bytes names, from the ``pieces`` found
+    (None unless all of them are there and add up)."""
+    if len(pieces) != count:
+        return None
+    record = b"".join(pieces)
+    return record if len(record) == size else None
 
 
 def _parts_head(value: bytes) -> tuple[str, int, int] | None:
