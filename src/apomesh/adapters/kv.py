@@ -451,6 +451,8 @@ class PresenceTable:
                 if record is None:
                     return None
                 records[decode_key(key)] = record
+        for gone in set(self._joined) - {encode_key(daemon) for daemon in records}:
+            del self._joined[gone]  # a daemon whose record aged out or was withdrawn
         return records
 
     async def _whole(self, key: str, value: bytes) -> bytes | None:
