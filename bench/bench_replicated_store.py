@@ -6,7 +6,7 @@ processes share this machine's disk and CPUs with the bench). Two figures:
 
 - **per write_batch**: sequential ``write_batch`` calls of one node's snapshot-sized records (a
   conversation segment of ``--value-bytes`` and a 300-byte snapshot record, as
-  ``SnapshotStore.write`` puts them), median and p99 per call, on ``LmdbStore`` (synced) and on
+  ``SnapshotStore.commit`` puts them), median and p99 per call, on ``LmdbStore`` (synced) and on
   ``ReplicatedStore`` (the same LMDB plus one JetStream atomic batch per call); and the latency
   of a read that misses LMDB (a peer's first read of a record) and of the listing a resume does
   (``latest_snapshot`` + ``scan`` of the segments of an agent of 32 nodes).

@@ -33,6 +33,15 @@ def node(step: int, counts: dict[str, int], *, reset: bool = False) -> NodeRepor
     )
 
 
+async def write(
+    snapshots: SnapshotStore, report: NodeReport, after_id: int = 0
+) -> tuple[int, int]:
+    """Stage and commit one node's snapshot: (snapshot id, bytes written)."""
+    staged = await snapshots.stage(AGENT, None, report, after_id=after_id)
+    await snapshots.commit([staged])
+    return staged.snapshot_id, staged.written
+
+
 @pytest.mark.anyio
 async def test_bytes_per_node_stay_flat_while_call_counts_grow(tmp_path: Path) -> None:
     store = AsyncStore(LmdbStore(tmp_path / "db"))
@@ -41,7 +50,7 @@ async def test_bytes_per_node_stay_flat_while_call_counts_grow(tmp_path: Path) -
     sizes: dict[int, int] = {}
     for step in range(1, 401):
         counts[f"{step:064x}"] = 1  # a new journaled call every node, like a writing agent
-        _, sizes[step] = await snapshots.write(AGENT, None, node(step, counts))
+        _, sizes[step] = await write(snapshots, node(step, counts))
 
     def typical(steps: range) -> float:
         return statistics.median(sizes[s] for s in steps)
@@ -60,11 +69,11 @@ async def test_counts_survive_a_reset_and_a_restart(tmp_path: Path) -> None:
     store = AsyncStore(LmdbStore(tmp_path / "db"))
     first = SnapshotStore(store, compact_every=4)
     counts = {"a": 1}
-    await first.write(AGENT, None, node(1, counts))
+    await write(first, node(1, counts))
     counts["a"] = 2
     counts["b"] = 1
-    await first.write(AGENT, None, node(2, counts))
-    await first.write(AGENT, None, node(3, counts, reset=True))
+    await write(first, node(2, counts))
+    await write(first, node(3, counts, reset=True))
 
     restarted = SnapshotStore(store, compact_every=4)  # a new daemon on the same data dir
     memory = await restarted.load(AGENT)
@@ -72,7 +81,7 @@ async def test_counts_survive_a_reset_and_a_restart(tmp_path: Path) -> None:
     assert memory.call_counts == {"a": 2, "b": 1}
     assert [m.content for m in memory.messages] == ["call 3", "wrote file 3"]  # after the reset
     counts["c"] = 1
-    await restarted.write(AGENT, None, node(4, counts))
+    await write(restarted, node(4, counts))
     memory = await restarted.load(AGENT)
     assert memory is not None
     assert memory.call_counts == {"a": 2, "b": 1, "c": 1}
@@ -97,7 +106,7 @@ async def test_a_record_that_holds_its_counts_whole_still_loads(tmp_path: Path) 
     assert memory is not None
     assert memory.call_counts == {"a": 3}
     assert [m.content for m in memory.messages] == ["hi"]
-    await snapshots.write(AGENT, None, node(2, {"a": 3, "b": 1}))
+    await write(snapshots, node(2, {"a": 3, "b": 1}))
     memory = await snapshots.load(AGENT)
     assert memory is not None
     assert memory.call_counts == {"a": 3, "b": 1}
@@ -114,7 +123,7 @@ async def test_every_earlier_snapshot_loads_its_own_messages_after_compaction(
     ids: dict[int, int] = {}
     for step in range(1, 12):
         counts[f"{step:064x}"] = 1
-        ids[step], _ = await snapshots.write(AGENT, None, node(step, counts))
+        ids[step], _ = await write(snapshots, node(step, counts))
     for step, snapshot_id in ids.items():
         # Steps 1-4 and 5-8 were merged into one segment each: a snapshot in the middle of a
         # merged segment holds exactly the messages of its own steps.
@@ -136,7 +145,7 @@ async def test_a_dispatch_continues_from_the_logged_snapshot_and_the_unlogged_on
     store = AsyncStore(LmdbStore(tmp_path / "db"))
     first = SnapshotStore(store, compact_every=4)
     for step in range(1, 7):
-        await first.write(AGENT, None, node(step, {"k": step}))
+        await write(first, node(step, {"k": step}))
     restarted = SnapshotStore(store, compact_every=4)
     memory = await restarted.load_logged(AGENT, logged)
     assert memory is not None and memory.step == logged
@@ -145,7 +154,7 @@ async def test_a_dispatch_continues_from_the_logged_snapshot_and_the_unlogged_on
     assert [i for i, _ in await restarted.records(AGENT)] == list(range(1, logged + 1))
     # The agent goes on from there: its next nodes hold none of the unlogged ones' messages.
     for step in range(logged + 1, logged + 8):
-        await restarted.write(AGENT, None, node(step, {"k": 100 + step}), after_id=step - 1)
+        await write(restarted, node(step, {"k": 100 + step}), after_id=step - 1)
     again = await SnapshotStore(store, compact_every=4).load(AGENT)
     assert again is not None
     steps = [m.content for m in again.messages if m.role == "tool"]
@@ -158,7 +167,7 @@ async def test_a_dispatch_continues_from_the_logged_snapshot_and_the_unlogged_on
 async def test_an_agent_with_no_logged_snapshot_starts_afresh(tmp_path: Path) -> None:
     store = AsyncStore(LmdbStore(tmp_path / "db"))
     snapshots = SnapshotStore(store)
-    await snapshots.write(AGENT, None, node(1, {}))  # stored, its pointer never logged
+    await write(snapshots, node(1, {}))  # stored, its pointer never logged
     assert await snapshots.load_logged(AGENT, None) is None
     assert await snapshots.records(AGENT) == []
     await store.aclose()

@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from apomesh.adapters.lmdb_store import AsyncStore, journal_key
+from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core import decisions, envelope
 from apomesh.core.definition import AgentConfig
 from apomesh.core.errors import (
@@ -526,7 +526,8 @@ class SessionRuntime:
                 return await self._on_model_failed(report)
             assert isinstance(report, Done)
             await self._log_deferred_or_drop(slot)
-            await self._write_copies(f"{self.session_id}/{report.agent}")
+            # The journal copies no snapshot of this dispatch will take now.
+            await self._store(slot, f"{self.session_id}/{report.agent}")
             if not slot.future.done():
                 slot.future.set_result(report)
             return Reply("ok")
@@ -967,18 +968,6 @@ class SessionRuntime:
         for r in recorded:
             record = {"tool": r.tool, "outcome": r.outcome, "result": r.result}
             self._copy_to_journal(agent_key, r.key, record)
-
-    async def _write_copies(self, agent_key: str) -> None:
-        """Store the agent's kept journal copies on their own (its dispatch has ended: no
-        snapshot of it will take them)."""
-        copies = self._journal_copies(agent_key)
-        if copies:
-            puts = [("journal", journal_key(agent_key, k), v) for k, v in copies.items()]
-            try:
-                await self.deps.store.write_batch(puts)
-            except BaseException:
-                self._keep_copies(agent_key, copies)
-                raise
 
     async def _on_journal_finish(self, slot: DispatchSlot, report: JournalFinish) -> Reply:
         if report.resolved_by and (report.resolved_by != "probe" or report.key not in slot.probes):

@@ -27,7 +27,7 @@ A snapshot is staged (``stage``: numbered and encoded, nothing stored) and commi
 (``commit``), several in one commit: the session writer keeps a node's snapshot staged until the
 agent's next turn and commits both at once (``runtime.sessions.DeferredNode``). A staged snapshot
 carries the tail it leads to, and only a commit moves the agent's tail there, so one that is never
-committed leaves nothing behind. ``write`` is both at once.
+committed leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -260,22 +260,6 @@ class SnapshotStore:
         await self.store.write_batch(puts, deletes)
         for snapshot in staged:
             self._tails[snapshot.agent_key] = snapshot.tail.committed()
-
-    async def write(
-        self,
-        agent_key: str,
-        config: AgentConfig | None,
-        report: NodeReport | TurnReport,
-        *,
-        after_id: int = 0,
-        journal: Mapping[str, bytes] | None = None,
-    ) -> tuple[int, int]:
-        """Store one node's snapshot (``stage`` and ``commit``); answers (snapshot_id, bytes
-        written). ``journal`` (call key -> record) are journal copies stored in the same commit;
-        they are not counted in the bytes written (those are the snapshot's)."""
-        staged = await self.stage(agent_key, config, report, after_id=after_id)
-        await self.commit([staged], journal={agent_key: journal or {}})
-        return staged.snapshot_id, staged.written
 
     async def load(self, agent_key: str, snapshot_id: int | None = None) -> AgentMemory | None:
         """The working memory at ``snapshot_id`` (default: the latest), or None when there is none."""
