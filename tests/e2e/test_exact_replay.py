@@ -321,11 +321,11 @@ def test_a_turn_stored_but_never_logged_is_never_replayed(bare_mesh: Mesh) -> No
 def test_a_daemon_killed_while_a_nodes_snapshot_waits_for_the_next_turn_replays_that_node(
     bare_mesh: Mesh,
 ) -> None:
-    """A node's results are logged when it is reported; its snapshot waits for the agent's next
-    turn, to be committed with that turn's record. The daemon is SIGKILLed when that next turn
-    has reached it and neither is stored: the next daemon continues from the turn the log points
-    to, so the node is replayed (its effect served from the log, never run again) and only the
-    turn that was never recorded is put to the model again."""
+    """A node's report rides on the agent's next turn's report, to be logged and committed
+    with it. The daemon is SIGKILLed when that report has reached it and neither is stored nor
+    logged: the next daemon continues from the turn the log points to, so the node is replayed
+    (its effect's intent has no result: the probe finds the effect happened, and it is never
+    run again) and only the turn that was never recorded is put to the model again."""
     gates = bare_mesh.base / "gates"
     bare_mesh.daemon.env.update(kill_points_env(gates))
     with FreshModelServer() as server:
@@ -382,10 +382,15 @@ def test_a_daemon_killed_after_an_effect_then_resumed_replays_the_turn_without_a
             "the session was not resumed by an operator"
         )
         # The step whose effect ran was not asked for again: its recorded turn was replayed.
+        # The frozen report also carried the next turn (asked while the node was held, never
+        # recorded): that one alone may be asked for twice.
         asked = asked_per_step(server)
+        unrecorded = max(asked_before)
         for slot_step, count in asked_before.items():
-            assert asked[slot_step] == count, (slot_step, asked)
-        assert set(asked.values()) == {1}, asked
+            if slot_step != unrecorded:
+                assert asked[slot_step] == count, (slot_step, asked)
+        assert asked[unrecorded] <= 2, asked
+        assert {n for key, n in asked.items() if key != unrecorded} == {1}, asked
         assert finals(server) == [ended["output"]]
 
 

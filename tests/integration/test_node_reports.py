@@ -104,12 +104,15 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
     ]
     records = [msgspec.msgpack.decode(value) for _, value in journal]
     assert sorted(r["outcome"] for r in records) == ["ok", "ok", "ok"]
-    # One commit a step: a node's snapshot goes with the next turn's record, and the journal
-    # copies (each call's result, which replaced its intent's) ride in it, never on their own.
+    # One commit a step: a node's snapshot goes with the next turn's record (the turn's report
+    # carries the node), and the journal copies (an intent, or a result replacing it) ride in
+    # the agent's next commit, which is always after the log has them: the last node's results
+    # are copied with the dispatch's Done.
     assert batches == [
         ["defs", "segments", "snapshots"],
         ["segments", "snapshots", "snapshots", "journal"],
-        ["segments", "snapshots", "snapshots", "journal", "journal"],
+        ["segments", "snapshots", "snapshots", "journal", "journal", "journal"],
+        ["journal"],
     ], batches
     assert runtime.state.side_effects == 3
 
@@ -119,9 +122,9 @@ async def test_results_are_logged_before_their_nodes_snapshot(tmp_path: Path) ->
 async def test_a_node_is_stored_alone_when_its_next_turn_is_slow_or_with_no_delay(
     tmp_path: Path, delay: float
 ) -> None:
-    """``node_commit_delay``: with 0 each node is stored and logged with its results (two
-    commits a side-effecting step); with a model slower than the delay, the node waiting for
-    its next turn is stored and logged alone, before that turn."""
+    """``node_commit_delay``: with 0 each node is reported at once and stored and logged with
+    its results (two commits a side-effecting step); with a model slower than the delay, the
+    node waiting for its next turn is sent, stored and logged alone, before that turn."""
     config = one_worker_config(tmp_path, snapshots={"node_commit_delay": delay})
     async with Node(config, http=False) as node:
         assert node.daemon is not None and node.service is not None
@@ -141,9 +144,10 @@ async def test_a_node_is_stored_alone_when_its_next_turn_is_slow_or_with_no_dela
     if delay == 0:
         assert [b.count("snapshots") for b in batches] == [1, 1, 1, 1, 1], batches
     else:
-        # The first node waited longer than the delay for its next turn: stored alone. The
-        # second node's next turn (the final answer) came at once: one commit for both.
-        assert [b.count("snapshots") for b in batches] == [1, 1, 1, 2], batches
+        # The first node waited longer than the delay for its next turn: sent and stored
+        # alone. The second node's next turn (the final answer) came at once and carried it:
+        # one commit for both; its result's journal copy goes with the dispatch's Done.
+        assert [b.count("snapshots") for b in batches] == [1, 1, 1, 2, 0], batches
         assert batches[1] == ["segments", "snapshots", "journal"], batches
 
 

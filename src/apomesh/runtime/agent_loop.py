@@ -25,12 +25,14 @@ tracing on, each node, model call and tool run is a span of the dispatch (``runt
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -76,6 +78,7 @@ from apomesh.runtime.protocol import (
 from apomesh.runtime.tracing import NO_TRACE, DispatchTrace
 
 Send = Callable[[Report], Awaitable[Reply]]
+T = TypeVar("T")
 
 MAX_INTERRUPTIONS = 3
 """How many interrupted runs (``OutcomeUnknown``) of one journaled call a dispatch goes through
@@ -209,40 +212,93 @@ class CallCounts:
 
 @dataclass
 class TurnRecorder:
-    """Makes a model turn durable before anything acts on it. The loop leaves each new turn's
-    report here (``wait``); it goes to the daemon ahead of the first report the turn's tool calls
-    send (``send`` is the dispatch's ``ToolContext`` transport): a journal intent rides on it, a
-    job start or a human question follows it. A plan or a final answer is sent at once
-    (``flush``). A turn whose calls send nothing (read-only tools) is never sent: its node records
-    it."""
+    """Orders what the dispatch sends the daemon, so that a model turn is durable before anything
+    acts on it and a step costs one report.
+
+    The loop leaves each new turn's report here (``wait``); it goes to the daemon ahead of the
+    first report the turn's tool calls send (``send`` is the dispatch's ``ToolContext``
+    transport): a journal intent rides on it, a job start or a human question follows it. A plan
+    or a final answer is sent at once (``flush``). A turn whose calls send nothing (read-only
+    tools) is never sent: its node records it.
+
+    A node that ends is held here (``hold``) while the model answers the next turn and that turn's
+    read-only calls run (``within``), at most ``Run.node_delay`` seconds: the next turn's report
+    then carries it (``TurnReport.node``: one report, one commit, one append a step). It is sent
+    alone before any other report, and once its time is up."""
 
     send_report: Send
     counts: CallCounts
+    node_delay: float = 0.0
     waiting: TurnReport | None = None
     carried: int = 0
     """How many of the node's first messages the sent turn report carried (they are stored)."""
+    held: NodeReport | None = None
+    """The last node's report, held for the next turn to carry (until ``deadline``)."""
+    deadline: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One report at a time: a model call's failure report may race the held node's sending."""
 
     def wait(self, report: TurnReport) -> None:
         self.waiting, self.carried = report, 0
 
+    async def hold(self, node: NodeReport) -> None:
+        """Hold ``node`` for the next turn's report (sent at once when holding is off)."""
+        async with self.lock:
+            await self._send_held()
+            if self.node_delay <= 0:
+                await self._send_alone(node)
+                return
+            self.held, self.deadline = node, time.monotonic() + self.node_delay
+
+    async def within(self, awaitable: Awaitable[T]) -> T:
+        """Await a model call or a read-only tool run while a node is held: the node is sent
+        alone once its time is up (a refusal then stops the awaited work)."""
+        if self.held is None:
+            return await awaitable
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            await self.flush_node()
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=remaining)
+            if not done:
+                await self.flush_node()
+            return await task
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def flush_node(self) -> None:
+        """Send the held node alone, if there is one."""
+        async with self.lock:
+            await self._send_held()
+
     async def send(self, report: Report) -> Reply:
-        turn = self._take()
-        if turn is None:
+        async with self.lock:
+            turn = self._take()
+            if turn is None:
+                await self._send_held()
+                return await self.send_report(report)
+            if isinstance(report, JournalBegin):
+                node, self.held = self.held, None
+                reply = await self.send_report(
+                    msgspec.structs.replace(turn, intent=report, node=node)
+                )
+                if reply.status == "ok":
+                    self._sent(turn, node)
+                return reply
+            await self._send_turn(turn)
             return await self.send_report(report)
-        if isinstance(report, JournalBegin):
-            reply = await self.send_report(msgspec.structs.replace(turn, intent=report))
-            if reply.status == "ok":
-                self.counts.sent(turn.call_counts)
-            return reply
-        await _checked(self.send_report(turn))
-        self.counts.sent(turn.call_counts)
-        return await self.send_report(report)
 
     async def flush(self) -> None:
-        turn = self._take()
-        if turn is not None:
-            await _checked(self.send_report(turn))
-            self.counts.sent(turn.call_counts)
+        """Send the waiting turn (a plan or a final answer), with the held node."""
+        async with self.lock:
+            turn = self._take()
+            if turn is None:
+                await self._send_held()
+            else:
+                await self._send_turn(turn)
 
     def unsent_call(self) -> ModelCall | None:
         """The model call of a turn that was never sent (its node reports it)."""
@@ -259,6 +315,25 @@ class TurnRecorder:
         if turn is not None:
             self.carried = len(turn.new_messages)
         return turn
+
+    async def _send_turn(self, turn: TurnReport) -> None:
+        node, self.held = self.held, None
+        await _checked(self.send_report(msgspec.structs.replace(turn, node=node)))
+        self._sent(turn, node)
+
+    async def _send_held(self) -> None:
+        node, self.held = self.held, None
+        if node is not None:
+            await self._send_alone(node)
+
+    async def _send_alone(self, node: NodeReport) -> None:
+        await _checked(self.send_report(node))
+        self.counts.sent(node.call_counts)
+
+    def _sent(self, turn: TurnReport, node: NodeReport | None) -> None:
+        self.counts.sent(turn.call_counts)
+        if node is not None:
+            self.counts.sent(node.call_counts)
 
 
 def _turn_message(response: ModelResponse) -> Message:
@@ -333,12 +408,62 @@ async def run_agent(
 ) -> Done:
     """Run one dispatch of an agent until it ends, stalls or is fenced (``Fenced`` propagates).
     ``trace`` gets a span per node, model call and tool run; ``publish_delta`` takes the pieces
-    of each model turn while a streaming model writes it."""
+    of each model turn while a streaming model writes it. A node still held for a next turn
+    (``TurnRecorder``) is sent before the dispatch ends, whatever ends it but a fence."""
     memory = run.memory or AgentMemory()
+    recorder = TurnRecorder(send, CallCounts(memory.call_counts), run.node_delay)
+    try:
+        ended = await _agent_steps(
+            run,
+            memory,
+            recorder,
+            worker_id=worker_id,
+            workspace=workspace,
+            tools=tools,
+            providers=providers,
+            supervisors=supervisors,
+            trace=trace,
+            publish_delta=publish_delta,
+        )
+    except Fenced:
+        raise
+    except asyncio.CancelledError:
+        # A worker stopping, or the daemon taking the dispatch back: the node the agent
+        # finished is still worth its report (a fenced one is simply refused).
+        if recorder.held is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(recorder.flush_node()), CANCEL_FLUSH)
+        raise
+    except Exception:
+        with contextlib.suppress(Exception):
+            await recorder.flush_node()
+        raise
+    await recorder.flush_node()
+    return ended
+
+
+CANCEL_FLUSH = 1.0
+"""Seconds a cancelled dispatch gives the node it holds to reach the daemon."""
+
+
+async def _agent_steps(
+    run: Run,
+    memory: AgentMemory,
+    recorder: TurnRecorder,
+    *,
+    worker_id: str,
+    workspace: Path,
+    tools: dict[str, Tool],
+    providers: dict[str, ModelProvider],
+    supervisors: list[SupervisorPolicy],
+    trace: DispatchTrace,
+    publish_delta: Callable[[TurnDelta], Awaitable[None]] | None,
+) -> Done:
+    """The steps of ``run_agent``: model turns and their tool calls, node by node."""
     messages = list(memory.messages)
     model_memory = dict(memory.model)
     budget = BudgetState(**{f: getattr(memory.budget, f) for f in BudgetState.__struct_fields__})
-    call_counts = CallCounts(memory.call_counts)
+    call_counts = recorder.counts
     step = memory.step
     pending: list[Message] = []
     replay = memory.turn
@@ -351,7 +476,6 @@ async def run_agent(
     if run.prompt and run.prompt != memory.prompt:
         pending.append(Message(role="user", content=run.prompt))
         prompt = run.prompt
-    recorder = TurnRecorder(send, call_counts)
     ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step, trace=trace)
     ctx.workspace.mkdir(parents=True, exist_ok=True)
     provider = providers.get(run.config.model.provider)
@@ -392,7 +516,7 @@ async def run_agent(
         # Only a failed attempt costs this round trip: the daemon logs the wait, so the session
         # shows it, and counts the failure.
         await _checked(
-            send(
+            recorder.send(
                 ModelCallFailed(
                     worker_id,
                     run.session_id,
@@ -408,34 +532,37 @@ async def run_agent(
             )
         )
 
-    async def report(source: str, reset: bool = False, turn: RecordedTurn | None = None) -> None:
+    async def report(
+        source: str, reset: bool = False, turn: RecordedTurn | None = None, hold: bool = False
+    ) -> None:
+        """Report the node that ends here: held for the next turn to carry (``hold``: the loop
+        asks the model next), else sent now, after any node still held."""
         nonlocal pending, finished
-        carried = call_counts.unsent()
-        await _checked(
-            send(
-                NodeReport(
-                    worker_id,
-                    run.session_id,
-                    run.agent,
-                    run.epoch,
-                    step=step,
-                    model_call=recorder.unsent_call(),
-                    new_messages=recorder.node_messages(pending),
-                    model=model_memory,
-                    budget=spent(),
-                    source=source,
-                    reset=reset,
-                    prompt=prompt,
-                    call_counts=carried,
-                    results=finished,
-                    turn=turn,
-                    tool_timings=ctx.take_tool_timings(),
-                )
-            )
+        node = NodeReport(
+            worker_id,
+            run.session_id,
+            run.agent,
+            run.epoch,
+            step=step,
+            model_call=recorder.unsent_call(),
+            new_messages=recorder.node_messages(pending),
+            model=model_memory,
+            budget=spent(),
+            source=source,
+            reset=reset,
+            prompt=prompt,
+            call_counts=call_counts.unsent(),
+            results=finished,
+            turn=turn,
+            tool_timings=ctx.take_tool_timings(),
         )
-        call_counts.sent(carried)
         pending = []
         finished = []
+        if hold:
+            await recorder.hold(node)
+        else:
+            await _checked(recorder.send(node))
+            call_counts.sent(node.call_counts)
 
     async def stream_delta(delta: ModelDelta) -> None:
         if publish_delta is not None:
@@ -467,12 +594,14 @@ async def run_agent(
                     purpose=run.purpose,
                 )
                 try:
-                    answer = await call_model(
-                        model,
-                        request,
-                        run.config.model.retry,
-                        time_left=time_left,
-                        on_failure=tell_failure,
+                    answer = await recorder.within(
+                        call_model(
+                            model,
+                            request,
+                            run.config.model.retry,
+                            time_left=time_left,
+                            on_failure=tell_failure,
+                        )
                     )
                 except ModelGaveUp as gave_up:
                     if pending:
@@ -530,6 +659,7 @@ async def run_agent(
                     call.args,
                     call_counts,
                     defer=finished if i == last_call else None,
+                    within=recorder.within,
                 )
                 pending.append(
                     Message(role="tool", content=result, tool_call_id=f"{step}.{i}", name=call.tool)
@@ -537,19 +667,23 @@ async def run_agent(
             messages.extend(pending)
             source = "explicit" if ctx.explicit_checkpoint else "node"
             ctx.explicit_checkpoint = False
-            await report(source)
+            # The first supervisor that asks for a reset (later ones are not asked), before the
+            # node is held: a reset node goes at once.
+            reset_by = next(
+                (p for p in supervisors if p.review(run.agent, step, messages[-12:]) == "reset"),
+                None,
+            )
+            await report(source, hold=reset_by is None)
             trace.end_node(step)
-            for policy in supervisors:
-                if policy.review(run.agent, step, messages[-12:]) == "reset":
-                    await report("reset_point")
-                    note = Message(
-                        role="user",
-                        content=f"[supervisor {policy.name}] you were repeating yourself; start over: {prompt}",
-                    )
-                    messages = [note]
-                    pending = [note]
-                    await report("node", reset=True)
-                    break
+            if reset_by is not None:
+                await report("reset_point")
+                note = Message(
+                    role="user",
+                    content=f"[supervisor {reset_by.name}] you were repeating yourself; start over: {prompt}",
+                )
+                messages = [note]
+                pending = [note]
+                await report("node", reset=True)
     except Stall as stall:
         return done(stall.outcome, reason=stall.reason)
     finally:
@@ -564,16 +698,19 @@ async def _call_tool(
     args: dict[str, Any],
     call_counts: CallCounts,
     defer: list[CallResult] | None = None,
+    within: Callable[[Awaitable[str]], Awaitable[str]] | None = None,
 ) -> str:
     """Run one tool call. A journaled call's result goes to ``defer`` when given (the node
-    report carries it, right after this call), else in its own ``JournalFinish``."""
+    report carries it, right after this call), else in its own ``JournalFinish``. A read-only
+    call runs ``within`` the time the previous node may still be held (``TurnRecorder``)."""
     ctx.idempotency_key = ""  # a read-only call has none, whatever ran before it
     tool = tools.get(name)
     if tool is None or name not in allowed:
         return f"error: tool {name!r} is not available to this agent"
     if not tool.journaled(args) and not tool.async_job:
         try:
-            return await tool.run(ctx, args)
+            running = tool.run(ctx, args)
+            return await (within(running) if within is not None else running)
         except Stall:
             raise
         except ApomeshError as exc:

@@ -339,7 +339,10 @@ class TurnReport(_Report):
     turn (a new prompt); ``model`` and ``budget`` are as they stand once the model answered and
     before any of its calls ran, ``call_counts`` the counts changed since the agent's last report
     the daemon took (as for ``NodeReport``). ``intent`` is the turn's first side-effecting call,
-    riding on the report to save a round trip: the reply is then that call's journal answer."""
+    riding on the report to save a round trip: the reply is then that call's journal answer.
+    ``node`` is the agent's node before this turn, which the worker held while the model answered
+    (at most ``Run.node_delay``): the daemon logs its results and stores its snapshot in the same
+    decision, commit and append as the turn, so a step is one report, one commit and one append."""
 
     step: int
     turn: RecordedTurn
@@ -350,6 +353,7 @@ class TurnReport(_Report):
     call_counts: dict[str, int] = {}
     intent: JournalBegin | None = None
     model_call: ModelCall | None = None
+    node: NodeReport | None = None
 
     source: ClassVar[str] = "turn"
     reset: ClassVar[bool] = False
@@ -445,6 +449,10 @@ class Run(msgspec.Struct, tag=True):
     """The step of the agent's latest recorded plan or final answer that the daemon took as the
     answer to an earlier ask (0: none). A recorded ending turn at or before it is part of the
     conversation this new ask goes on from; a later one is replayed."""
+    node_delay: float = 0.0
+    """Seconds the worker may hold a node's report for the agent's next model turn to carry it
+    (``TurnReport.node``); past that, or when another report must go first, the node is sent
+    alone. 0: every node is sent as it ends."""
 
 
 class Cancel(msgspec.Struct, tag=True):

@@ -579,10 +579,8 @@ class SessionRuntime:
             if not task.done() and key in in_flight and in_flight[key].side_effect
         ]
 
-    async def _on_node(self, slot: DispatchSlot, report: NodeReport, size: int) -> Reply:
-        node = (report.step, report.source, report.reset)
-        if node in slot.nodes:
-            return Reply("ok")  # a retry of a node already stored
+    def _node_refusal(self, report: NodeReport, size: int) -> Reply | None:
+        """Why a node report (``size`` bytes encoded) is refused, if it is."""
         sources = self.deps.plugins.checkpoint_sources()
         if report.source == TURN_SOURCE:
             # Only a TurnReport records a turn: a node pointer of that source would be replayed.
@@ -597,6 +595,31 @@ class SessionRuntime:
             return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
         if any((report.agent, call.key) not in self.state.journal for call in report.results):
             return Reply("error", message="a result with no intent")
+        return None
+
+    @staticmethod
+    def _recorded(state: SessionState, report: NodeReport) -> list[ToolCallRecorded]:
+        """The results a node report carries that the log does not hold yet."""
+        return [
+            ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
+            for call in report.results
+            if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
+        ]
+
+    def _node_taken(self, slot: DispatchSlot, report: NodeReport) -> None:
+        """Bookkeeping once a node's results are logged."""
+        slot.running_logged = True
+        slot.nodes.add((report.step, report.source, report.reset))
+        self._observe_answer(report)
+        for timing in report.tool_timings:
+            self.deps.metrics.observe_tool_call(timing.tool, timing.seconds, timing.outcome)
+
+    async def _on_node(self, slot: DispatchSlot, report: NodeReport, size: int) -> Reply:
+        if (report.step, report.source, report.reset) in slot.nodes:
+            return Reply("ok")  # a retry of a node already stored
+        refused = self._node_refusal(report, size)
+        if refused is not None:
+            return refused
         agent_key = f"{self.session_id}/{report.agent}"
         deferred = slot.deferred
         staged = await self._stage(slot, agent_key, report)
@@ -613,11 +636,7 @@ class SessionRuntime:
             self.deps.metrics.snapshot_bytes.inc(staged.written)
 
         def results(state: SessionState) -> tuple[list[Event], list[ToolCallRecorded]]:
-            recorded = [
-                ToolCallRecorded(report.agent, call.key, call.tool, call.outcome, call.result)
-                for call in report.results
-                if state.journal[(report.agent, call.key)].outcome not in ("ok", "error")
-            ]
+            recorded = self._recorded(state, report)
             return [*before, *self._running(slot, report), *recorded, *after], recorded
 
         recorded = await self.decide(results)
@@ -629,38 +648,37 @@ class SessionRuntime:
             )
             slot.deferred = waiting
         self._copy_results(agent_key, recorded)
-        slot.running_logged = True
-        slot.nodes.add(node)
-        self._observe_answer(report)
-        for timing in report.tool_timings:
-            self.deps.metrics.observe_tool_call(timing.tool, timing.seconds, timing.outcome)
+        self._node_taken(slot, report)
         return Reply("ok")
 
     async def _stage(
-        self, slot: DispatchSlot, agent_key: str, report: NodeReport | TurnReport
+        self,
+        slot: DispatchSlot,
+        agent_key: str,
+        report: NodeReport | TurnReport,
+        on: StagedSnapshot | None = None,
     ) -> StagedSnapshot:
-        """The report's snapshot, staged after the dispatch's deferred node (if any)."""
+        """The report's snapshot, staged after ``on`` (a snapshot staged just before it) or else
+        after the dispatch's deferred node (if any)."""
         agent = self.state.agents[report.agent]
+        if on is None and slot.deferred is not None:
+            on = slot.deferred.staged
         return await self.deps.snapshots.stage(
-            agent_key,
-            agent.config,
-            report,
-            after_id=agent.snapshot_id or 0,
-            on=slot.deferred.staged if slot.deferred is not None else None,
+            agent_key, agent.config, report, after_id=agent.snapshot_id or 0, on=on
         )
 
     async def _store(
-        self, slot: DispatchSlot, agent_key: str, staged: StagedSnapshot | None = None
+        self, slot: DispatchSlot, agent_key: str, *staged: StagedSnapshot
     ) -> list[Event]:
         """One LMDB commit of what the agent has waiting (its deferred node's snapshot and the
-        journal copies kept since its last store write) with ``staged``, a turn's snapshot,
-        when given. Answers the deferred node's pointer, for the caller to append first in its
-        next append (and clear ``slot.deferred`` once that landed). A failed commit leaves both
-        waiting, for the worker's retry."""
+        journal copies kept since its last store write) with ``staged``, snapshots staged after
+        it (a turn's, and the node before it that the turn's report carried). Answers the
+        deferred node's pointer, for the caller to append first in its next append (and clear
+        ``slot.deferred`` once that landed). A failed commit leaves both waiting, for the
+        worker's retry."""
         deferred = slot.deferred
         batch = [deferred.staged] if deferred is not None and not deferred.stored else []
-        if staged is not None:
-            batch.append(staged)
+        batch.extend(staged)
         copies = self._journal_copies(agent_key)
         if batch or copies:
             try:
@@ -803,36 +821,67 @@ class SessionRuntime:
         """A model turn the agent is about to act on: its snapshot (the turn in the record, the
         messages before it in a segment) is stored and its pointer (source ``turn``) appended
         before the worker hears back, so a later dispatch replays the turn instead of asking the
-        model again."""
-        intent = report.intent
-        if intent is not None and (intent.agent, intent.epoch) != (report.agent, report.epoch):
-            return Reply("error", message="a turn's intent names another dispatch")
-        node = (report.step, report.source, False)
-        if node in slot.nodes:
-            # A retry of a turn already stored (its reply was lost): its intent is asked again.
+        model again. The node before it, when the report carries it (``TurnReport.node``), is
+        taken in the same decision: its results and pointer lead the turn's pointer, and both
+        snapshots share one commit."""
+        intent, node = report.intent, report.node
+        for part in (intent, node):
+            if part is not None and (part.worker_id, part.agent, part.epoch) != (
+                report.worker_id,
+                report.agent,
+                report.epoch,
+            ):
+                return Reply("error", message="a turn's report carries another dispatch's part")
+        key = (report.step, report.source, False)
+        if key in slot.nodes:
+            # A retry of a turn already stored (its reply was lost; its node was taken with it):
+            # its intent is asked again.
             if intent is None:
                 return Reply("ok")
             if self.draining:
                 return self._stop_at_boundary(slot)
             return await self._on_journal_begin(slot, intent)
         limit = self.deps.limits.max_snapshot_bytes
-        if size > limit:
-            return Reply("error", message=f"snapshot of {size} bytes is over the limit of {limit}")
+        node_size = 0
+        if node is not None and size > limit:
+            node_size = len(ENCODER.encode(node))  # each snapshot is held to the limit alone
+        if size - node_size > limit:
+            message = f"snapshot of {size - node_size} bytes is over the limit of {limit}"
+            return Reply("error", message=message)
+        if node is not None:
+            if node.step >= report.step:
+                return Reply("error", message="a turn's report carries a later node")
+            refused = self._node_refusal(node, node_size)
+            if refused is not None:
+                return refused
         agent_key = f"{self.session_id}/{report.agent}"
-        staged = await self._stage(slot, agent_key, report)
-        # One commit: the node before this turn (deferred) and the turn; their pointers lead
-        # this append.
-        before = await self._store(slot, agent_key, staged)
-        events = [*before, *self._running(slot, report), self._pointer(report, staged)]
+        node_staged = await self._stage(slot, agent_key, node) if node is not None else None
+        staged = await self._stage(slot, agent_key, report, on=node_staged)
+        # One commit: the node deferred before this turn, the node this report carries, and the
+        # turn; their pointers (and the carried node's results) lead this append.
+        before = await self._store(slot, agent_key, *filter(None, (node_staged, staged)))
+        recorded: list[ToolCallRecorded] = []
+
+        def leading(state: SessionState) -> list[Event]:
+            events: list[Event] = [*before, *self._running(slot, report)]
+            if node is not None and node_staged is not None:
+                recorded[:] = self._recorded(state, node)
+                events += [*recorded, self._pointer(node, node_staged)]
+            return [*events, self._pointer(report, staged)]
+
         if intent is not None and not self.draining:
             # The turn's first intent is decided with its pointer, in one append.
-            reply = await self._on_journal_begin(slot, intent, before=events)
+            reply = await self._on_journal_begin(slot, intent, before=leading)
         else:
-            await self.append(*events)
+            await self.decide(lambda state: (leading(state), None))
             reply = Reply("ok")
         self._clear_deferred(slot)
+        if node is not None and node_staged is not None:
+            self._copy_results(agent_key, recorded)
+            self._node_taken(slot, node)
+            self.deps.metrics.snapshot_bytes.inc(node_staged.written)
         slot.running_logged = True
-        slot.nodes.add(node)
+        slot.nodes.add(key)
         self.deps.metrics.snapshot_bytes.inc(staged.written)
         self._observe_answer(report)
         if intent is not None and self.draining:
@@ -840,11 +889,14 @@ class SessionRuntime:
         return reply
 
     async def _on_journal_begin(
-        self, slot: DispatchSlot, report: JournalBegin, before: Sequence[Event] = ()
+        self,
+        slot: DispatchSlot,
+        report: JournalBegin,
+        before: Callable[[SessionState], Sequence[Event]] | None = None,
     ) -> Reply:
-        """Decide a side-effecting call's intent; ``before`` are events logged ahead of the
+        """Decide a side-effecting call's intent; ``before`` gives the events logged ahead of the
         decision in the same append, whatever it is (the pointer of the turn that made the
-        call)."""
+        call, and what its report carried)."""
         agent_key = f"{self.session_id}/{report.agent}"
         size = len(msgspec.json.encode(report.args))
         limit = self.deps.limits.max_tool_args_bytes
@@ -872,7 +924,7 @@ class SessionRuntime:
 
         def rule(state: SessionState) -> tuple[list[Event], tuple[Reply, bool]]:
             events, answer = decision(state)
-            return [*before, *events], answer
+            return [*(before(state) if before is not None else ()), *events], answer
 
         reply, new_intent = await self.decide(rule)
         if reply.decision == "run":
@@ -1427,6 +1479,7 @@ class SessionRuntime:
                         memory=memory,
                         incarnation=self.deps.incarnation,
                         answered_step=self.state.agents[ref].answered_step,
+                        node_delay=self.deps.node_commit_delay,
                     ),
                 )
                 try:

@@ -10,9 +10,9 @@ directory on its ``PYTHONPATH`` and ``KILL_POINTS_DIR`` naming a directory stops
 - ``done``: before sending a ``Done`` with the agent's plan or final answer;
 - ``turn-stored`` (in an ``apomesh serve`` process): after the daemon stored a model turn's
   snapshot, before it appended the turn's pointer to the log;
-- ``node-unstored`` (in an ``apomesh serve`` process): a node's results are logged and its
-  reply sent, its snapshot waits for the agent's next store write, and the next turn's report
-  has just reached the daemon (neither is stored yet).
+- ``node-unstored`` (in an ``apomesh serve`` process): the next turn's report has just reached
+  the daemon, carrying a node with journaled results (``TurnReport.node``: neither is stored
+  nor logged yet), or after a node reported alone whose snapshot waits for that turn.
 
 The first worker to reach an armed point takes it (``arm-<point>`` renamed to
 ``hit-<point>-<pid>``, so it fires once) and freezes there; the test then SIGKILLs that pid, or
@@ -48,7 +48,8 @@ def _install(directory: str) -> None:
         intent = kind == "JournalBegin" or getattr(report, "intent", None) is not None
         if intent:
             fire("intent")
-        if kind == "JournalFinish" or (kind == "NodeReport" and report.results):
+        node = report if kind == "NodeReport" else getattr(report, "node", None)
+        if kind == "JournalFinish" or (node is not None and node.results):
             fire("report")
         if kind == "Done" and report.outcome in ("final", "plan"):
             fire("done")
@@ -75,7 +76,7 @@ def _install(directory: str) -> None:
     real_on_turn = sessions_module.SessionRuntime._on_turn
 
     async def on_turn(self: Any, slot: Any, report: Any, size: int) -> Any:
-        if slot.deferred is not None:
+        if slot.deferred is not None or (report.node is not None and report.node.results):
             fire("node-unstored")
         return await real_on_turn(self, slot, report, size)
 
