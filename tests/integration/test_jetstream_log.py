@@ -119,6 +119,52 @@ async def test_a_retry_with_a_stale_position_never_duplicates(
     assert await log.read(session) == events(session, 0, 8)
 
 
+async def test_two_writers_racing_for_one_index_leave_one_step_and_a_conflict(
+    nats_cluster: Any,
+) -> None:
+    """Two writers on their own connections (to two servers of a cluster, an R3 stream) append
+    different events at the same index at the same moment (a stale writer thawed while the lease
+    holder appends): whichever the stream stores, the other meets ``AppendConflict``, never a
+    bare error, also when the server answers that the same message id is being stored right
+    now (err_code 10158)."""
+    urls = list(nats_cluster.urls)
+    clients = [await connect(urls), await connect(list(reversed(urls)))]
+    try:
+        logs = [JetStreamLog(client, replicas=3) for client in clients]
+        await logs[0].ensure()
+        for _ in range(30):
+            session = new_session()
+            await logs[0].append(session, events(session, 0, 3))
+            logs[0].forget_position(session)  # both ask the stream where the log ends
+            outcomes = await _race(
+                logs[0].append(session, events(session, 3, 2, tag="a")),
+                logs[1].append(session, events(session, 3, 2, tag="b")),
+            )
+            assert sorted(type(o).__name__ for o in outcomes) == ["AppendConflict", "NoneType"]
+            stored = await logs[0].read(session)
+            winner = "a" if outcomes[0] is None else "b"
+            assert stored == events(session, 0, 3) + events(session, 3, 2, tag=winner)
+    finally:
+        for client in clients:
+            await close_quietly(client)
+
+
+async def _race(*appends: Any) -> list[BaseException | None]:
+    """Run the appends at once; each one's outcome (None, or the exception it raised)."""
+    outcomes: list[BaseException | None] = [None] * len(appends)
+
+    async def one(i: int, append: Any) -> None:
+        try:
+            await append
+        except (AppendConflict, LogError) as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as group:
+        for i, append in enumerate(appends):
+            group.start_soon(one, i, append)
+    return outcomes
+
+
 async def test_an_append_is_one_message_and_a_log_of_bare_envelopes_reads_on_after_it(
     nc: NATS, log: JetStreamLog
 ) -> None:

@@ -95,6 +95,11 @@ MULTI_LAST_SUBJECTS = 1000
 
 _WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 
+_DUPLICATE_IN_PROCESS = 10158
+"""The server is storing another message with the same id right now (two writers racing for one
+index: a stale one thawed as the lease holder appends): asked again, the answer says which is
+stored, and the append settles from there."""
+
 _json_decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 
@@ -371,7 +376,7 @@ class JetStreamLog:
         description = str(error.get("description", error))
         if code in _WRONG_LAST_SEQUENCE:
             return "wrong_last", 0, description
-        if error.get("code") == 503 or "inflight" in description:
+        if error.get("code") == 503 or "inflight" in description or code == _DUPLICATE_IN_PROCESS:
             return "transient", 0, description
         raise LogError(f"append to session {session_id} refused: {description} (err_code {code})")
 

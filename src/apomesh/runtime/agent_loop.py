@@ -236,7 +236,13 @@ class TurnRecorder:
     """The last node's report, held for the next turn to carry (until ``deadline``)."""
     deadline: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """One report at a time: a model call's failure report may race the held node's sending."""
+    """One report at a time: a model call's failure report, or the held node sent when its time
+    is up, may race the loop's next report."""
+    refusal: Exception | None = None
+    """Why the daemon refused a held node sent alone while the loop awaited something else: every
+    later report raises it, and the dispatch ends with it."""
+    sending: asyncio.Task[None] | None = None
+    """The held node being sent alone because its time is up."""
 
     def wait(self, report: TurnReport) -> None:
         self.waiting, self.carried = report, 0
@@ -244,6 +250,7 @@ class TurnRecorder:
     async def hold(self, node: NodeReport) -> None:
         """Hold ``node`` for the next turn's report (sent at once when holding is off)."""
         async with self.lock:
+            self._check()
             await self._send_held()
             if self.node_delay <= 0:
                 await self._send_alone(node)
@@ -252,30 +259,47 @@ class TurnRecorder:
 
     async def within(self, awaitable: Awaitable[T]) -> T:
         """Await a model call or a read-only tool run while a node is held: the node is sent
-        alone once its time is up (a refusal then stops the awaited work)."""
+        alone once its time is up, from a task of its own (a refusal then cancels this dispatch's
+        task, which ends with the refusal: ``run_agent``)."""
         if self.held is None:
             return await awaitable
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             await self.flush_node()
             return await awaitable
-        task = asyncio.ensure_future(awaitable)
+        timer = asyncio.get_running_loop().call_later(
+            remaining, self._time_up, asyncio.current_task()
+        )
         try:
-            done, _ = await asyncio.wait((task,), timeout=remaining)
-            if not done:
-                await self.flush_node()
-            return await task
-        except BaseException:
-            task.cancel()
-            raise
+            return await awaitable
+        finally:
+            timer.cancel()
+
+    def _time_up(self, waiter: asyncio.Task[Any] | None) -> None:
+        if self.held is not None:
+            self.sending = asyncio.ensure_future(self._send_in_time(waiter))
+
+    async def _send_in_time(self, waiter: asyncio.Task[Any] | None) -> None:
+        try:
+            await self.flush_node()
+        except Exception as exc:  # fenced, refused, or the daemon gone
+            self.refusal = exc
+            if waiter is not None:
+                waiter.cancel()
 
     async def flush_node(self) -> None:
         """Send the held node alone, if there is one."""
         async with self.lock:
+            self._check()
             await self._send_held()
+
+    def _check(self) -> None:
+        if self.refusal is not None:
+            raise self.refusal
 
     async def send(self, report: Report) -> Reply:
         async with self.lock:
+            self._check()
             turn = self._take()
             if turn is None:
                 await self._send_held()
@@ -294,6 +318,7 @@ class TurnRecorder:
     async def flush(self) -> None:
         """Send the waiting turn (a plan or a final answer), with the held node."""
         async with self.lock:
+            self._check()
             turn = self._take()
             if turn is None:
                 await self._send_held()
@@ -428,6 +453,12 @@ async def run_agent(
     except Fenced:
         raise
     except asyncio.CancelledError:
+        if recorder.refusal is not None:
+            # Cancelled by the refusal of the held node sent alone: end with that refusal.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            raise recorder.refusal from None
         # A worker stopping, or the daemon taking the dispatch back: the node the agent
         # finished is still worth its report (a fenced one is simply refused).
         if recorder.held is not None:

@@ -44,6 +44,13 @@ LEASE_RENEW_SECONDS = 5.0
 lease it holds alive)."""
 
 
+READOPT_LIMIT = 3
+"""Conflicts in a row after which the lease holder leaves a session to the log (``_drive_again``)."""
+
+READOPT_PAUSE = 0.2
+"""Seconds (times the try) the lease holder waits before it drives a session on after a conflict."""
+
+
 def renew_interval(ttl: float) -> float:
     """How often the presence record is renewed for a lease TTL: a third of it, at most
     ``LEASE_RENEW_SECONDS``, so it survives two missed renewals before it can age out."""
@@ -123,6 +130,8 @@ class SessionRegistry:
         """Set by the daemon once the writers' collaborators exist (their ``on_end`` is ``end``)."""
         self.live: dict[str, SessionRuntime] = {}
         self.stranded: dict[str, Recoverable] = {}
+        self._readopted: dict[str, int] = {}
+        """Sessions driven again after a stale writer's conflict, and how many times in a row."""
         self.fold_checkpoints = FoldCheckpoints(store, logger=self.log)
         """Sessions' folded-state checkpoints: a session to adopt is folded from its latest."""
         self.folds = FoldCache(
@@ -256,6 +265,7 @@ class SessionRegistry:
                 state.ended.status, state.last_ts - state.started_ts
             )
             self.stranded.pop(session_id, None)
+            self._readopted.pop(session_id, None)
             with contextlib.suppress(Exception):
                 await self.leases.release(session_id, self.owner)
             for ref in state.agents:
@@ -276,14 +286,49 @@ class SessionRegistry:
             )
             self.spawn(self.leases.release(session_id, self.owner))
             return
-        # Another writer appended to the log: what this writer holds is stale. Read it from the
-        # log from now on.
+        # Another writer appended to the log: what this writer holds is stale.
         self.folds.forget(session_id)
-        with contextlib.suppress(Exception):
-            await self.leases.release(session_id, self.owner)
         await runtime.stop()
         for ref in state.agents:
             self.snapshots.forget(f"{session_id}/{ref}")
+        if await self.lease_owner(session_id) == self.owner and await self._drive_again(session_id):
+            return
+        # Driven by the lease holder elsewhere: read from the log from now on.
+        with contextlib.suppress(Exception):
+            await self.leases.release(session_id, self.owner)
+
+    async def _drive_again(self, session_id: str) -> bool:
+        """This daemon holds the lease, so the writer that appended in between was a stale one
+        (a daemon thawed after its lease moved here, whose last append landed first): fold the
+        log as it now stands and drive the session on, as a takeover does. A stale writer stops
+        once it sees the lease or meets this writer's appends; past ``READOPT_LIMIT`` conflicts
+        in a row the session is left to the log, as before."""
+        tries = self._readopted.get(session_id, 0) + 1
+        if tries > READOPT_LIMIT:
+            self._readopted.pop(session_id, None)
+            self.log.error(
+                "session %s: its log was appended to by another writer %d times while this "
+                "daemon held its lease; it is read from the log from now on",
+                session_id,
+                READOPT_LIMIT,
+            )
+            return False
+        self._readopted[session_id] = tries
+        await asyncio.sleep(READOPT_PAUSE * tries)  # the stale writer sees the lease meanwhile
+        try:
+            state = await self.fold_checkpoints.fold(self.log_adapter, session_id)
+            if state.terminal or session_id in self.live:
+                return True
+            await self.adopt(state, recovered="auto", fresh_children=False)
+        except Exception as exc:
+            self.log.error("session %s not driven again after a conflict: %s", session_id, exc)
+            return False
+        self.log.warning(
+            "session %s: a stale writer appended to its log while this daemon held its lease; "
+            "it is folded from the log again and driven on here",
+            session_id,
+        )
+        return True
 
     async def drain(self, grace: float) -> int:
         """A graceful shutdown's first half: every driven session stops dispatching, its running
