@@ -59,7 +59,12 @@ class LoopGuard:
         def signature(m: Message) -> tuple[bytes, ...]:
             return tuple(canonical_bytes(call.tool, call.args) for call in m.tool_calls)
 
-        # Newest first, stopping at the first difference (nearly always the second message).
+        # Newest first, stopping at the first difference (nearly always the second message). The
+        # calls are compared by value first (arguments are JSON values: what differs by value
+        # differs in canonical form), so canonical bytes are made only for calls that look alike.
+        newest = assistant[-1].tool_calls
+        if any(m.tool_calls != newest for m in reversed(assistant[:-1])):
+            return "continue"
         last = signature(assistant[-1])
         repeated = all(signature(m) == last for m in reversed(assistant[:-1]))
         return "reset" if repeated else "continue"

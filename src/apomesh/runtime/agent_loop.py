@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 
@@ -78,7 +79,6 @@ from apomesh.runtime.protocol import (
 from apomesh.runtime.tracing import NO_TRACE, DispatchTrace
 
 Send = Callable[[Report], Awaitable[Reply]]
-T = TypeVar("T")
 
 MAX_INTERRUPTIONS = 3
 """How many interrupted runs (``OutcomeUnknown``) of one journaled call a dispatch goes through
@@ -118,7 +118,7 @@ class LoopContext:
         timings, self.tool_timings = self.tool_timings, []
         return timings
 
-    @property
+    @functools.cached_property
     def workspace(self) -> Path:
         return agent_workspace(self.workspace_root, self.run)
 
@@ -222,9 +222,12 @@ class TurnRecorder:
     tools) is never sent: its node records it.
 
     A node that ends is held here (``hold``) while the model answers the next turn and that turn's
-    read-only calls run (``within``), at most ``Run.node_delay`` seconds: the next turn's report
-    then carries it (``TurnReport.node``: one report, one commit, one append a step). It is sent
-    alone before any other report, and once its time is up."""
+    read-only calls run, at most ``Run.node_delay`` seconds: the next turn's report then carries it
+    (``TurnReport.node``: one report, one commit, one append a step). It is sent alone before any
+    other report, and once its time is up, from a task of its own while the loop waits on the
+    model or a read (``_time_up``): a refusal then cancels the dispatch's task, which ends with
+    that refusal (``run_agent``). Nothing that acts waits on a held node: an effect needs a report
+    first, and a report takes the node."""
 
     send_report: Send
     counts: CallCounts
@@ -233,8 +236,8 @@ class TurnRecorder:
     carried: int = 0
     """How many of the node's first messages the sent turn report carried (they are stored)."""
     held: NodeReport | None = None
-    """The last node's report, held for the next turn to carry (until ``deadline``)."""
-    deadline: float = 0.0
+    """The last node's report, held for the next turn to carry (until ``timer`` fires)."""
+    timer: asyncio.TimerHandle | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """One report at a time: a model call's failure report, or the held node sent when its time
     is up, may race the loop's next report."""
@@ -243,6 +246,8 @@ class TurnRecorder:
     later report raises it, and the dispatch ends with it."""
     sending: asyncio.Task[None] | None = None
     """The held node being sent alone because its time is up."""
+    loop_task: asyncio.Task[Any] | None = None
+    """The dispatch's task (``hold`` notes it), cancelled when a node sent at its time is refused."""
 
     def wait(self, report: TurnReport) -> None:
         self.waiting, self.carried = report, 0
@@ -255,37 +260,22 @@ class TurnRecorder:
             if self.node_delay <= 0:
                 await self._send_alone(node)
                 return
-            self.held, self.deadline = node, time.monotonic() + self.node_delay
+            self.loop_task = asyncio.current_task()
+            self.held = node
+            self.timer = asyncio.get_running_loop().call_later(self.node_delay, self._time_up)
 
-    async def within(self, awaitable: Awaitable[T]) -> T:
-        """Await a model call or a read-only tool run while a node is held: the node is sent
-        alone once its time is up, from a task of its own (a refusal then cancels this dispatch's
-        task, which ends with the refusal: ``run_agent``)."""
-        if self.held is None:
-            return await awaitable
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            await self.flush_node()
-            return await awaitable
-        timer = asyncio.get_running_loop().call_later(
-            remaining, self._time_up, asyncio.current_task()
-        )
-        try:
-            return await awaitable
-        finally:
-            timer.cancel()
-
-    def _time_up(self, waiter: asyncio.Task[Any] | None) -> None:
+    def _time_up(self) -> None:
+        self.timer = None
         if self.held is not None:
-            self.sending = asyncio.ensure_future(self._send_in_time(waiter))
+            self.sending = asyncio.ensure_future(self._send_in_time())
 
-    async def _send_in_time(self, waiter: asyncio.Task[Any] | None) -> None:
+    async def _send_in_time(self) -> None:
         try:
             await self.flush_node()
         except Exception as exc:  # fenced, refused, or the daemon gone
             self.refusal = exc
-            if waiter is not None:
-                waiter.cancel()
+            if self.loop_task is not None:
+                self.loop_task.cancel()
 
     async def flush_node(self) -> None:
         """Send the held node alone, if there is one."""
@@ -305,7 +295,7 @@ class TurnRecorder:
                 await self._send_held()
                 return await self.send_report(report)
             if isinstance(report, JournalBegin):
-                node, self.held = self.held, None
+                node = self._take_held()
                 reply = await self.send_report(
                     msgspec.structs.replace(turn, intent=report, node=node)
                 )
@@ -342,14 +332,21 @@ class TurnRecorder:
         return turn
 
     async def _send_turn(self, turn: TurnReport) -> None:
-        node, self.held = self.held, None
+        node = self._take_held()
         await _checked(self.send_report(msgspec.structs.replace(turn, node=node)))
         self._sent(turn, node)
 
     async def _send_held(self) -> None:
-        node, self.held = self.held, None
+        node = self._take_held()
         if node is not None:
             await self._send_alone(node)
+
+    def _take_held(self) -> NodeReport | None:
+        node, self.held = self.held, None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return node
 
     async def _send_alone(self, node: NodeReport) -> None:
         await _checked(self.send_report(node))
@@ -625,14 +622,12 @@ async def _agent_steps(
                     purpose=run.purpose,
                 )
                 try:
-                    answer = await recorder.within(
-                        call_model(
-                            model,
-                            request,
-                            run.config.model.retry,
-                            time_left=time_left,
-                            on_failure=tell_failure,
-                        )
+                    answer = await call_model(
+                        model,
+                        request,
+                        run.config.model.retry,
+                        time_left=time_left,
+                        on_failure=tell_failure,
                     )
                 except ModelGaveUp as gave_up:
                     if pending:
@@ -690,7 +685,6 @@ async def _agent_steps(
                     call.args,
                     call_counts,
                     defer=finished if i == last_call else None,
-                    within=recorder.within,
                 )
                 pending.append(
                     Message(role="tool", content=result, tool_call_id=f"{step}.{i}", name=call.tool)
@@ -729,19 +723,16 @@ async def _call_tool(
     args: dict[str, Any],
     call_counts: CallCounts,
     defer: list[CallResult] | None = None,
-    within: Callable[[Awaitable[str]], Awaitable[str]] | None = None,
 ) -> str:
     """Run one tool call. A journaled call's result goes to ``defer`` when given (the node
-    report carries it, right after this call), else in its own ``JournalFinish``. A read-only
-    call runs ``within`` the time the previous node may still be held (``TurnRecorder``)."""
+    report carries it, right after this call), else in its own ``JournalFinish``."""
     ctx.idempotency_key = ""  # a read-only call has none, whatever ran before it
     tool = tools.get(name)
     if tool is None or name not in allowed:
         return f"error: tool {name!r} is not available to this agent"
     if not tool.journaled(args) and not tool.async_job:
         try:
-            running = tool.run(ctx, args)
-            return await (within(running) if within is not None else running)
+            return await tool.run(ctx, args)
         except Stall:
             raise
         except ApomeshError as exc:

@@ -140,6 +140,8 @@ class DaemonMetrics:
             registry=r,
         )
         self._appended_by_kind: dict[type, Any] = {}
+        self._tool_calls: dict[tuple[str, str], Any] = {}
+        """``tool_call_seconds`` children by (tool, outcome), each looked up once."""
         self.append_seconds = Histogram(
             "apomesh_append_seconds",
             "Seconds one (batched) append to the log took.",
@@ -236,7 +238,11 @@ class DaemonMetrics:
     def observe_tool_call(self, tool: str, seconds: float, outcome: str) -> None:
         """One tool call a worker ran: how long it took and whether it returned (``ok``) or
         failed (``error``)."""
-        self.tool_call_seconds.labels(tool, outcome).observe(seconds)
+        key = (tool, outcome)
+        child = self._tool_calls.get(key)
+        if child is None:
+            child = self._tool_calls[key] = self.tool_call_seconds.labels(tool, outcome)
+        child.observe(seconds)
 
     def observe_session_end(self, status: str, seconds: float) -> None:
         """A session this daemon drove ended (``completed``, ``failed``, ``cancelled``) after

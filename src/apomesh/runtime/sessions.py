@@ -175,6 +175,11 @@ class SessionDeps:
     """Seconds a node's snapshot waits for its agent's next store write (``DeferredNode``)."""
 
     @functools.cached_property
+    def checkpoint_sources(self) -> frozenset[str]:
+        """The checkpoint sources a node may name (the plugin host's registry never changes)."""
+        return frozenset(self.plugins.checkpoint_sources())
+
+    @functools.cached_property
     def sequences(self) -> KnowsSequences | None:
         """The log, when it tells the stream sequence of an event (asked once per daemon: an
         ``isinstance`` against a protocol walks its members)."""
@@ -581,7 +586,7 @@ class SessionRuntime:
 
     def _node_refusal(self, report: NodeReport, size: int) -> Reply | None:
         """Why a node report (``size`` bytes encoded) is refused, if it is."""
-        sources = self.deps.plugins.checkpoint_sources()
+        sources = self.deps.checkpoint_sources
         if report.source == TURN_SOURCE:
             # Only a TurnReport records a turn: a node pointer of that source would be replayed.
             return Reply("error", message=f"a node report cannot carry source {TURN_SOURCE!r}")
