@@ -155,18 +155,17 @@ carries its definition, and each of their encoders recurses."""
 
 def nesting_depth(data: Any) -> int:
     """How deep the dicts and lists of a decoded value nest (a scalar is 0), without recursing."""
+    if not isinstance(data, dict | list | tuple):
+        return 0
     deepest = 0
-    pending: list[tuple[Any, int]] = [(data, 0)]
+    pending: list[tuple[Any, int]] = [(data, 1)]  # containers only, with their own depth
     while pending:
         value, depth = pending.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list | tuple):
-            children = value
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        pending.extend((child, depth + 1) for child in children)
+        deepest = max(deepest, depth)
+        children = value.values() if isinstance(value, dict) else value
+        pending.extend(
+            (child, depth + 1) for child in children if isinstance(child, dict | list | tuple)
+        )
     return deepest
 
 
