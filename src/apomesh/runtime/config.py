@@ -151,8 +151,10 @@ class SnapshotsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fold_checkpoint_every: Positive = 10_000
     """Events a session's writer appends between two checkpoints of its folded state."""
     node_commit_delay: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.05
-    """Seconds a node's snapshot waits for the agent's next model turn, to share its commit
-    (``runtime.sessions.DeferredNode``); past that it is stored alone. 0: stored at once."""
+    """Seconds a node waits for the agent's next model turn: the worker holds its report that
+    long for the turn's report to carry it (``Run.node_delay``, ``agent_loop.TurnRecorder``), and
+    a node reported alone waits that long for its store write (``runtime.sessions.DeferredNode``);
+    past that it is sent or stored alone. 0: every node is sent and stored at once."""
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
