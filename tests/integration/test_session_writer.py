@@ -5,6 +5,7 @@ duplicate or stale one refused with nothing written; an append conflict ends the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from pathlib import Path
@@ -131,6 +132,52 @@ async def test_an_append_conflict_ends_the_writers_run(tmp_path: Path) -> None:
         await runtime.answer_hitl("p1", "yes", by="alice")
     assert await log.last_index(SID) == index  # nothing of this writer's after the conflict
     assert runtime.state.last_index == index - 1
+
+
+class LostAck:
+    """A log whose first append lands and then never answers (its acknowledgement lost), so the
+    caller can be cancelled while the step is on the log; later appends pass through."""
+
+    def __init__(self, log: MemoryLog) -> None:
+        self.log = log
+        self.landed = asyncio.Event()
+        self.calls = 0
+
+    async def append(self, session_id: str, envelopes: Any) -> None:
+        self.calls += 1
+        await self.log.append(session_id, envelopes)
+        if self.calls == 1:
+            self.landed.set()
+            await asyncio.Event().wait()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.log, name)
+
+
+async def test_a_caller_cancelled_mid_append_leaves_the_step_whole_and_the_state_on_the_log(
+    tmp_path: Path,
+) -> None:
+    """The caller of a decision is cancelled while its append is on the log and unanswered: the
+    writer sends the same envelopes again (the log settles the resend: written once) and applies
+    them before the cancellation goes on, so its state is what its log holds and the next step
+    follows on."""
+    ended: list[Ending] = []
+    log, runtime = await paused_writer(tmp_path, ended)
+    lossy = LostAck(log)
+    runtime.deps = dataclasses.replace(runtime.deps, log=cast(Any, lossy))
+    answering = asyncio.ensure_future(runtime.answer_hitl("p1", "yes", by="alice"))
+    await lossy.landed.wait()
+    answering.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await answering
+    stored = await log.read(SID)
+    assert [type(e.event).__name__ for e in stored].count("HitlAnswered") == 1
+    assert runtime.state.last_index == stored[-1].index
+    assert "p1" in runtime.state.hitl_answers
+    with pytest.raises(CommandRefused):  # the answer is in the state: a second one is refused
+        await runtime.answer_hitl("p1", "again", by="bob")
+    await runtime.append(OperatorAction(action="resume", by="carol"))
+    assert await log.last_index(SID) == runtime.state.last_index == stored[-1].index + 1
 
 
 class SlowLeases:

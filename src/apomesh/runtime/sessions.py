@@ -331,15 +331,16 @@ class SessionRuntime:
                     f"session {self.session_id} refuses {', '.join(map(event_name, events))}: "
                     f"{exc.message}"
                 ) from None
-            commit = asyncio.ensure_future(self._commit(envs, events))
             try:
-                await asyncio.shield(commit)
+                await self._commit(envs, events)
             except asyncio.CancelledError:
-                # A caller cancelled mid-append (a batch done early): the step still lands
-                # whole or not at all, so the state never drifts from the log.
-                if not commit.done():
-                    with contextlib.suppress(BaseException):
-                        await commit
+                # A caller cancelled mid-append (a batch done early), before anything was
+                # applied: the append may have landed. The same envelopes are sent again (the log
+                # settles a resend: written once) and applied, so the step still lands whole or
+                # not at all and the state never drifts from the log; then the cancellation
+                # goes on. (No task per step: the step's own task does the common case.)
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(self._commit(envs, events))
                 raise
         async with self.changed:
             self.changed.notify_all()
