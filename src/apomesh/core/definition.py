@@ -153,20 +153,22 @@ MAX_DEFINITION_DEPTH = 32
 carries its definition, and each of their encoders recurses."""
 
 
+_CONTAINERS = (dict, list, tuple)
+
+
 def nesting_depth(data: Any) -> int:
-    """How deep the dicts and lists of a decoded value nest (a scalar is 0), without recursing."""
-    if not isinstance(data, dict | list | tuple):
-        return 0
-    deepest = 0
-    pending: list[tuple[Any, int]] = [(data, 1)]  # containers only, with their own depth
-    while pending:
-        value, depth = pending.pop()
-        deepest = max(deepest, depth)
-        children = value.values() if isinstance(value, dict) else value
-        pending.extend(
-            (child, depth + 1) for child in children if isinstance(child, dict | list | tuple)
-        )
-    return deepest
+    """How deep the dicts and lists of a decoded value nest (a scalar is 0), level by level,
+    without recursing."""
+    depth = 0
+    level = [data] if isinstance(data, _CONTAINERS) else []
+    while level:
+        depth += 1
+        below: list[Any] = []
+        for value in level:
+            children = value.values() if isinstance(value, dict) else value
+            below += [child for child in children if isinstance(child, _CONTAINERS)]
+        level = below
+    return depth
 
 
 def parse_definition(data: Any, *, where: str = "agent definition") -> AgentDefinition:
