@@ -238,6 +238,9 @@ class LeaseTable:
         self._js = js
         self.ttl = ttl
         """The presence TTL: how long a lease outlives the last renewal of its owner's record."""
+        self._taken: dict[tuple[str, str], int] = {}
+        """The revision of each lease this table took, by (session, owner) (a release deletes at that revision in one
+        request; a lease moved since is read before anything is deleted)."""
 
     async def acquire(self, session_id: str, owner: str) -> bool:
         """Take the session's lease; True when ``owner`` now holds it (already holding it, or
@@ -247,7 +250,7 @@ class LeaseTable:
         with unavailable_as_log_error(f"acquire lease {session_id}"):
             for _ in range(3):
                 try:
-                    await self._kv.create(key, mine)
+                    self._taken[session_id, owner] = await self._kv.create(key, mine)
                     return True
                 except nats.js.errors.KeyWrongLastSequenceError:
                     pass
@@ -255,16 +258,31 @@ class LeaseTable:
                 if held is None:
                     continue  # released between our two calls: try to create again
                 if held[0] == mine:
+                    self._taken[session_id, owner] = held[1]
                     return True
                 if await self._alive(held[0]):
                     return False
-                return await self._swap(key, mine, held[1])
+                revision = await self._swap(key, mine, held[1])
+                if revision is None:
+                    return False
+                self._taken[session_id, owner] = revision
+                return True
         return False
 
     async def release(self, session_id: str, owner: str) -> bool:
-        """Give the lease up if ``owner`` holds it; True when it was released."""
+        """Give the lease up if ``owner`` holds it; True when it was released. A lease this table
+        took is deleted at the revision it took it at (one request); one that moved since, or
+        that it did not take, is read first."""
         key = encode_key(session_id)
         with unavailable_as_log_error(f"release lease {session_id}"):
+            revision = self._taken.pop((session_id, owner), None)
+            if revision is not None:
+                try:
+                    await self._kv.delete(key, last=revision)
+                    return True
+                except nats.js.errors.APIError as exc:
+                    if exc.err_code not in (10071, 10164):
+                        raise
             held = await _value(self._kv, key)
             if held is None or held[0] != owner.encode():
                 return False
@@ -329,12 +347,12 @@ class LeaseTable:
         found = await _value(self._presence, encode_key(owner.decode()))
         return found is not None and bool(found[0])
 
-    async def _swap(self, key: str, value: bytes, revision: int) -> bool:
+    async def _swap(self, key: str, value: bytes, revision: int) -> int | None:
+        """Compare-and-set ``key`` to ``value``; the new revision, or None when it moved."""
         try:
-            await self._kv.update(key, value, last=revision)
+            return await self._kv.update(key, value, last=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
-            return False
-        return True
+            return None
 
 
 PRESENCE_PART_BYTES = 256 * 1024

@@ -1436,7 +1436,12 @@ class SessionRuntime:
             try:
                 epoch = agent.epoch + 1
                 agent_key = f"{self.session_id}/{ref}"
-                memory = await self.deps.snapshots.load_logged(agent_key, agent.snapshot_id)
+                if agent.epoch == 0 and agent.snapshot_id is None:
+                    # Never dispatched: no worker ever stored anything of it.
+                    self.deps.snapshots.fresh(agent_key)
+                    memory = None
+                else:
+                    memory = await self.deps.snapshots.load_logged(agent_key, agent.snapshot_id)
                 if resume_reason is not None:
                     await self.append(
                         AgentResuming(

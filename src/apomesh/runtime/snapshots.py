@@ -293,6 +293,11 @@ class SnapshotStore:
             turn=record.turn,
         )
 
+    def fresh(self, agent_key: str) -> None:
+        """The agent was never dispatched (its log has no ``dispatched``), so the store holds
+        nothing of it: its tail starts empty, with no read."""
+        self._tails.setdefault(agent_key, _Tail(next_seq=0, base_seq=0, next_snapshot=1))
+
     async def load_logged(self, agent_key: str, snapshot_id: int | None) -> AgentMemory | None:
         """The working memory a new dispatch continues from: the snapshot the log points to
         (``snapshot_id``; None: the agent has none yet), never a newer one. Snapshots and segment
