@@ -277,8 +277,12 @@ async def checkpoint_behind(url: str, data: Path, session_id: str, tail: int) ->
     try:
         log = JetStreamLog(nc)
         envelopes = await log.read(session_id)
+        # The session is alone on a fresh stream, published ``STEP_EVENTS`` events a message:
+        # a writer's checkpoint covers the last event of an append, so ``at`` is the last of its
+        # message, whose sequence counts messages from 1.
         at = len(envelopes) - 1 - tail
-        seq = at + 1  # the session is alone on a fresh stream: its sequences are dense from 1
+        at -= (at + 1) % STEP_EVENTS
+        seq = at // STEP_EVENTS + 1
         assert (await log.read_from_sequence(session_id, at, seq))[0].index == at
     finally:
         await nc.close()
