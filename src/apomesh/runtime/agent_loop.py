@@ -333,7 +333,8 @@ class TurnRecorder:
 
     async def _send_turn(self, turn: TurnReport) -> None:
         node = self._take_held()
-        await _checked(self.send_report(msgspec.structs.replace(turn, node=node)))
+        carrying = msgspec.structs.replace(turn, node=node) if node is not None else turn
+        await _checked(self.send_report(carrying))
         self._sent(turn, node)
 
     async def _send_held(self) -> None:
