@@ -1,6 +1,7 @@
 """The async store facade's group commit on real LMDB: writes that queue while a transaction is
-being committed go in the next one together, each caller's batch stays all-or-nothing and durable
-when its call returns, and one bad batch fails only its own caller."""
+being committed go in the next ones together, half of those waiting at a time, each caller's batch
+stays all-or-nothing and durable when its call returns, and one bad batch fails only its own
+caller."""
 
 from __future__ import annotations
 
@@ -131,3 +132,35 @@ async def test_closing_commits_what_is_queued_first(tmp_path: Path) -> None:
     await facade.aclose()
     with LmdbStore(tmp_path / "db") as reopened:
         assert len(reopened.scan("journal", "s/a")) == 30
+
+
+@pytest.mark.anyio
+async def test_a_burst_of_waiting_writes_is_committed_half_a_group_at_a_time() -> None:
+    """Writes that queued while a commit ran are cut in two: a group takes at most half of what
+    waits (at least one), so the first half's callers go on while the rest commit."""
+    import asyncio
+
+    from apomesh.adapters.lmdb_store import _GroupWriter, _QueuedWrite
+
+    first_commit = threading.Event()
+    release = threading.Event()
+    sizes: list[int] = []
+
+    def commit(group: list[_QueuedWrite]) -> None:
+        sizes.append(len(group))
+        if len(sizes) == 1:
+            first_commit.set()
+            release.wait(10)
+
+    loop = asyncio.get_running_loop()
+    writer = _GroupWriter(commit)
+    entries = [_QueuedWrite([], [], loop.create_future())]
+    writer.submit(entries[0])
+    await anyio.to_thread.run_sync(first_commit.wait, 10)
+    for _ in range(10):  # a burst while the first commit runs
+        entries.append(_QueuedWrite([], [], loop.create_future()))
+        writer.submit(entries[-1])
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*(e.future for e in entries)), 10)
+    await anyio.to_thread.run_sync(writer.stop)
+    assert sizes == [1, 5, 3, 1, 1], sizes
