@@ -34,6 +34,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from apomesh.adapters.nats_parser import SinkParser, parse_header_block
 from apomesh.core.errors import ApomeshError, LogError, LogUnavailable
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "DirectGetPage",
     "NatsAuthError",
     "NatsTlsError",
+    "PageMessage",
     "Replies",
     "api_request",
     "close_quietly",
@@ -132,7 +134,15 @@ class TlsNotOffered(nats.errors.Error):
         return "nats: the server does not offer TLS, which this connection requires"
 
 
-class _TlsRequiringClient(NATS):
+class _Client(NATS):
+    """A nats-py client reading with ``SinkParser`` (cheaper framing, and sinks for pages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ps = SinkParser(self)
+
+
+class _TlsRequiringClient(_Client):
     """A nats-py client that refuses a server whose INFO does not require TLS.
 
     nats-py upgrades to TLS only when the server's INFO asks for it, whatever the URL scheme or
@@ -220,7 +230,7 @@ async def connect(
     client = (
         _TlsRequiringClient()
         if tls is not None or any(url.startswith("tls://") for url in servers)
-        else NATS()
+        else _Client()
     )
     failures: list[BaseException] = []
     # Set when the first connection meets a refusal that trying again cannot fix (credentials,
@@ -385,12 +395,34 @@ async def api_request(
     return answer
 
 
+class PageMessage:
+    """One message of a direct-get page: its payload, and its headers parsed when first asked."""
+
+    __slots__ = ("_headers", "_raw_headers", "data")
+
+    def __init__(
+        self,
+        data: bytes,
+        raw_headers: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.data = data
+        self._raw_headers = raw_headers
+        self._headers = headers
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        if self._headers is None and self._raw_headers:
+            self._headers = parse_header_block(self._raw_headers)
+        return self._headers
+
+
 class DirectGetPage:
     """The messages one batched direct get returned, and what the server said was left."""
 
     __slots__ = ("last_sequence", "messages", "pending")
 
-    def __init__(self, messages: list[Msg], pending: int, last_sequence: int) -> None:
+    def __init__(self, messages: list[PageMessage], pending: int, last_sequence: int) -> None:
         self.messages = messages
         self.pending = pending
         self.last_sequence = last_sequence
@@ -405,16 +437,21 @@ async def direct_get_batch(
     A "no message" answer (404) is an empty page. ``pending`` is the server's count of matching
     messages left after this page. Raises ``LogUnavailable`` when the answer does not complete
     within ``timeout`` seconds or no JetStream responds, ``LogError`` for a refused request.
+    On a connection ``connect`` opened, the page's messages go straight to this call's collector
+    (``SinkParser``); on another, through a subscription's callback.
     """
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[tuple[int, int]] = loop.create_future()
-    messages: list[Msg] = []
+    messages: list[PageMessage] = []
 
-    async def collect(msg: Msg) -> None:
-        headers = msg.headers
-        status = headers.get("Status") if headers and not msg.data else None
+    def take(message: PageMessage) -> None:
+        if message.data:
+            messages.append(message)
+            return
+        headers = message.headers
+        status = headers.get("Status") if headers else None
         if status is None:
-            messages.append(msg)
+            messages.append(message)
             return
         if finished.done():
             return
@@ -434,15 +471,27 @@ async def direct_get_batch(
                 LogError(f"direct get on {stream} refused: {status} {description}")
             )
 
+    def sink(raw_headers: bytes | None, data: bytes) -> None:
+        take(PageMessage(data, raw_headers))
+
+    async def collect(msg: Msg) -> None:
+        take(PageMessage(msg.data, headers=msg.headers))
+
     inbox = nc.new_inbox()
+    parser = getattr(nc, "_ps", None)
+    sinks = parser.sinks if isinstance(parser, SinkParser) else None
     with unavailable_as_log_error(f"direct get on {stream}"):
         subscription = await nc.subscribe(inbox, cb=collect)
+        if sinks is not None:
+            sinks[inbox.encode()] = sink
         try:
             await nc.publish(
                 f"{prefix}.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox
             )
             pending, last = await asyncio.wait_for(finished, timeout=timeout)
         finally:
+            if sinks is not None:
+                sinks.pop(inbox.encode(), None)
             # When the connection is gone, the subscription went with it.
             with contextlib.suppress(nats.errors.Error):
                 await subscription.unsubscribe()
