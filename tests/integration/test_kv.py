@@ -172,6 +172,27 @@ async def test_every_held_lease_is_listed_in_one_read(fresh_nats_server: Any) ->
         await close_quietly(client)
 
 
+async def test_many_leases_are_taken_together_as_one_by_one(buckets: KvBuckets) -> None:
+    """``acquire_many`` (the boot scan's): free leases taken, its own kept, a dead owner's taken
+    over, a live owner's refused; more sessions than one window of creates in flight."""
+    leases = buckets.leases
+    me, peer = unique("daemon-me"), unique("daemon-peer")
+    await buckets.daemons.put(me, b"record")
+    await buckets.daemons.put(peer, b"record")
+    free = [unique(f"free-{n}") for n in range(600)]
+    mine, dead, peers = unique("mine"), unique("dead") + "/odd", unique("peers")
+    assert await leases.acquire(mine, me)
+    assert await leases.acquire(dead, unique("daemon-dead"))
+    assert await leases.acquire(peers, peer)
+    taken = await leases.acquire_many([*free, mine, dead, peers], me)
+    assert taken == {*free, mine, dead}
+    holders = await leases.holders()
+    assert all(holders[session] == me for session in taken)
+    assert holders[peers] == peer
+    assert await leases.release(free[0], me)  # released at the revision it was taken at
+    assert await leases.owner(free[0]) is None
+
+
 @pytest.mark.parametrize("held_by_the_dead", [False, True], ids=["free", "held-by-a-dead-owner"])
 async def test_racing_owners_never_both_win(buckets: KvBuckets, held_by_the_dead: bool) -> None:
     """Eight live owners at once for a free lease, or for one whose owner is gone (a takeover

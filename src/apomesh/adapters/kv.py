@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,7 +41,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from apomesh.adapters.nats_connect import unavailable_as_log_error
+from apomesh.adapters.nats_connect import UNAVAILABLE_ERRORS, unavailable_as_log_error
 from apomesh.core.errors import CatalogError, LogUnavailable, PublishConflict
 
 AGENTS_BUCKET = "APOMESH_AGENTS"
@@ -49,8 +50,13 @@ LEASES_BUCKET = "APOMESH_LEASES"
 DAEMONS_BUCKET = "APOMESH_DAEMONS"
 DEFAULT_SKILL_HISTORY = 16
 DEFAULT_LEASE_TTL = 30.0
+LEASE_WINDOW = 256
+"""How many lease creates ``LeaseTable.acquire_many`` has in flight at once."""
+
+_log = logging.getLogger("apomesh.leases")
 
 _PLAIN = re.compile(r"[A-Za-z0-9_-]")
+_ALL_PLAIN = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPE = re.compile(r"=([0-9A-F]{2})")
 
 
@@ -58,6 +64,8 @@ def encode_key(name: str) -> str:
     """A KV-safe key for any non-empty name, reversible with ``decode_key``."""
     if not name:
         raise ValueError("a KV key cannot be empty")
+    if _ALL_PLAIN.fullmatch(name):
+        return name  # a session id, most often: nothing to escape
     return "".join(
         char if _PLAIN.fullmatch(char) else "".join(f"={byte:02X}" for byte in char.encode("utf-8"))
         for char in name
@@ -268,6 +276,37 @@ class LeaseTable:
                 self._taken[session_id, owner] = revision
                 return True
         return False
+
+    async def acquire_many(
+        self, session_ids: Sequence[str], owner: str, *, window: int = LEASE_WINDOW
+    ) -> set[str]:
+        """``acquire`` for many sessions at once (a boot scan's): the creates go out ``window`` at
+        a time, each window's answers awaited together; a lease that exists already is then
+        taken as ``acquire`` takes it (held by ``owner``, or taken over from an owner that is not
+        alive). Answers the sessions ``owner`` now holds; a session whose lease NATS could not
+        answer for is not among them (its caller asks again later)."""
+        mine = owner.encode()
+        taken: set[str] = set()
+        contested: list[str] = []
+
+        async def create(session_id: str) -> None:
+            try:
+                revision = await self._kv.create(encode_key(session_id), mine)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                contested.append(session_id)
+            except UNAVAILABLE_ERRORS as exc:
+                _log.debug("lease %s not taken yet: %r", session_id, exc)
+            else:
+                self._taken[session_id, owner] = revision
+                taken.add(session_id)
+
+        for first in range(0, len(session_ids), window):
+            await asyncio.gather(*(create(s) for s in session_ids[first : first + window]))
+        for session_id in contested:
+            with contextlib.suppress(LogUnavailable):
+                if await self.acquire(session_id, owner):
+                    taken.add(session_id)
+        return taken
 
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released. A lease this table

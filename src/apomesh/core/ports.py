@@ -50,6 +50,10 @@ class SessionLeases(Protocol):
         """Take the lease; True when ``owner`` now holds it (already held, or taken over from an
         owner that is not alive)."""
 
+    async def acquire_many(self, session_ids: Sequence[str], owner: str) -> set[str]:
+        """``acquire`` for many sessions at once; answers those ``owner`` now holds (one NATS
+        could not answer for is left out)."""
+
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released."""
 

@@ -38,6 +38,7 @@ from apomesh.core import decisions
 from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, OwnedElsewhere
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState
+from apomesh.plugins.api import Tool
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
 from apomesh.runtime.presence import Presence
@@ -67,10 +68,14 @@ class FoldsInOnePass(Protocol):
     ) -> StreamFold: ...
 
 
-def classify(plugins: PluginHost, state: SessionState) -> decisions.Classification:
-    """The recovery verdict for a folded, non-terminal session."""
+def classify(
+    plugins: PluginHost, state: SessionState, tools: dict[str, Tool] | None = None
+) -> decisions.Classification:
+    """The recovery verdict for a folded, non-terminal session (``tools``: the plugins' tools,
+    when the caller has them already)."""
     problem = shape_problem(plugins, state) if state.bootstrap is not None else None
-    tools = plugins.tools()
+    if tools is None:
+        tools = plugins.tools()
     for classifier in plugins.recovery_classifiers():
         verdict = classifier.classify(state, problem, tools)
         if verdict is not None:
@@ -145,9 +150,44 @@ class BootScan:
         scanned = pass_result.states if pass_result is not None else {}
         # Every lease in one read (not one per session); asked one by one only if that fails.
         holders = await self.registry.lease_holders()
+        tools = self.plugins.tools()
+        ended: list[SessionState] = []
+        auto: list[SessionState] = []
         adopted: list[SessionRuntime] = []
 
+        def sort(state: SessionState, holder: str | None) -> None:
+            """Book one folded session: ended, another daemon's, auto-resumable (``auto``, adopted
+            together below) or stranded for an operator."""
+            if state.terminal:
+                counts["terminal"] += 1
+                ended.append(state)
+                return
+            if self.takeover is not None and holder not in (None, self.registry.owner):
+                # Another daemon drives it (its presence record keeps the lease): its, not ours.
+                counts["owned_by_peers"] += 1
+                self.takeover.watch(state.session_id, holder)
+                return
+            verdict = classify(self.plugins, state, tools)
+            if verdict.verdict == "auto_resume":
+                counts["auto_resume"] += 1
+                auto.append(state)
+                return
+            counts["recoverable"] += 1
+            self.registry.strand(
+                Recoverable(
+                    state.session_id,
+                    state.goal,
+                    verdict.reason,
+                    verdict.category,
+                    state.side_effects,
+                    state.last_ts,
+                    state,
+                )
+            )
+
         async def one(session_id: str) -> None:
+            """A session the pass did not fold (read one by one), or any session when the leases
+            could not be read in one go (its holder asked for alone)."""
             state = scanned.pop(session_id, None)
             async with gate:
                 try:
@@ -158,56 +198,33 @@ class BootScan:
                         session_id, exc, counts, await self._corrupt(exc, session_id)
                     )
                     return
-            if state.terminal:
-                counts["terminal"] += 1
-                await self.registry.write_completed(state)
-                return
-            holder = (
-                holders.get(session_id)
-                if holders is not None
-                else await self.registry.lease_owner(session_id)
-            )
-            if self.takeover is not None and holder not in (None, self.registry.owner):
-                # Another daemon drives it (its presence record keeps the lease): its, not ours.
-                counts["owned_by_peers"] += 1
-                self.takeover.watch(session_id, holder)
-                return
-            verdict = classify(self.plugins, state)
-            if verdict.verdict == "auto_resume":
-                counts["auto_resume"] += 1
-                try:
-                    # Gated like the reads: tens of thousands of lease requests sent at once
-                    # time out (and each then waits for its lease to come free).
-                    async with gate:
-                        adopted.append(
-                            await self.registry.adopt(
-                                state,
-                                recovered="auto",
-                                fresh_children=fresh_children(state),
-                                start=False,
-                            )
-                        )
-                except ApomeshError as exc:
-                    self.log.warning(
-                        "session %s not resumed yet: %s; trying again", session_id, exc
-                    )
-                    self.spawn(self._adopt_when_free(state))
-                return
-            counts["recoverable"] += 1
-            self.registry.strand(
-                Recoverable(
-                    session_id,
-                    state.goal,
-                    verdict.reason,
-                    verdict.category,
-                    state.side_effects,
-                    state.last_ts,
-                    state,
-                )
-            )
+                if state.terminal:
+                    holder = None
+                elif holders is not None:
+                    holder = holders.get(session_id)
+                else:
+                    holder = await self.registry.lease_owner(session_id)
+            sort(state, holder)
 
+        alone: list[str] = []
+        for session_id in session_ids:
+            state = scanned.pop(session_id, None) if holders is not None else None
+            if state is None:
+                alone.append(session_id)
+            else:
+                sort(state, holders.get(session_id) if holders is not None else None)
         try:
-            await asyncio.gather(*(one(s) for s in session_ids))
+            await asyncio.gather(*(one(s) for s in alone))
+            await self.registry.write_completed_many(ended)
+            adopted, refused = await self.registry.adopt_many(auto, fresh_children=fresh_children)
+            if refused:
+                self.log.warning(
+                    "%d auto-resumable sessions not resumed yet (their lease is held or NATS did"
+                    " not answer); each is tried again every 2 s",
+                    len(refused),
+                )
+            for state in refused:
+                self.spawn(self._adopt_when_free(state))
         finally:
             # Started once every session is classified, not as each is adopted (thousands of
             # sessions driving their first steps would share the interpreter with the scan), and

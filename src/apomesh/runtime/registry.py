@@ -204,6 +204,46 @@ class SessionRegistry:
             runtime.start(recovered)
         return runtime
 
+    async def adopt_many(
+        self, states: Sequence[SessionState], *, fresh_children: Callable[[SessionState], bool]
+    ) -> tuple[list[SessionRuntime], list[SessionState]]:
+        """``adopt`` without an opening and without starting, for many sessions at once (the
+        boot scan's auto-resumable ones): each is claimed before any await, as ``adopt`` claims
+        one, and their leases are asked for together (``acquire_many``). Answers the runtimes
+        adopted and the states whose lease was not taken (held by a live owner, or not answered
+        for): those are rolled back as a failed ``adopt`` is."""
+        assert self.make_runtime is not None, "the daemon sets make_runtime before any session"
+        claimed: list[tuple[SessionRuntime, Recoverable | None]] = []
+        refused: list[SessionState] = []
+        for state in states:
+            session_id = state.session_id
+            if session_id in self.live:
+                refused.append(state)
+                continue
+            runtime = self.make_runtime(state, fresh_children(state))
+            claimed.append((runtime, self.stranded.pop(session_id, None)))
+            self.live[session_id] = runtime
+        taken: set[str] = set()
+        adopted: list[SessionRuntime] = []
+        try:
+            taken = await self.leases.acquire_many(
+                [runtime.state.session_id for runtime, _ in claimed], self.owner
+            )
+        finally:  # cancelled: nothing is adopted (the leases taken go with the daemon's presence)
+            for runtime, stranded in claimed:
+                session_id = runtime.state.session_id
+                if session_id in taken:
+                    self.folds.forget(session_id)
+                    adopted.append(runtime)
+                    continue
+                if self.live.get(session_id) is runtime:
+                    del self.live[session_id]
+                if stranded is not None:
+                    self.stranded[session_id] = stranded
+                refused.append(runtime.state)
+            self.changed()
+        return adopted, refused
+
     async def lease_owner(self, session_id: str) -> str | None:
         """Who holds the session's lease now (None when nobody does or NATS cannot say)."""
         with contextlib.suppress(ApomeshError):
@@ -424,8 +464,24 @@ class SessionRegistry:
     # --- completed records -----------------------------------------------------------------------
 
     async def write_completed(self, state: SessionState) -> None:
-        assert state.ended is not None
-        record = CompletedRecord(
+        await self.store.put_completed(state.session_id, _completed_record(state))
+
+    async def write_completed_many(self, states: Sequence[SessionState]) -> None:
+        """The completed records of many ended sessions, in one write."""
+        if states:
+            await self.store.write_batch(
+                [("completed", state.session_id, _completed_record(state)) for state in states]
+            )
+
+    async def completed_records(self) -> list[CompletedRecord]:
+        return [_completed_decoder.decode(v) for _, v in await self.store.list_completed()]
+
+
+def _completed_record(state: SessionState) -> bytes:
+    """An ended session's completed record, encoded."""
+    assert state.ended is not None
+    return msgspec.msgpack.encode(
+        CompletedRecord(
             session_id=state.session_id,
             status=state.ended.status,
             goal=state.goal,
@@ -436,7 +492,4 @@ class SessionRegistry:
             ended_at=state.last_ts,
             side_effects=state.side_effects,
         )
-        await self.store.put_completed(state.session_id, msgspec.msgpack.encode(record))
-
-    async def completed_records(self) -> list[CompletedRecord]:
-        return [_completed_decoder.decode(v) for _, v in await self.store.list_completed()]
+    )
