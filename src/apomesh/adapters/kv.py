@@ -344,16 +344,31 @@ class LeaseTable:
     async def holders(self, timeout: float = 10.0) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, from one watcher's initial values
         (one pass over the bucket instead of one read per session: the boot scan asks this of
-        every stored session), less the leases of owners that are not alive."""
+        every stored session), less the leases of owners that are not alive.
+
+        The pass ends at the bucket's last message as the stream reported it before the watch
+        began (a watcher delivers in stream order, and the last message is always the latest of
+        its key), not at the watcher's own end-of-initial-values marker, which can come before
+        every key was delivered (seen with hundreds of keys)."""
         named: dict[str, str] = {}
         with unavailable_as_log_error("list the session leases"):
-            watcher: Any = await self._kv.watchall(ignore_deletes=True)
-            try:
-                while (entry := await watcher.updates(timeout=timeout)) is not None:
-                    if entry.value:
-                        named[decode_key(entry.key)] = entry.value.decode()
-            finally:
-                await watcher.stop()
+            last = (await self._js.stream_info(f"KV_{LEASES_BUCKET}")).state.last_seq
+            if last:
+                watcher: Any = await self._kv.watchall()
+                try:
+                    while True:
+                        entry = await watcher.updates(timeout=timeout)
+                        if entry is None:
+                            continue
+                        session = decode_key(entry.key)
+                        if entry.operation in ("DEL", "PURGE") or not entry.value:
+                            named.pop(session, None)
+                        else:
+                            named[session] = entry.value.decode()
+                        if entry.revision >= last:
+                            break
+                finally:
+                    await watcher.stop()
             alive = {owner for owner in set(named.values()) if await self._alive(owner.encode())}
         return {session: owner for session, owner in named.items() if owner in alive}
 

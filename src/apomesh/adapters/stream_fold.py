@@ -41,6 +41,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from apomesh.adapters.log_messages import envelopes
 from apomesh.adapters.nats_connect import (
     JS_API_PREFIX,
@@ -50,6 +52,7 @@ from apomesh.adapters.nats_connect import (
 )
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import CodecError, FoldError
+from apomesh.core.events import SessionShape, SessionStarted
 from apomesh.core.state import SessionState, apply, new_state
 
 MAX_PAGE_BYTES = 16 * 1024 * 1024
@@ -80,6 +83,8 @@ class StreamFold:
     folded: int = 0
     """How many envelopes were folded into a state (not dropped before a checkpoint)."""
     pages: int = 0
+    shapes: dict[str, SessionShape] = field(default_factory=dict)
+    """One shape per definition digest, shared by the sessions whose pinned shape equals it."""
     ends: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Session -> (its last index, the stream sequence of the message holding it), where the
     pass could tell (see the module docstring)."""
@@ -225,6 +230,8 @@ def _fold_one(
                 result.suspect.add(session_id)
             return
         folded = states[session_id] = new_state(session_id)
+    if type(env.event) is SessionStarted:
+        env = _shared_shape(result.shapes, env)
     try:
         apply(folded, env)
         result.folded += 1
@@ -232,6 +239,19 @@ def _fold_one(
         result.suspect.add(session_id)
         result.resumed.discard(session_id)
         del states[session_id]
+
+
+def _shared_shape(shapes: dict[str, SessionShape], env: Envelope) -> Envelope:
+    """``env`` (a ``SessionStarted``) with the shape an earlier session of the same definition
+    pinned, when the two are equal: many sessions of one definition then hold one shape (frozen,
+    as every event's parts are) instead of a copy each."""
+    started = env.event
+    assert isinstance(started, SessionStarted)
+    shape = started.shape
+    seen = shapes.setdefault(shape.definition_digest, shape)
+    if seen is shape or seen != shape:
+        return env
+    return msgspec.structs.replace(env, event=msgspec.structs.replace(started, shape=seen))
 
 
 async def _undecodable_sessions(

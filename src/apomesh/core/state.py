@@ -428,6 +428,18 @@ def _on_started(state: SessionState, env: Envelope) -> None:
     state.started_ts = env.ts
 
 
+def _pinned_config(
+    state: SessionState, parent: str | None, config: AgentConfig | None
+) -> AgentConfig | None:
+    """``config``, or the equal one the session's shape pins for that agent's role: a session's
+    agents then share its shape's (frozen) configs instead of holding copies of them."""
+    if config is None or state.bootstrap is None:
+        return config
+    shape = state.bootstrap.shape
+    pinned = shape.root if parent is None else shape.roles.get(config.role)
+    return pinned if pinned is not None and pinned == config else config
+
+
 def _on_lifecycle(state: SessionState, env: Envelope) -> None:
     ev = env.event
     assert isinstance(ev, AgentLifecycle)
@@ -442,7 +454,7 @@ def _on_lifecycle(state: SessionState, env: Envelope) -> None:
         state.agents[ev.agent] = AgentView(
             ref=ev.agent,
             parent=ev.parent,
-            config=ev.config,
+            config=_pinned_config(state, ev.parent, ev.config),
             task=ev.task,
             task_index=ev.task_index,
             born_index=env.index,
