@@ -56,6 +56,8 @@ from apomesh.core.events import SessionShape, SessionStarted
 from apomesh.core.state import SessionState, apply, new_state
 
 MAX_PAGE_BYTES = 16 * 1024 * 1024
+FOLD_SLICE = 200
+"""Messages of a page folded between two turns of the event loop."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,15 @@ async def fold_stream(
             if got.pending > 0 and got.last_sequence:
                 # The next page is asked for now and arrives while this one is folded.
                 upcoming = read_page(got.last_sequence + 1)
-            if not _fold_page(result, got, seq, skip, waiting):
+            result.pages += 1
+            decodable = True
+            for first in range(0, len(got.messages), FOLD_SLICE):
+                if first:
+                    # The read loop takes in the next page meanwhile: a page folded in one go
+                    # left the socket full and the server waiting for most of it.
+                    await asyncio.sleep(0)
+                decodable &= _fold_page(result, got, seq, skip, waiting, first, FOLD_SLICE)
+            if not decodable:
                 for session_id in await _undecodable_sessions(
                     nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
                 ):
@@ -180,16 +190,18 @@ def _fold_page(
     start: int,
     skip: set[str],
     waiting: dict[str, ResumePoint],
+    first: int,
+    count: int,
 ) -> bool:
-    """Fold one page of envelopes, asked for from sequence ``start``, into their sessions' states
-    (a session in ``waiting`` from its checkpoint, once the envelope at its index is seen to be
-    the checkpoint's), noting where each session ends if the page is dense; False when a payload
-    in it is not an envelope (its session is then named by ``_undecodable_sessions``)."""
-    result.pages += 1
+    """Fold ``count`` messages from the ``first`` of one page of envelopes, asked for from
+    sequence ``start``, into their sessions' states (a session in ``waiting`` from its checkpoint,
+    once the envelope at its index is seen to be the checkpoint's), noting where each session
+    ends if the page is dense; False when a payload among them is not an envelope (its session is
+    then named by ``_undecodable_sessions``)."""
     decodable = True
     dense = got.last_sequence - start + 1 == len(got.messages)
     ends = result.ends
-    for offset, msg in enumerate(got.messages):
+    for offset, msg in enumerate(got.messages[first : first + count], first):
         try:
             held = envelopes(msg.data)
         except CodecError:
