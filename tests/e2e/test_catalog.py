@@ -265,7 +265,7 @@ def test_a_bundle_lacking_a_skill_or_sealed_with_other_pins_is_a_typed_error(mes
 
         nc = await nats.connect(mesh.nats_url)
         try:
-            kv = await KvBuckets.open(nc.jetstream())
+            kv = await KvBuckets.open(nc)
             await kv.agents.create("writer@1.0.0", bundle("1.0.0", [], [installed]))
             await kv.agents.create("writer@2.0.0", bundle("2.0.0", [spoiled], [installed]))
             await kv.agents.create(

@@ -369,7 +369,7 @@ async def in_process_daemon(
         nc=nc,
         log_adapter=log,
         heartbeats=HeartbeatStream(nc),
-        kv=await KvBuckets.open(nc.jetstream()),
+        kv=await KvBuckets.open(nc),
         store=store,
         plugins=host,
         workspace=tmp / "workspace",

@@ -130,7 +130,7 @@ async def append_behind_the_daemons_back(nats_url: str, session_id: str) -> int:
 async def lease_owner(nats_url: str, session_id: str) -> str | None:
     nc = await connect([nats_url])
     try:
-        kv = await KvBuckets.open(nc.jetstream())
+        kv = await KvBuckets.open(nc)
         return await kv.leases.owner(session_id)
     finally:
         await nc.close()
@@ -175,7 +175,7 @@ async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str:
     nc = await connect([nats_url])
     try:
         js = nc.jetstream()
-        kv = await KvBuckets.open(js)
+        kv = await KvBuckets.open(nc)
         await kv.daemons.put(owner, b"a peer's record")
         bucket = await js.key_value(LEASES_BUCKET)
         entry = await bucket.get(encode_key(session_id))

@@ -37,7 +37,7 @@ async def nc(nats_server: Any) -> AsyncIterator[NATS]:
 
 @pytest.fixture
 async def buckets(nc: NATS) -> KvBuckets:
-    return await KvBuckets.open(nc.jetstream())
+    return await KvBuckets.open(nc)
 
 
 def unique(prefix: str) -> str:
@@ -71,7 +71,7 @@ async def test_open_creates_the_three_buckets_and_reopens_them(
     assert (await js.stream_info(f"KV_{SKILLS_BUCKET}")).config.max_msgs_per_subject == 16
     assert not (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age  # no TTL of their own
     assert (await js.stream_info(f"KV_{DAEMONS_BUCKET}")).config.max_age == 30
-    await KvBuckets.open(js)  # idempotent
+    await KvBuckets.open(nc)  # idempotent
 
 
 async def test_a_lease_bucket_with_a_ttl_loses_it_when_opened(fresh_nats_server: Any) -> None:
@@ -81,7 +81,7 @@ async def test_a_lease_bucket_with_a_ttl_loses_it_when_opened(fresh_nats_server:
     try:
         js = client.jetstream()
         await js.create_key_value(KeyValueConfig(bucket=LEASES_BUCKET, history=1, ttl=30))
-        await KvBuckets.open(js)
+        await KvBuckets.open(client)
         assert not (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.max_age
     finally:
         await close_quietly(client)
@@ -156,7 +156,7 @@ async def test_a_lease_whose_owner_is_not_present_is_free(buckets: KvBuckets) ->
 async def test_every_held_lease_is_listed_in_one_read(fresh_nats_server: Any) -> None:
     client = await connect(fresh_nats_server.url)
     try:
-        buckets = await KvBuckets.open(client.jetstream())
+        buckets = await KvBuckets.open(client)
         leases = buckets.leases
         assert await leases.holders() == {}
         for n in range(3):
@@ -222,7 +222,7 @@ async def test_a_lease_lapses_with_its_owners_presence_record_and_another_owner_
     client = await connect(fresh_nats_server.url)
     try:
         # A TTL long enough that "b is refused while a holds it" holds on a loaded machine too.
-        buckets = await KvBuckets.open(client.jetstream(), lease_ttl=3.0)
+        buckets = await KvBuckets.open(client, lease_ttl=3.0)
         await buckets.daemons.put("daemon-a", b"record a")
         await buckets.daemons.put("daemon-b", b"record b")
         assert await buckets.leases.acquire("s-1", "daemon-a")
@@ -242,7 +242,7 @@ async def test_many_leases_stay_held_by_one_renewed_presence_record(
 ) -> None:
     client = await connect(fresh_nats_server.url)
     try:
-        buckets = await KvBuckets.open(client.jetstream(), lease_ttl=2.0)
+        buckets = await KvBuckets.open(client, lease_ttl=2.0)
         sessions = [f"s-{n}" for n in range(20)]
         await buckets.daemons.put("daemon-a", b"record a")
         for session in sessions:
@@ -283,7 +283,7 @@ async def test_a_daemons_presence_record_is_listed_until_withdrawn_or_aged_out(
 ) -> None:
     client = await connect(fresh_nats_server.url)
     try:
-        buckets = await KvBuckets.open(client.jetstream(), lease_ttl=2.0)
+        buckets = await KvBuckets.open(client, lease_ttl=2.0)
         presence = buckets.daemons
         await presence.put("daemon-a", b"record a")
         await presence.put("daemon/b", b"record b")
@@ -301,11 +301,11 @@ async def test_reopening_with_other_settings_updates_or_says_why(fresh_nats_serv
     client = await connect(fresh_nats_server.url)
     try:
         js = client.jetstream()
-        await KvBuckets.open(js, skill_history=4)
-        await KvBuckets.open(js, skill_history=8)
+        await KvBuckets.open(client, skill_history=4)
+        await KvBuckets.open(client, skill_history=8)
         assert (await js.stream_info(f"KV_{SKILLS_BUCKET}")).config.max_msgs_per_subject == 8
         with pytest.raises(CatalogError, match="replicas"):
-            await KvBuckets.open(js, replicas=3)
+            await KvBuckets.open(client, replicas=3)
     finally:
         await close_quietly(client)
 
@@ -313,7 +313,7 @@ async def test_reopening_with_other_settings_updates_or_says_why(fresh_nats_serv
 async def test_a_dead_server_is_log_unavailable(fresh_nats_server: Any) -> None:
     client = await connect(fresh_nats_server.url)
     try:
-        buckets = await KvBuckets.open(client.jetstream(timeout=1.0))
+        buckets = await KvBuckets.open(client, timeout=1.0)
         fresh_nats_server.kill()
         with anyio.fail_after(10), pytest.raises(LogUnavailable):
             await buckets.skills.get("anything")
@@ -353,7 +353,7 @@ async def test_a_presence_record_over_max_payload_is_put_in_parts_and_read_whole
 
     client = await connect(small_payload_server.url)
     try:
-        buckets = await KvBuckets.open(client.jetstream(), max_payload=client.max_payload)
+        buckets = await KvBuckets.open(client)
         sessions = [uuid.uuid4().hex for _ in range(6_000)]  # about 200 KB of record
         presence = Presence(
             buckets.daemons,
@@ -368,7 +368,7 @@ async def test_a_presence_record_over_max_payload_is_put_in_parts_and_read_whole
         with pytest.raises(nats.errors.MaxPayloadError):
             await raw.put("whole", encoded)  # one message cannot carry it
         # A peer reads it (its own table: nothing of the record is known to it but the bucket).
-        peer_buckets = await KvBuckets.open(client.jetstream(), max_payload=client.max_payload)
+        peer_buckets = await KvBuckets.open(client)
         peer = Presence(
             peer_buckets.daemons, incarnation="daemon-peer", url="", sessions=list, stranded=list
         )

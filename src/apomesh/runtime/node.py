@@ -487,7 +487,6 @@ class Node:
                 name=f"apomesh-control-{socket.gethostname()}",
                 **control_options,
             )
-        js = self.nc.jetstream()
         replicas = config.nats.replicas
         log_adapter = JetStreamLog(
             self.nc,
@@ -496,9 +495,7 @@ class Node:
             max_event_bytes=config.limits.max_event_bytes,
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
-        kv = await KvBuckets.open(
-            js, replicas, lease_ttl=config.daemon.lease_ttl, max_payload=self.nc.max_payload
-        )
+        kv = await KvBuckets.open(self.nc, replicas, lease_ttl=config.daemon.lease_ttl)
         self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
