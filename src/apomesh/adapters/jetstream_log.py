@@ -77,6 +77,7 @@ from apomesh.adapters.nats_connect import (
     JS_API_PREFIX,
     NATS,
     UNAVAILABLE_ERRORS,
+    WRONG_LAST_SEQUENCE,
     Replies,
     api_request,
     direct_get_batch,
@@ -92,8 +93,6 @@ LOG_SUBJECT_PREFIX = "apomesh.log"
 DUPLICATE_WINDOW_SECONDS = 120.0
 MULTI_LAST_SUBJECTS = 1000
 """Sessions per batched direct get of their last events (``learn_ends``)."""
-
-_WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 
 _DUPLICATE_IN_PROCESS = 10158
 """The server is storing another message with the same id right now (two writers racing for one
@@ -374,7 +373,7 @@ class JetStreamLog:
             return "written", int(answer["seq"]), ""
         code = int(error.get("err_code", 0))
         description = str(error.get("description", error))
-        if code in _WRONG_LAST_SEQUENCE:
+        if code in WRONG_LAST_SEQUENCE:
             return "wrong_last", 0, description
         if error.get("code") == 503 or "inflight" in description or code == _DUPLICATE_IN_PROCESS:
             return "transient", 0, description

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import uuid
@@ -45,6 +44,7 @@ from nats.js.kv import KeyValue
 from apomesh.adapters.nats_connect import (
     NATS,
     UNAVAILABLE_ERRORS,
+    WRONG_LAST_SEQUENCE,
     Replies,
     unavailable_as_log_error,
 )
@@ -56,6 +56,7 @@ LEASES_BUCKET = "APOMESH_LEASES"
 DAEMONS_BUCKET = "APOMESH_DAEMONS"
 DEFAULT_SKILL_HISTORY = 16
 DEFAULT_LEASE_TTL = 30.0
+_json_decode = msgspec.json.Decoder(dict[str, Any]).decode
 _NOT_ANSWERED: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, LogUnavailable)
 LEASE_WINDOW = 256
 """How many lease creates ``LeaseTable.acquire_many`` has in flight at once."""
@@ -338,11 +339,11 @@ class LeaseTable:
             timeout=self._timeout,
             headers={"Nats-Expected-Last-Subject-Sequence": "0"},
         )
-        answer = json.loads(reply.data)
+        answer = _json_decode(reply.data)
         error = answer.get("error")
         if error is None:
             return int(answer["seq"])
-        if error.get("err_code") in (10071, 10164):
+        if error.get("err_code") in WRONG_LAST_SEQUENCE:
             return None
         description = error.get("description", error)
         if error.get("code") == 503:
@@ -361,7 +362,7 @@ class LeaseTable:
                     await self._kv.delete(key, last=revision)
                     return True
                 except nats.js.errors.APIError as exc:
-                    if exc.err_code not in (10071, 10164):
+                    if exc.err_code not in WRONG_LAST_SEQUENCE:
                         raise
             held = await _value(self._kv, key)
             if held is None or held[0] != owner.encode():
@@ -369,7 +370,7 @@ class LeaseTable:
             try:
                 await self._kv.delete(key, last=held[1])
             except nats.js.errors.APIError as exc:
-                if exc.err_code in (10071, 10164):
+                if exc.err_code in WRONG_LAST_SEQUENCE:
                     return False
                 raise
             return True

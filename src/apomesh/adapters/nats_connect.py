@@ -39,6 +39,7 @@ from apomesh.core.errors import ApomeshError, LogError, LogUnavailable
 
 __all__ = [
     "NATS",
+    "WRONG_LAST_SEQUENCE",
     "DirectGetPage",
     "NatsAuthError",
     "NatsTlsError",
@@ -58,6 +59,9 @@ __all__ = [
 _log = logging.getLogger("apomesh.nats")
 
 JS_API_PREFIX = "$JS.API"
+
+WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
+"""JetStream's err_codes for a publish whose expected last (subject) sequence did not hold."""
 
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
