@@ -1,4 +1,4 @@
-"""Batched direct gets on a real nats-server: a connection ``connect`` opened reads pages through
+"""Batched direct gets (and batches of requests) on a real nats-server: a connection ``connect`` opened reads pages through
 its parser's sinks, a plain nats-py connection through a subscription, and both see the same
 messages, payloads and headers, across pages larger than one read of the socket."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import nats
 import pytest
 
-from apomesh.adapters.nats_connect import NATS, connect, direct_get_batch
+from apomesh.adapters.nats_connect import NATS, connect, direct_get_batch, request_many
 from apomesh.adapters.nats_parser import SinkParser
 
 pytestmark = pytest.mark.anyio
@@ -72,3 +72,46 @@ async def test_a_page_of_nothing_and_a_filtered_page(nc: NATS) -> None:
     ]
     assert page.pending == 3000 // 9 - 10 + (1 if 3000 % 9 > 4 else 0)
     assert not nc._ps.sinks  # each page's sink is gone with its page
+
+
+async def echo(client: NATS, subject: str) -> Any:
+    """A responder answering each request with its payload reversed and its ``K`` header."""
+
+    async def answer(msg: Any) -> None:
+        await msg.respond(msg.data[::-1] + b"|" + (msg.headers or {}).get("K", "").encode())
+
+    return await client.subscribe(subject, cb=answer)
+
+
+async def ignore(msg: Any) -> None:
+    pass
+
+
+async def test_a_batch_of_requests_answered_in_order(nc: NATS, nats_server: Any) -> None:
+    """``request_many`` on a connection with sinks and on a plain nats-py one: answers come back
+    in the order asked, headers and all; one sent where nobody listens is None (no responders),
+    as is one that a listener never answers within the timeout, without holding up the rest."""
+    assert isinstance(nc._ps, SinkParser)
+    plain = await nats.connect(nats_server.url)
+    responder = await connect(nats_server.url)
+    try:
+        await echo(responder, "echo.*")
+        await responder.subscribe("silent", cb=ignore)  # hears, never answers
+        await responder.flush()
+        requests: list[tuple[str, bytes, dict[str, str] | None]] = [
+            (f"echo.{n % 7}", b"%05d" % n, {"K": str(n)} if n % 2 else None) for n in range(600)
+        ]
+        expected = [
+            payload[::-1] + b"|" + (h or {}).get("K", "").encode() for _, payload, h in requests
+        ]
+        for client in (nc, plain):
+            answers = await request_many(client, requests, timeout=10)
+            assert [a.data if a else None for a in answers] == expected
+        assert not nc._ps.sinks  # the batch's sinks are gone with it
+        mixed = [("echo.1", b"ab", None), ("nobody.here", b"x", None), ("silent", b"y", None)]
+        for client in (nc, plain):
+            answers = await request_many(client, mixed, timeout=0.5)
+            assert [a.data if a else None for a in answers] == [b"ba|", None, None]
+    finally:
+        await plain.close()
+        await responder.close()

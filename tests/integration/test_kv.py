@@ -4,6 +4,7 @@ daemons' presence records."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -191,6 +192,23 @@ async def test_many_leases_are_taken_together_as_one_by_one(buckets: KvBuckets) 
     assert holders[peers] == peer
     assert await leases.release(free[0], me)  # released at the revision it was taken at
     assert await leases.owner(free[0]) is None
+
+
+async def test_two_owners_taking_many_leases_at_once_never_share_one(buckets: KvBuckets) -> None:
+    """Two daemons' boot scans adopting the same 700 sessions at the same moment: each session's
+    lease goes to exactly one of them."""
+    owners = [unique("daemon-a"), unique("daemon-b")]
+    for owner in owners:
+        await buckets.daemons.put(owner, b"record")
+    sessions = [unique(f"shared-{n}") for n in range(700)]
+    first, second = await asyncio.gather(
+        *(buckets.leases.acquire_many(sessions, owner) for owner in owners)
+    )
+    assert not first & second
+    assert first | second == set(sessions)
+    holders = await buckets.leases.holders()
+    assert all(holders[s] == owners[0] for s in first)
+    assert all(holders[s] == owners[1] for s in second)
 
 
 @pytest.mark.parametrize("held_by_the_dead", [False, True], ids=["free", "held-by-a-dead-owner"])

@@ -43,9 +43,8 @@ from nats.js.kv import KeyValue
 
 from apomesh.adapters.nats_connect import (
     NATS,
-    UNAVAILABLE_ERRORS,
     WRONG_LAST_SEQUENCE,
-    Replies,
+    request_many,
     unavailable_as_log_error,
 )
 from apomesh.core.errors import CatalogError, LogError, LogUnavailable, PublishConflict
@@ -57,8 +56,7 @@ DAEMONS_BUCKET = "APOMESH_DAEMONS"
 DEFAULT_SKILL_HISTORY = 16
 DEFAULT_LEASE_TTL = 30.0
 _json_decode = msgspec.json.Decoder(dict[str, Any]).decode
-_NOT_ANSWERED: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, LogUnavailable)
-LEASE_WINDOW = 256
+LEASE_WINDOW = 1024
 """How many lease creates ``LeaseTable.acquire_many`` has in flight at once."""
 
 _log = logging.getLogger("apomesh.leases")
@@ -237,6 +235,33 @@ class SkillCatalog:
         ]
 
 
+_CREATE_IF_ABSENT = {"Nats-Expected-Last-Subject-Sequence": "0"}
+"""A publish to a key with no message at all (a lease create; a release's delete marker counts
+as a message, which the bucket's own ``create`` in ``acquire`` takes into account)."""
+
+
+def _created(session_id: str, answer: bytes) -> int | None:
+    """The revision a lease create's answer (a JetStream PubAck) gives, or None when the key had a
+    message already. Raises ``LogUnavailable`` when JetStream could not store it, ``LogError`` for
+    another refusal. Raw creates cost about half the CPU of the bucket's ``create`` (20,000 in
+    0.8 s of CPU against 1.5 s); sent together by ``request_many``, less again."""
+    try:
+        parsed = _json_decode(answer)
+    except msgspec.DecodeError:
+        raise LogError(
+            f"lease {session_id}: an answer that is not a PubAck: {answer[:80]!r}"
+        ) from None
+    error = parsed.get("error")
+    if error is None:
+        return int(parsed["seq"])
+    if error.get("err_code") in WRONG_LAST_SEQUENCE:
+        return None
+    description = error.get("description", error)
+    if error.get("code") == 503:
+        raise LogUnavailable(f"lease {session_id}: {description}")
+    raise LogError(f"lease {session_id}: {description} (err_code {error.get('err_code')})")
+
+
 class LeaseTable:
     """Session ownership leases, kept alive by their owner's presence record.
 
@@ -254,13 +279,13 @@ class LeaseTable:
         presence: KeyValue,
         js: JetStreamContext,
         ttl: float,
-        replies: Replies,
+        nc: NATS,
         timeout: float,
     ) -> None:
         self._kv = kv
         self._presence = presence
         self._js = js
-        self._replies = replies
+        self._nc = nc
         self._timeout = timeout
         self.ttl = ttl
         """The presence TTL: how long a lease outlives the last renewal of its owner's record."""
@@ -299,56 +324,42 @@ class LeaseTable:
         self, session_ids: Sequence[str], owner: str, *, window: int = LEASE_WINDOW
     ) -> set[str]:
         """``acquire`` for many sessions at once (a boot scan's): the creates go out ``window`` at
-        a time, each window's answers awaited together; a lease that exists already is then
-        taken as ``acquire`` takes it (held by ``owner``, or taken over from an owner that is not
-        alive). Answers the sessions ``owner`` now holds; a session whose lease NATS could not
-        answer for is not among them (its caller asks again later)."""
+        a time (``request_many``), each window's answers awaited together; a lease that exists
+        already is then taken as ``acquire`` takes it (held by ``owner``, or taken over from an
+        owner that is not alive). Answers the sessions ``owner`` now holds; a session whose lease
+        NATS could not answer for is not among them (its caller asks again later)."""
         mine = owner.encode()
         taken: set[str] = set()
         contested: list[str] = []
-
-        async def create(session_id: str) -> None:
-            try:
-                revision = await self._create_absent(session_id, mine)
-            except _NOT_ANSWERED as exc:
-                _log.debug("lease %s not taken yet: %r", session_id, exc)
-                return
-            if revision is None:
-                contested.append(session_id)
-            else:
-                self._taken[session_id, owner] = revision
-                taken.add(session_id)
-
         for first in range(0, len(session_ids), window):
-            await asyncio.gather(*(create(s) for s in session_ids[first : first + window]))
+            chunk = session_ids[first : first + window]
+            requests = [
+                (f"$KV.{LEASES_BUCKET}.{encode_key(s)}", mine, _CREATE_IF_ABSENT) for s in chunk
+            ]
+            try:
+                answers = await request_many(self._nc, requests, timeout=self._timeout)
+            except LogUnavailable as exc:
+                _log.debug("%d leases not taken yet: %r", len(chunk), exc)
+                continue
+            for session_id, answer in zip(chunk, answers, strict=True):
+                if answer is None:
+                    _log.debug("lease %s not taken yet: not answered", session_id)
+                    continue
+                try:
+                    revision = _created(session_id, answer.data)
+                except LogUnavailable as exc:
+                    _log.debug("lease %s not taken yet: %r", session_id, exc)
+                    continue
+                if revision is None:
+                    contested.append(session_id)
+                else:
+                    self._taken[session_id, owner] = revision
+                    taken.add(session_id)
         for session_id in contested:
             with contextlib.suppress(LogUnavailable):
                 if await self.acquire(session_id, owner):
                     taken.add(session_id)
         return taken
-
-    async def _create_absent(self, session_id: str, owner: bytes) -> int | None:
-        """Publish ``owner`` as the session's lease if its key has no message at all: the new
-        revision, or None when the key has one (a holder, or a release's delete marker, which
-        the bucket's own ``create`` in ``acquire`` takes into account). One request over this
-        table's reply subscription: about half the CPU of the bucket's ``create`` (20,000 creates
-        in 0.8 s of CPU against 1.5 s)."""
-        reply = await self._replies.request(
-            f"$KV.{LEASES_BUCKET}.{encode_key(session_id)}",
-            owner,
-            timeout=self._timeout,
-            headers={"Nats-Expected-Last-Subject-Sequence": "0"},
-        )
-        answer = _json_decode(reply.data)
-        error = answer.get("error")
-        if error is None:
-            return int(answer["seq"])
-        if error.get("err_code") in WRONG_LAST_SEQUENCE:
-            return None
-        description = error.get("description", error)
-        if error.get("code") == 503:
-            raise LogUnavailable(f"lease {session_id}: {description}")
-        raise LogError(f"lease {session_id}: {description} (err_code {error.get('err_code')})")
 
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released. A lease this table
@@ -686,6 +697,6 @@ class KvBuckets:
         return cls(
             AgentRegistry(agents),
             SkillCatalog(skills),
-            LeaseTable(leases, daemons, js, lease_ttl, Replies(nc), timeout),
+            LeaseTable(leases, daemons, js, lease_ttl, nc, timeout),
             PresenceTable(daemons, lease_ttl, js, presence_part_bytes(max_payload)),
         )

@@ -141,8 +141,12 @@ def envelopes(data: bytes) -> list[Envelope]:
             decoded = _typed_run_decode(data).envelopes
         except msgspec.MsgspecError:
             decoded = None
-        if decoded is not None and all(env.v == envelope.SCHEMA_VERSION for env in decoded):
-            return decoded
+        if decoded is not None:
+            for env in decoded:  # a loop, not all(...): no generator for each of a million runs
+                if env.v != envelope.SCHEMA_VERSION:
+                    break
+            else:
+                return decoded
         # An envelope of an older schema inside (upcast one by one), or not a run after all.
         first, payloads = entries(data)
         if first is None:

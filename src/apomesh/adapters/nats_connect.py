@@ -13,18 +13,20 @@ token. A permissions violation the server reports on a live connection is logged
 maps the nats-py failures that mean "NATS cannot be reached right now" to ``LogUnavailable``;
 ``direct_get_batch`` runs one batched direct-get request and collects its messages up to the
 end-of-batch status; ``api_request`` runs one raw ``$JS.API`` request; ``Replies`` sends the
-many small requests of a hot path (a log append is one) over one reply subscription.
+many small requests of a hot path (a log append is one) over one reply subscription;
+``request_many`` sends a batch of requests at once and collects their answers together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,6 +53,7 @@ __all__ = [
     "direct_get_batch",
     "redact_url",
     "redact_urls",
+    "request_many",
     "split_urls",
     "tls_context",
     "unavailable_as_log_error",
@@ -400,7 +403,8 @@ async def api_request(
 
 
 class PageMessage:
-    """One message of a direct-get page: its payload, and its headers parsed when first asked."""
+    """One message read through a sink (of a direct-get page, or an answer ``request_many``
+    collected): its payload, and its headers parsed when first asked."""
 
     __slots__ = ("_headers", "_raw_headers", "data")
 
@@ -500,6 +504,75 @@ async def direct_get_batch(
             with contextlib.suppress(nats.errors.Error):
                 await subscription.unsubscribe()
     return DirectGetPage(messages, pending, last)
+
+
+async def request_many(
+    nc: NATS,
+    requests: Sequence[tuple[str, bytes, dict[str, str] | None]],
+    *,
+    timeout: float,
+) -> list[PageMessage | None]:
+    """Send every ``(subject, payload, headers)`` request at once and answer their replies in
+    the same order, waiting at most ``timeout`` seconds for all of them: a request not answered
+    by then is None, as is one nobody listened to (a 503 status with no payload).
+
+    The requests share one reply subscription (``<inbox>.<n>``) and one wait: no future, timer
+    or task for each, as a loop of ``Replies.request`` would have. On a connection ``connect``
+    opened, each answer goes straight from the parser to its slot (``SinkParser``), with no
+    ``Msg``; on another, through the subscription's callback. The boot scan's lease creates go
+    this way, tens of thousands at once."""
+    answers: list[PageMessage | None] = [None] * len(requests)
+    if not requests:
+        return answers
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[None] = loop.create_future()
+    left = len(requests)
+
+    def take(slot: int, message: PageMessage) -> None:
+        nonlocal left
+        if answers[slot] is not None or finished.done():
+            return
+        headers = None if message.data else message.headers
+        if headers and headers.get("Status") == "503":
+            return  # no responders: not answered (the caller asks again later)
+        answers[slot] = message
+        left -= 1
+        if not left:
+            finished.set_result(None)
+
+    inbox = nc.new_inbox()
+
+    async def collect(msg: Msg) -> None:
+        slot = msg.subject[len(inbox) + 1 :]
+        if slot.isdigit() and int(slot) < len(answers):
+            take(int(slot), PageMessage(msg.data, headers=msg.headers))
+
+    parser = getattr(nc, "_ps", None)
+    sinks = parser.sinks if isinstance(parser, SinkParser) else None
+    replies = [f"{inbox}.{slot}" for slot in range(len(requests))]
+    with unavailable_as_log_error(f"{len(requests)} requests"):
+        subscription = await nc.subscribe(f"{inbox}.*", cb=collect)
+        try:
+            if sinks is not None:
+                for slot, reply in enumerate(replies):
+                    sinks[reply.encode()] = functools.partial(_sink_to, take, slot)
+            for (subject, payload, headers), reply in zip(requests, replies, strict=True):
+                await nc.publish(subject, payload, reply=reply, headers=headers)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(finished), timeout=timeout)
+        finally:
+            if sinks is not None:
+                for reply in replies:
+                    sinks.pop(reply.encode(), None)
+            with contextlib.suppress(nats.errors.Error):
+                await subscription.unsubscribe()
+    return answers
+
+
+def _sink_to(
+    take: Callable[[int, PageMessage], None], slot: int, raw_headers: bytes | None, data: bytes
+) -> None:
+    take(slot, PageMessage(data, raw_headers))
 
 
 class Replies:

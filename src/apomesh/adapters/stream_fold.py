@@ -113,7 +113,6 @@ async def fold_stream(
     waiting = {s: point for s, point in (resume or {}).items() if s not in skip}
     seq = max(seq, _first_needed(waiting, sessions, skip) or seq)
     wildcard = f"{subject_prefix}.*"
-    states = result.states
 
     def read_page(start: int) -> asyncio.Task[DirectGetPage]:
         request = {
@@ -152,9 +151,7 @@ async def fold_stream(
                 for session_id in await _undecodable_sessions(
                     nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
                 ):
-                    result.suspect.add(session_id)
-                    result.resumed.discard(session_id)
-                    states.pop(session_id, None)
+                    _suspect(result, session_id)
             seq = got.last_sequence + 1
     finally:
         if upcoming is not None:
@@ -201,38 +198,55 @@ def _fold_page(
     decodable = True
     dense = got.last_sequence - start + 1 == len(got.messages)
     ends = result.ends
+    states = result.states
+    folded = 0
     for offset, msg in enumerate(got.messages[first : first + count], first):
         try:
             held = envelopes(msg.data)
         except CodecError:
             decodable = False
             continue
+        if not held:
+            continue
+        result.events += len(held)
         for env in held:
-            _fold_one(result, env, skip, waiting)
-        if held:
-            last = held[-1]
-            if dense:
-                ends[last.session_id] = (last.index, start + offset)
-            else:
-                ends.pop(last.session_id, None)
+            # The common case first: an event of a session the pass folds already (a session
+            # in ``skip`` or found ``suspect`` has no state here).
+            state = states.get(env.session_id)
+            if state is None or type(env.event) is SessionStarted:
+                folded += _fold_first(result, env, skip, waiting)
+                continue
+            try:
+                apply(state, env)
+                folded += 1
+            except FoldError:
+                _suspect(result, env.session_id)
+        last = held[-1]
+        if dense:
+            ends[last.session_id] = (last.index, start + offset)
+        else:
+            ends.pop(last.session_id, None)
+    result.folded += folded
     return decodable
 
 
-def _fold_one(
+def _fold_first(
     result: StreamFold, env: Envelope, skip: set[str], waiting: dict[str, ResumePoint]
-) -> None:
+) -> int:
+    """Fold an envelope of a session the pass holds no state for yet (or a ``SessionStarted``):
+    passed over in ``skip`` and ``suspect`` sessions, taken from its checkpoint in ``waiting``,
+    else a new state. Answers how many envelopes it folded (0 or 1)."""
     states = result.states
-    result.events += 1
     session_id = env.session_id
     if session_id in skip or session_id in result.suspect:
-        return
+        return 0
     folded = states.get(session_id)
     if folded is None:
         point = waiting.get(session_id)
         if point is not None:
             at = point.state.last_index
             if env.index < at:
-                return  # folded into the checkpoint already
+                return 0  # folded into the checkpoint already
             del waiting[session_id]
             if env.index == at and env.event_id == point.event_id:
                 states[session_id] = point.state
@@ -240,17 +254,23 @@ def _fold_one(
             else:  # the log holds something else there: fold it from its start
                 result.stale.add(session_id)
                 result.suspect.add(session_id)
-            return
+            return 0
         folded = states[session_id] = new_state(session_id)
     if type(env.event) is SessionStarted:
         env = _shared_shape(result.shapes, env)
     try:
         apply(folded, env)
-        result.folded += 1
     except FoldError:
-        result.suspect.add(session_id)
-        result.resumed.discard(session_id)
-        del states[session_id]
+        _suspect(result, session_id)
+        return 0
+    return 1
+
+
+def _suspect(result: StreamFold, session_id: str) -> None:
+    """A session whose envelopes do not fold: left to be read one by one."""
+    result.suspect.add(session_id)
+    result.resumed.discard(session_id)
+    result.states.pop(session_id, None)
 
 
 def _shared_shape(shapes: dict[str, SessionShape], env: Envelope) -> Envelope:

@@ -36,6 +36,7 @@ from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import ResumePoint, StreamFold
 from apomesh.core import decisions
 from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, OwnedElsewhere
+from apomesh.core.events import PluginPin
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState
 from apomesh.plugins.api import Tool
@@ -68,19 +69,38 @@ class FoldsInOnePass(Protocol):
     ) -> StreamFold: ...
 
 
-def classify(
-    plugins: PluginHost, state: SessionState, tools: dict[str, Tool] | None = None
-) -> decisions.Classification:
-    """The recovery verdict for a folded, non-terminal session (``tools``: the plugins' tools,
-    when the caller has them already)."""
-    problem = shape_problem(plugins, state) if state.bootstrap is not None else None
-    if tools is None:
-        tools = plugins.tools()
-    for classifier in plugins.recovery_classifiers():
-        verdict = classifier.classify(state, problem, tools)
-        if verdict is not None:
-            return verdict
-    return decisions.classify(state, problem)
+class Classifier:
+    """Recovery verdicts for folded, non-terminal sessions classified at one moment: the plugins'
+    tools and recovery classifiers are asked for once, and a pin problem is checked once per shape
+    and effective plugin pins (a boot scan's sessions of one definition share one shape object).
+    """
+
+    def __init__(self, plugins: PluginHost) -> None:
+        self.plugins = plugins
+        self.tools: dict[str, Tool] = plugins.tools()
+        self.classifiers = plugins.recovery_classifiers()
+        self._problems: dict[tuple[int, tuple[PluginPin, ...]], tuple[object, str | None]] = {}
+
+    def __call__(self, state: SessionState) -> decisions.Classification:
+        problem = self._pin_problem(state) if state.bootstrap is not None else None
+        for classifier in self.classifiers:
+            verdict = classifier.classify(state, problem, self.tools)
+            if verdict is not None:
+                return verdict
+        return decisions.classify(state, problem)
+
+    def _pin_problem(self, state: SessionState) -> str | None:
+        shape = state.effective_shape
+        key = (id(shape), tuple(state.plugin_pins))
+        known = self._problems.get(key)
+        if known is None or known[0] is not shape:  # the shape is kept: its id is not reused
+            known = self._problems[key] = (shape, shape_problem(self.plugins, state))
+        return known[1]
+
+
+def classify(plugins: PluginHost, state: SessionState) -> decisions.Classification:
+    """The recovery verdict for one folded, non-terminal session."""
+    return Classifier(plugins)(state)
 
 
 def fresh_children(state: SessionState) -> bool:
@@ -150,7 +170,7 @@ class BootScan:
         scanned = pass_result.states if pass_result is not None else {}
         # Every lease in one read (not one per session); asked one by one only if that fails.
         holders = await self.registry.lease_holders()
-        tools = self.plugins.tools()
+        verdict_of = Classifier(self.plugins)
         ended: list[SessionState] = []
         auto: list[SessionState] = []
         adopted: list[SessionRuntime] = []
@@ -167,7 +187,7 @@ class BootScan:
                 counts["owned_by_peers"] += 1
                 self.takeover.watch(state.session_id, holder)
                 return
-            verdict = classify(self.plugins, state, tools)
+            verdict = verdict_of(state)
             if verdict.verdict == "auto_resume":
                 counts["auto_resume"] += 1
                 auto.append(state)
