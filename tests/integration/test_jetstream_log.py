@@ -501,8 +501,12 @@ async def test_replies_answer_each_request_with_its_own_reply_and_say_why_none_c
 ) -> None:
     """The appends' request path (``Replies``): concurrent requests each get their own answer,
     a subject nobody listens on is ``NoRespondersError`` and a listener that never answers a
-    ``TimeoutError`` after the timeout, with nothing left waiting."""
+    ``TimeoutError`` after the timeout, with nothing left waiting; the answers go straight from
+    the parser to their requests (no sink is left behind either)."""
     from apomesh.adapters.nats_connect import Replies
+    from apomesh.adapters.nats_parser import SinkParser
+
+    assert isinstance(nc._ps, SinkParser)
 
     async def echo(msg: Any) -> None:
         await msg.respond(b"re:" + msg.data)
@@ -527,3 +531,26 @@ async def test_replies_answer_each_request_with_its_own_reply_and_say_why_none_c
     with pytest.raises(nats.errors.TimeoutError):
         await replies.request("replies.silent", b"x", timeout=0.2, headers={"N": "0"})
     assert not replies._waiting
+    assert not nc._ps.sinks
+
+
+async def test_replies_on_a_plain_nats_py_connection(nc: NATS, nats_server: Any) -> None:
+    """``Replies`` on a connection without sinks takes its answers through the subscription's
+    callback, with the same answers and the same errors."""
+    from apomesh.adapters.nats_connect import Replies
+
+    async def echo(msg: Any) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    await nc.subscribe("plain.echo", cb=echo)
+    await nc.flush()
+    plain = await nats.connect(nats_server.url)
+    try:
+        replies = Replies(plain)
+        answers = [await replies.request("plain.echo", b"%d" % n, timeout=5) for n in range(5)]
+        assert [a.data for a in answers] == [b"re:%d" % n for n in range(5)]
+        with pytest.raises(nats.errors.NoRespondersError):
+            await replies.request("plain.nobody", b"x", timeout=5)
+        assert not replies._waiting
+    finally:
+        await plain.close()

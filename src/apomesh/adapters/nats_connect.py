@@ -403,8 +403,8 @@ async def api_request(
 
 
 class PageMessage:
-    """One message read through a sink (of a direct-get page, or an answer ``request_many``
-    collected): its payload, and its headers parsed when first asked."""
+    """One message read through a sink (of a direct-get page, or an answer ``request_many`` or
+    ``Replies`` collected): its payload, and its headers parsed when first asked."""
 
     __slots__ = ("_headers", "_raw_headers", "data")
 
@@ -580,19 +580,23 @@ class Replies:
 
     The same exchange as ``nc.request`` (publish with a reply subject, wait for the one answer,
     ``nats.errors.TimeoutError`` after ``timeout`` seconds, ``NoRespondersError`` when nobody
-    listens), at about two thirds of its cost per request: the reply subject is this object's
-    prefix and a counter (nats-py draws a random token per request, a system call) and the wait
-    is a timer on the answer's future (``asyncio.wait_for`` wraps it in more). The subscription is
-    made on first use under the connection's inbox prefix (what the connection's permissions
-    already allow for replies) and nats-py renews it after a reconnect.
+    listens), at about half of its cost per request: the reply subject is this object's prefix
+    and a counter (nats-py draws a random token per request, a system call), the wait is a timer
+    on the answer's future (``asyncio.wait_for`` wraps it in more), and on a connection
+    ``connect`` opened the answer goes from the parser straight to that future (``SinkParser``:
+    no ``Msg``, no queue, no turn of the subscription's task). The subscription is made on first
+    use under the connection's inbox prefix (what the connection's permissions already allow for
+    replies) and nats-py renews it after a reconnect.
     """
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._prefix = ""
         self._counter = itertools.count()
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting: dict[str, asyncio.Future[PageMessage]] = {}
         self._started: asyncio.Future[None] | None = None
+        parser = getattr(nc, "_ps", None)
+        self._sinks = parser.sinks if isinstance(parser, SinkParser) else None
 
     async def _start(self) -> None:
         prefix = self._nc.new_inbox() + "."
@@ -602,11 +606,11 @@ class Replies:
     async def _on_reply(self, msg: Msg) -> None:
         future = self._waiting.pop(msg.subject, None)
         if future is not None and not future.done():
-            future.set_result(msg)
+            future.set_result(PageMessage(msg.data, headers=msg.headers))
 
     async def request(
         self, subject: str, payload: bytes, *, timeout: float, headers: dict[str, str] | None = None
-    ) -> Msg:
+    ) -> PageMessage:
         if not self._prefix:
             if self._started is None:
                 self._started = asyncio.ensure_future(self._start())
@@ -618,8 +622,12 @@ class Replies:
                 raise
         loop = asyncio.get_running_loop()
         reply = f"{self._prefix}{next(self._counter)}"
-        future: asyncio.Future[Msg] = loop.create_future()
+        future: asyncio.Future[PageMessage] = loop.create_future()
         self._waiting[reply] = future
+        sinks = self._sinks
+        key = reply.encode()
+        if sinks is not None:
+            sinks[key] = functools.partial(_answer, future)
         timer = loop.call_later(timeout, _time_out, future)
         try:
             await self._nc.publish(subject, payload, reply=reply, headers=headers)
@@ -627,11 +635,18 @@ class Replies:
         finally:
             timer.cancel()
             self._waiting.pop(reply, None)
-        if msg.headers and not msg.data and msg.headers.get("Status") == "503":
+            if sinks is not None:
+                sinks.pop(key, None)
+        if not msg.data and msg.headers and msg.headers.get("Status") == "503":
             raise nats.errors.NoRespondersError
         return msg
 
 
-def _time_out(future: asyncio.Future[Msg]) -> None:
+def _answer(future: asyncio.Future[PageMessage], raw_headers: bytes | None, data: bytes) -> None:
+    if not future.done():
+        future.set_result(PageMessage(data, raw_headers))
+
+
+def _time_out(future: asyncio.Future[PageMessage]) -> None:
     if not future.done():
         future.set_exception(nats.errors.TimeoutError())
