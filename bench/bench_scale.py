@@ -14,8 +14,10 @@ all of them parked, against its unloaded figure (median of ``--reps`` runs each)
 **Boot scan.** ``--stored`` (10,000 and 100,000) stored sessions of 20 events each (the sessions
 of ``bench_recovery.py``: half auto-resumable, three in ten with a logged side effect, two in ten
 ended without their completed record) are published straight to the log stream, in the envelope
-format the log writes, as plain publishes batched per flush (no message-id headers: the log reads
-an event's index from its envelope when the header is absent). Then an in-process daemon starts on
+format the log writes, 2,000 messages at a time with their acknowledgements checked (no
+message-id headers: the log reads an event's index from its envelope when the header is absent;
+plain publishes were dropped by the server's stream ingest queue when it filled, which left the
+seeding waiting forever for messages that never came). Then an in-process daemon starts on
 that log with a worker that acknowledges every dispatch and runs nothing (``bench_recovery``'s
 ``SinkWorker``); the figure is the daemon's ``start``: list, read, fold and classify every session,
 auto-resume the safe ones and strand the others.
@@ -48,6 +50,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import random
 import signal
@@ -70,7 +73,7 @@ from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.log_messages import pack
 from apomesh.adapters.memory_log import OutgoingEvent
-from apomesh.adapters.nats_connect import connect
+from apomesh.adapters.nats_connect import connect, request_many
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core import envelope
 from apomesh.core.state import fold
@@ -189,32 +192,45 @@ async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> N
 # --- stored sessions, published straight to the log ----------------------------------------------
 
 
+SEED_WINDOW = 2_000
+"""Messages a seeding publishes before it waits for their acknowledgements: fewer than the
+server's stream ingest queue holds (it drops plain publishes beyond it)."""
+
+
 async def publish_stored(url: str, sessions: list[list[envelope.Envelope]]) -> tuple[int, float]:
-    """Publish the sessions' envelopes to the log stream as plain publishes, flushed in batches,
-    in the messages the log writes: ``STEP_EVENTS`` consecutive events to a message, as a step's
-    appends are (``adapters.log_messages``). Wait until the stream holds them all; answer
+    """Publish the sessions' envelopes to the log stream in the messages the log writes:
+    ``STEP_EVENTS`` consecutive events to a message, as a step's appends are
+    (``adapters.log_messages``), ``SEED_WINDOW`` at a time, each window's acknowledgements
+    awaited together (``request_many``) and checked: a message the server did not store stops
+    the bench with the server's reason instead of leaving a session short. Answer
     (events, seconds)."""
     nc = await connect([url])
     log = JetStreamLog(nc)
     await log.ensure()
-    js = nc.jetstream()
-    before = (await js.stream_info(log.stream)).state.messages
     started = time.perf_counter()
-    total = messages = 0
+    total = 0
+    window: list[tuple[str, bytes, dict[str, str] | None]] = []
+
+    async def send() -> None:
+        answers = await request_many(nc, window, timeout=60)
+        for (subject, _, _), answer in zip(window, answers, strict=True):
+            reply = json.loads(answer.data) if answer is not None else {"error": "no answer"}
+            if "error" in reply:
+                raise RuntimeError(f"seeding {subject}: not stored: {reply['error']}")
+        window.clear()
+
     for envelopes in sessions:
         session_id = envelopes[0].session_id
         subject = log.subject(session_id)
         outgoing = [OutgoingEvent(e.index, envelope.encode(e), e.event_id) for e in envelopes]
         for first in range(0, len(outgoing), STEP_EVENTS):
             (run,) = pack(session_id, outgoing[first : first + STEP_EVENTS], 1 << 20)
-            await nc.publish(subject, run.payload)
-            messages += 1
+            window.append((subject, run.payload, None))
+            if len(window) >= SEED_WINDOW:
+                await send()
         total += len(envelopes)
-        if total % 20_000 < len(envelopes):
-            await nc.flush()
-    await nc.flush()
-    while (await js.stream_info(log.stream)).state.messages < before + messages:
-        await asyncio.sleep(0.1)
+    if window:
+        await send()
     seconds = time.perf_counter() - started
     await nc.close()
     return total, seconds
