@@ -249,7 +249,9 @@ class SessionRuntime:
         self.session_id = state.session_id
         self.fresh_children = fresh_children
         self.slots: dict[str, DispatchSlot] = {}
-        self.changed = asyncio.Condition()
+        self._changed: asyncio.Condition | None = None
+        """Made by the first ``wait_for`` (most sessions never have a waiter: a boot scan
+        adopts tens of thousands, and each step would otherwise notify nobody)."""
         self._writer = asyncio.Lock()
         self.task: asyncio.Task[None] | None = None
         self.opened = asyncio.Event()
@@ -342,8 +344,7 @@ class SessionRuntime:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(self._commit(envs, events))
                 raise
-        async with self.changed:
-            self.changed.notify_all()
+        await self.poke()
         return answer
 
     async def _commit(self, envs: list[envelope.Envelope], events: Sequence[Event]) -> None:
@@ -450,12 +451,18 @@ class SessionRuntime:
         self.deps.spawn(self.deps.on_end(self, Ending("conflict", reason=why)))
 
     async def wait_for(self, predicate: Any, timeout: float | None = None) -> None:
-        async with self.changed:
-            await asyncio.wait_for(self.changed.wait_for(predicate), timeout)
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        changed = self._changed
+        async with changed:
+            await asyncio.wait_for(changed.wait_for(predicate), timeout)
 
     async def poke(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
+        """Wake whoever waits in ``wait_for`` to look at the state again."""
+        changed = self._changed
+        if changed is not None:
+            async with changed:
+                changed.notify_all()
 
     # --- commands from operators -----------------------------------------------------------------
 
