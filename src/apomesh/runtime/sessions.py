@@ -241,6 +241,38 @@ Rule = Callable[[SessionState], tuple[Sequence[Event], T]]
 class SessionRuntime:
     """A session the daemon drives. Implements ``CoordinatorContext`` for the coordination kind."""
 
+    # Slots, not a dict per instance: a boot scan adopts tens of thousands at once.
+    __slots__ = (
+        "_asks",
+        "_changed",
+        "_checkpointed",
+        "_checkpointing",
+        "_cursor",
+        "_drivers",
+        "_id_counter",
+        "_id_prefix",
+        "_jobs",
+        "_last_event_id",
+        "_last_seq",
+        "_recovering",
+        "_replaying",
+        "_saved",
+        "_sequences",
+        "_unwritten_copies",
+        "_writer",
+        "conflict",
+        "deps",
+        "draining",
+        "fresh_children",
+        "held_reason",
+        "opened",
+        "recovered",
+        "session_id",
+        "slots",
+        "state",
+        "task",
+    )
+
     def __init__(
         self, deps: SessionDeps, state: SessionState, *, fresh_children: bool = False
     ) -> None:
