@@ -254,6 +254,7 @@ class SessionRuntime:
         "_jobs",
         "_last_event_id",
         "_last_seq",
+        "_opened",
         "_recovering",
         "_replaying",
         "_saved",
@@ -265,7 +266,6 @@ class SessionRuntime:
         "draining",
         "fresh_children",
         "held_reason",
-        "opened",
         "recovered",
         "session_id",
         "slots",
@@ -286,9 +286,7 @@ class SessionRuntime:
         adopts tens of thousands, and each step would otherwise notify nobody)."""
         self._writer = asyncio.Lock()
         self.task: asyncio.Task[None] | None = None
-        self.opened = asyncio.Event()
-        """Set once the started writer has logged its opening (``SessionRecovered``, a missing
-        root's birth) or stopped trying: what a boot scan starting sessions in waves waits for."""
+        self._opened: asyncio.Event | None = None
         self.held_reason: str | None = None
         self.conflict: AppendConflict | None = None
         """Set when another writer appended to this session's log: nothing more is written here."""
@@ -324,6 +322,15 @@ class SessionRuntime:
         self._checkpointing: asyncio.Task[None] | None = None
         self._sequences = deps.sequences
         """The log, when it tells the stream sequence of an event (asked at every append)."""
+
+    @property
+    def opened(self) -> asyncio.Event:
+        """Set once the started writer has logged its opening (``SessionRecovered``, a missing
+        root's birth) or stopped trying: what a boot scan starting sessions in waves waits for.
+        Made when first asked for (by the wave that starts the session, or by the writer)."""
+        if self._opened is None:
+            self._opened = asyncio.Event()
+        return self._opened
 
     # --- the single writer -----------------------------------------------------------------------
 
