@@ -526,16 +526,17 @@ async def request_many(
         return answers
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[None] = loop.create_future()
+    settled = [False] * len(requests)
     left = len(requests)
 
     def take(slot: int, message: PageMessage) -> None:
         nonlocal left
-        if answers[slot] is not None or finished.done():
+        if settled[slot] or finished.done():
             return
+        settled[slot] = True
         headers = None if message.data else message.headers
-        if headers and headers.get("Status") == "503":
-            return  # no responders: not answered (the caller asks again later)
-        answers[slot] = message
+        if not (headers and headers.get("Status") == "503"):  # 503: nobody listened (None)
+            answers[slot] = message
         left -= 1
         if not left:
             finished.set_result(None)
