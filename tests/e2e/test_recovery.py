@@ -287,7 +287,11 @@ async def test_verify_agrees_with_a_clean_session_and_reports_every_disagreement
     async with Client(bare_mesh.url) as client:
         session_id = await client.start_session("verified", definition=appender(3, delay=0.0))
         await finished(client, session_id)
-        report = await client.verify_session(session_id)
+        # The event stream ends at the terminal event; the completed record is written as the
+        # writer leaves, a moment after it.
+        with anyio.fail_after(30):
+            while not (report := await client.verify_session(session_id))["completed_record"]:
+                await anyio.sleep(0.05)
         assert report["ok"], report
         assert report["status"] == "completed" and report["completed_record"] is True
         # Three steps (each its turn, recorded before its call, and its node), the final turn.
