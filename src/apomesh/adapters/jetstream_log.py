@@ -77,10 +77,10 @@ from apomesh.adapters.nats_connect import (
     JS_API_PREFIX,
     NATS,
     UNAVAILABLE_ERRORS,
-    WRONG_LAST_SEQUENCE,
     Replies,
     api_request,
     direct_get_batch,
+    read_pub_ack,
     unavailable_as_log_error,
 )
 from apomesh.adapters.stream_fold import ResumePoint, StreamFold, fold_stream
@@ -93,13 +93,6 @@ LOG_SUBJECT_PREFIX = "apomesh.log"
 DUPLICATE_WINDOW_SECONDS = 120.0
 MULTI_LAST_SUBJECTS = 1000
 """Sessions per batched direct get of their last events (``learn_ends``)."""
-
-_DUPLICATE_IN_PROCESS = 10158
-"""The server is storing another message with the same id right now (two writers racing for one
-index: a stale one thawed as the lease holder appends): asked again, the answer says which is
-stored, and the append settles from there."""
-
-_json_decode = msgspec.json.Decoder(dict[str, Any]).decode
 
 
 def log_subject(session_id: str, prefix: str = LOG_SUBJECT_PREFIX) -> str:
@@ -365,19 +358,16 @@ class JetStreamLog:
             ) from None
         except UNAVAILABLE_ERRORS as exc:
             return "transient", 0, f"{type(exc).__name__}: {exc}".rstrip(": ")
-        answer = _json_decode(reply.data)
-        error = answer.get("error")
-        if error is None:
-            if answer.get("duplicate"):
-                return "duplicate", int(answer.get("seq", 0)), "duplicate acknowledgement"
-            return "written", int(answer["seq"]), ""
-        code = int(error.get("err_code", 0))
-        description = str(error.get("description", error))
-        if code in WRONG_LAST_SEQUENCE:
-            return "wrong_last", 0, description
-        if error.get("code") == 503 or "inflight" in description or code == _DUPLICATE_IN_PROCESS:
-            return "transient", 0, description
-        raise LogError(f"append to session {session_id} refused: {description} (err_code {code})")
+        ack = read_pub_ack(reply.data, f"append to session {session_id}")
+        if ack.error is None:
+            if ack.duplicate:
+                return "duplicate", ack.seq, "duplicate acknowledgement"
+            return "written", ack.seq, ""
+        if ack.wrong_last_sequence:
+            return "wrong_last", 0, ack.error.description
+        if ack.transient:
+            return "transient", 0, ack.error.description
+        raise LogError(f"append to session {session_id} refused: {ack.reason}")
 
     async def _settle(
         self, session_id: str, pending: list[OutgoingEvent], position: _Position, deadline: float

@@ -14,7 +14,8 @@ maps the nats-py failures that mean "NATS cannot be reached right now" to ``LogU
 ``direct_get_batch`` runs one batched direct-get request and collects its messages up to the
 end-of-batch status; ``api_request`` runs one raw ``$JS.API`` request; ``Replies`` sends the
 many small requests of a hot path (a log append is one) over one reply subscription;
-``request_many`` sends a batch of requests at once and collects their answers together.
+``request_many`` sends a batch of requests at once and collects their answers together;
+``read_pub_ack`` reads a JetStream publish's answer (a log append's, a lease create's).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ import itertools
 import json
 import logging
 import ssl
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -46,11 +48,13 @@ __all__ = [
     "NatsAuthError",
     "NatsTlsError",
     "PageMessage",
+    "PubAck",
     "Replies",
     "api_request",
     "close_quietly",
     "connect",
     "direct_get_batch",
+    "read_pub_ack",
     "redact_url",
     "redact_urls",
     "request_many",
@@ -65,6 +69,11 @@ JS_API_PREFIX = "$JS.API"
 
 WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
 """JetStream's err_codes for a publish whose expected last (subject) sequence did not hold."""
+
+DUPLICATE_IN_PROCESS = 10158
+"""The server is storing another message with the same id right now (two writers racing for one
+index: a stale one thawed as the lease holder appends): asked again, the answer says which is
+stored."""
 
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
@@ -402,6 +411,54 @@ async def api_request(
     return answer
 
 
+class PubAckError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class PubAck(msgspec.Struct):
+    """A JetStream publish's answer: the sequence the message was stored at (``duplicate`` when
+    its ``Nats-Msg-Id`` was stored already), or the ``error`` it was refused with."""
+
+    seq: int = 0
+    duplicate: bool = False
+    error: PubAckError | None = None
+
+    @property
+    def wrong_last_sequence(self) -> bool:
+        """Refused because the subject's last sequence was not the expected one."""
+        return self.error is not None and self.error.err_code in WRONG_LAST_SEQUENCE
+
+    @property
+    def transient(self) -> bool:
+        """Refused for now, not for good: JetStream is unavailable (503), or the server is
+        storing another message with the same id at this moment."""
+        error = self.error
+        return error is not None and (
+            error.code == 503
+            or error.err_code == DUPLICATE_IN_PROCESS
+            or "inflight" in error.description
+        )
+
+    @property
+    def reason(self) -> str:
+        """The refusal as the server described it, with its code."""
+        error = self.error
+        return "" if error is None else f"{error.description} (err_code {error.err_code})"
+
+
+_pub_ack_decode = msgspec.json.Decoder(PubAck).decode
+
+
+def read_pub_ack(answer: bytes, what: str) -> PubAck:
+    """The PubAck ``answer`` holds; ``LogError`` naming ``what`` when it holds none."""
+    try:
+        return _pub_ack_decode(answer)
+    except msgspec.DecodeError:
+        raise LogError(f"{what}: an answer that is not a PubAck: {answer[:80]!r}") from None
+
+
 class PageMessage:
     """One message read through a sink (of a direct-get page, or an answer ``request_many`` or
     ``Replies`` collected): its payload, and its headers parsed when first asked."""
@@ -479,30 +536,13 @@ async def direct_get_batch(
                 LogError(f"direct get on {stream} refused: {status} {description}")
             )
 
-    def sink(raw_headers: bytes | None, data: bytes) -> None:
-        take(PageMessage(data, raw_headers))
-
-    async def collect(msg: Msg) -> None:
-        take(PageMessage(msg.data, headers=msg.headers))
-
     inbox = nc.new_inbox()
-    parser = getattr(nc, "_ps", None)
-    sinks = parser.sinks if isinstance(parser, SinkParser) else None
     with unavailable_as_log_error(f"direct get on {stream}"):
-        subscription = await nc.subscribe(inbox, cb=collect)
-        if sinks is not None:
-            sinks[inbox.encode()] = sink
-        try:
+        async with _answers_to(nc, inbox, {inbox: take}):
             await nc.publish(
                 f"{prefix}.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox
             )
             pending, last = await asyncio.wait_for(finished, timeout=timeout)
-        finally:
-            if sinks is not None:
-                sinks.pop(inbox.encode(), None)
-            # When the connection is gone, the subscription went with it.
-            with contextlib.suppress(nats.errors.Error):
-                await subscription.unsubscribe()
     return DirectGetPage(messages, pending, last)
 
 
@@ -542,38 +582,51 @@ async def request_many(
             finished.set_result(None)
 
     inbox = nc.new_inbox()
-
-    async def collect(msg: Msg) -> None:
-        slot = msg.subject[len(inbox) + 1 :]
-        if slot.isdigit() and int(slot) < len(answers):
-            take(int(slot), PageMessage(msg.data, headers=msg.headers))
-
-    parser = getattr(nc, "_ps", None)
-    sinks = parser.sinks if isinstance(parser, SinkParser) else None
-    replies = [f"{inbox}.{slot}" for slot in range(len(requests))]
+    replies = {f"{inbox}.{slot}": functools.partial(take, slot) for slot in range(len(requests))}
     with unavailable_as_log_error(f"{len(requests)} requests"):
-        subscription = await nc.subscribe(f"{inbox}.*", cb=collect)
-        try:
-            if sinks is not None:
-                for slot, reply in enumerate(replies):
-                    sinks[reply.encode()] = functools.partial(_sink_to, take, slot)
+        async with _answers_to(nc, f"{inbox}.*", replies):
             for (subject, payload, headers), reply in zip(requests, replies, strict=True):
                 await nc.publish(subject, payload, reply=reply, headers=headers)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(finished), timeout=timeout)
-        finally:
-            if sinks is not None:
-                for reply in replies:
-                    sinks.pop(reply.encode(), None)
-            with contextlib.suppress(nats.errors.Error):
-                await subscription.unsubscribe()
     return answers
 
 
+@asynccontextmanager
+async def _answers_to(
+    nc: NATS, subscribe_to: str, replies: Mapping[str, Callable[[PageMessage], None]]
+) -> AsyncIterator[None]:
+    """Within the block, hand each answer on a subject of ``replies`` to its callback: straight
+    from the parser on a connection ``connect`` opened (``SinkParser``: no ``Msg``), else through
+    a callback of the subscription to ``subscribe_to`` (the inbox, or ``<inbox>.*``), which the
+    block's end drops."""
+
+    async def collect(msg: Msg) -> None:
+        deliver = replies.get(msg.subject)
+        if deliver is not None:
+            deliver(PageMessage(msg.data, headers=msg.headers))
+
+    parser = getattr(nc, "_ps", None)
+    sinks = parser.sinks if isinstance(parser, SinkParser) else None
+    subscription = await nc.subscribe(subscribe_to, cb=collect)
+    try:
+        if sinks is not None:
+            for reply, deliver in replies.items():
+                sinks[reply.encode()] = functools.partial(_sink_to, deliver)
+        yield
+    finally:
+        if sinks is not None:
+            for reply in replies:
+                sinks.pop(reply.encode(), None)
+        # When the connection is gone, the subscription went with it.
+        with contextlib.suppress(nats.errors.Error):
+            await subscription.unsubscribe()
+
+
 def _sink_to(
-    take: Callable[[int, PageMessage], None], slot: int, raw_headers: bytes | None, data: bytes
+    deliver: Callable[[PageMessage], None], raw_headers: bytes | None, data: bytes
 ) -> None:
-    take(slot, PageMessage(data, raw_headers))
+    deliver(PageMessage(data, raw_headers))
 
 
 class Replies:
