@@ -59,7 +59,6 @@ import nats
 import nats.errors
 import nats.js.api
 import nats.js.errors
-import psutil
 
 from apomesh.adapters.private_files import open_private_append, private_dir, write_private_file
 from apomesh.core.errors import ApomeshError
@@ -688,6 +687,8 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 def _is_our_leftover(pid: int, config_file: Path) -> bool:
     """True when ``pid`` is a live nats-server started from ``config_file``."""
+    import psutil  # only when a leftover pid file is found: a start saves its import
+
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
