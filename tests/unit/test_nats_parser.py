@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import ProtocolError
 from nats.protocol.parser import Parser
 
-from apomesh.adapters.nats_parser import SinkParser, parse_header_block
+from apomesh.adapters.nats_parser import SinkParser, header_lines, parse_header_block
 
 pytestmark = pytest.mark.anyio
 
@@ -143,3 +143,27 @@ async def test_a_malformed_message_line_is_a_protocol_error() -> None:
 )
 async def test_a_header_block_reads_as_nats_py_reads_it(block: bytes) -> None:
     assert parse_header_block(block) == await NATS()._process_headers(block)
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        b"Nats-Expected-Last-Subject-Sequence: 0\r\n\r\n",
+        b"KV-Operation: DEL\r\nNats-Msg-Id: s1:4\r\n\r\n",
+        b"Name:Value\r\nTabbed:\tv \r\n\r\n",
+        b"Bad Name: dropped\r\nGood: kept\r\n",
+        b"Caf\xc3\xa9: dropped\r\nValue: caf\xc3\xa9 \xff\r\n",
+        b"no colon here\r\n\r\n: empty name\r\n",
+        b"Dup: one\r\nDup: two\r\n",
+        b"Sep\x1cName: dropped\r\n",
+        b"",
+    ],
+)
+def test_header_lines_read_as_nats_py_reads_them(lines: bytes) -> None:
+    assert header_lines(lines) == NATS._parse_header_lines(lines)
+
+
+def test_apomesh_connections_read_header_lines_with_header_lines() -> None:
+    from apomesh.adapters.nats_connect import _Client
+
+    assert _Client._parse_header_lines is header_lines
