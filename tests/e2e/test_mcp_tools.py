@@ -142,9 +142,9 @@ async def test_the_annotations_decide_what_a_killed_worker_leaves_and_no_effect_
         assert of_kind(lookup, "SessionEnded")[-1]["status"] == "completed"
         assert not of_kind(lookup, "ToolCallIntent")
         assert of_kind(lookup, "AgentResuming"), "the lookup was not resumed elsewhere"
-        # Run again at least once. Not exactly once: a read-only call is never journaled, so a
-        # dispatch sent again runs it again (a full suite on two cores once made the daemon take
-        # the new worker for lost too, and the lookup ran a third time).
+        # Run again at least once. Not exactly once: a read-only call is never journaled, so any
+        # dispatch sent again runs it again (in one full run on two cores it ran a third time;
+        # the run kept no daemon log to say which dispatch was sent again, or why).
         assert shop.lines("calls.txt").count("lookup apple") >= 2
 
         # Idempotent (idempotentHint): run again under the same idempotency key, which the
