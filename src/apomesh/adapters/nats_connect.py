@@ -415,6 +415,9 @@ async def api_request(
 
 
 class PubAckError(msgspec.Struct):
+    """Why a publish was refused: a status ``code`` (503: JetStream unavailable), JetStream's own
+    ``err_code`` and its description."""
+
     code: int = 0
     err_code: int = 0
     description: str = ""
