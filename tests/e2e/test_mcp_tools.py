@@ -13,6 +13,7 @@ has an intent and no result).
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,10 +146,11 @@ async def test_the_annotations_decide_what_a_killed_worker_leaves_and_no_effect_
         # Run again at least once. Not exactly once: a read-only call is never journaled, so any
         # dispatch sent again runs it again (in one full run on two cores it ran a third time;
         # that run kept no daemon log to say which dispatch was sent again, or why: a run where
-        # it happens prints it now).
-        assert shop.lines("calls.txt").count("lookup apple") >= 2, mesh.daemon.output_tail()
-        if shop.lines("calls.txt").count("lookup apple") > 2:  # the daemon says which dispatch
-            print(mesh.daemon.output_tail(20_000))
+        # it happens now warns with the daemon's log, shown in the summary of a passing run).
+        lookups = shop.lines("calls.txt").count("lookup apple")
+        assert lookups >= 2, mesh.daemon.output_tail()
+        if lookups > 2:
+            warnings.warn(f"lookup ran {lookups} times:\n{mesh.daemon.output_tail()}", stacklevel=1)
 
         # Idempotent (idempotentHint): run again under the same idempotency key, which the
         # server applies once.

@@ -296,34 +296,6 @@ async def test_every_lease_change_is_seen_by_a_watcher(buckets: KvBuckets) -> No
         await stop()
 
 
-async def test_a_watcher_ignoring_an_owner_sees_every_change_but_its_takes(
-    buckets: KvBuckets,
-) -> None:
-    """A daemon's own lease takes (tens of thousands at a boot scan) are not reported to it; a
-    take by another owner and a release of its own lease still are."""
-    seen: list[tuple[str, str | None]] = []
-    mine, theirs = unique("daemon-mine"), unique("daemon-theirs")
-    stop = await buckets.leases.watch(
-        lambda session, owner: seen.append((session, owner)), ignoring=mine
-    )
-    try:
-        s1, s2 = unique("s"), unique("s")
-        await buckets.daemons.put(theirs, b"record")
-        assert await buckets.leases.acquire(s1, mine)
-        assert await buckets.leases.acquire(s2, theirs)
-        assert await buckets.leases.release(s1, mine)
-        assert await buckets.leases.acquire(s1, theirs)
-        with anyio.fail_after(10):
-            while [change for change in seen if change[0] in (s1, s2)] != [
-                (s2, theirs),
-                (s1, None),
-                (s1, theirs),
-            ]:
-                await anyio.sleep(0.02)
-    finally:
-        await stop()
-
-
 async def test_a_daemons_presence_record_is_listed_until_withdrawn_or_aged_out(
     fresh_nats_server: Any,
 ) -> None:

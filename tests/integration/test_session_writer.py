@@ -196,7 +196,7 @@ class SlowLeases:
     async def holders(self) -> dict[str, str]:
         return {}
 
-    async def watch(self, on_change: Any, *, ignoring: str | None = None) -> Any:
+    async def watch(self, on_change: Any) -> Any:
         raise NotImplementedError
 
 

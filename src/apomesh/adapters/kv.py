@@ -419,16 +419,14 @@ class LeaseTable:
         return {session: owner for session, owner in named.items() if owner in alive}
 
     async def watch(
-        self, on_change: Callable[[str, str | None], None], *, ignoring: str | None = None
+        self, on_change: Callable[[str, str | None], None]
     ) -> Callable[[], Awaitable[None]]:
         """Call ``on_change(session_id, owner)`` for every lease taken, taken over (``owner``) or
-        released (None) from now on, except a lease taken by ``ignoring`` (a daemon's own: its boot
-        scan takes tens of thousands); answers the function that stops watching."""
+        released (None) from now on; answers the function that stops watching."""
         prefix = f"$KV.{LEASES_BUCKET}."
-        ignored = ignoring.encode() if ignoring else None
 
         async def changed(msg: Any) -> None:
-            if msg.data == ignored or not msg.subject.startswith(prefix):
+            if not msg.subject.startswith(prefix):
                 return
             operation = (msg.headers or {}).get("KV-Operation")
             owner = None if operation in ("DEL", "PURGE") or not msg.data else msg.data.decode()

@@ -64,10 +64,10 @@ class SessionLeases(Protocol):
         """Every session whose lease is held now -> its holder, read in one pass."""
 
     async def watch(
-        self, on_change: Callable[[str, str | None], None], *, ignoring: str | None = None
+        self, on_change: Callable[[str, str | None], None]
     ) -> Callable[[], Awaitable[None]]:
-        """Call ``on_change(session_id, owner or None)`` for every lease change from now on,
-        except a lease taken by ``ignoring``; answers the function that stops watching."""
+        """Call ``on_change(session_id, owner or None)`` for every lease change from now on;
+        answers the function that stops watching."""
 
 
 class StateStore(Protocol):

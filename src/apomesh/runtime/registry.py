@@ -432,7 +432,7 @@ class SessionRegistry:
     async def watch_leases(self) -> Callable[[], Awaitable[None]]:
         """Follow every lease change (nothing is renewed per session: the daemon's presence record
         keeps all its leases alive); answers the function that stops following."""
-        return await self.leases.watch(self._lease_changed, ignoring=self.owner)
+        return await self.leases.watch(self._lease_changed)
 
     def _lease_changed(self, session_id: str, owner: str | None) -> None:
         runtime = self.live.get(session_id)
