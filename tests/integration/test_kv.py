@@ -194,6 +194,53 @@ async def test_many_leases_are_taken_together_as_one_by_one(buckets: KvBuckets) 
     assert await leases.owner(free[0]) is None
 
 
+async def test_leases_read_by_holders_are_set_at_their_revision_together(
+    buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted daemon's boot scan: ``holders`` reads the bucket, then ``acquire_many`` sets
+    the existing leases at the revisions read (its own, released ones, a dead owner's) without
+    one ``acquire`` each; a live owner's is refused, and one that moved since the read is taken
+    one by one as before."""
+    leases = buckets.leases
+    me, peer, dead = unique("daemon-me"), unique("daemon-peer"), unique("daemon-dead")
+    await buckets.daemons.put(me, b"record")
+    await buckets.daemons.put(peer, b"record")
+    mine = [unique(f"mine-{n}") for n in range(300)]
+    released, of_the_dead, of_the_peer = unique("released"), unique("dead"), unique("peer")
+    moved, unread = unique("moved"), unique("unread")
+    for session in mine:
+        assert await leases.acquire(session, me)
+    assert await leases.acquire(released, me)
+    assert await leases.release(released, me)
+    assert await leases.acquire(of_the_dead, dead)
+    assert await leases.acquire(of_the_peer, peer)
+    assert await leases.acquire(moved, dead)
+    await leases.holders()
+    # Moved after the read (a dead owner's lease released and taken again by it): the
+    # compare-and-set at the revision read fails and ``acquire`` decides.
+    assert await leases.release(moved, dead)
+    assert await leases.acquire(moved, dead)
+    assert await leases.acquire(unread, me)  # taken after the read: not in it
+    one_by_one: list[str] = []
+    acquire = leases.acquire
+
+    async def counted(session_id: str, owner: str) -> bool:
+        one_by_one.append(session_id)
+        return await acquire(session_id, owner)
+
+    monkeypatch.setattr(leases, "acquire", counted)
+    sessions = [*mine, released, of_the_dead, of_the_peer, moved, unread]
+    taken = await leases.acquire_many(sessions, me, window=64)
+    assert taken == {*mine, released, of_the_dead, moved, unread}
+    assert sorted(one_by_one) == sorted([moved, unread])
+    holders = await leases.holders()
+    assert all(holders[session] == me for session in taken)
+    assert holders[of_the_peer] == peer
+    for session in (mine[0], released, of_the_dead):  # each released at the revision it took
+        assert await leases.release(session, me)
+        assert await leases.owner(session) is None
+
+
 async def test_two_owners_taking_many_leases_at_once_never_share_one(buckets: KvBuckets) -> None:
     """Two daemons' boot scans adopting the same 700 sessions at the same moment: each session's
     lease goes to exactly one of them."""

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -285,6 +285,10 @@ class LeaseTable:
         self._taken: dict[tuple[str, str], int] = {}
         """The revision of each lease this table took, by (session, owner) (a release deletes at that revision in one
         request; a lease moved since is read before anything is deleted)."""
+        self._last_read: dict[str, tuple[bytes, int]] = {}
+        """Each lease as the last ``holders`` read it (its value, empty once released, and its
+        revision): where ``acquire_many`` finds a lease existing already, it sets it at that
+        revision (one compare-and-set, sent with the others) instead of reading it first."""
 
     async def acquire(self, session_id: str, owner: str) -> bool:
         """Take the session's lease; True when ``owner`` now holds it (already holding it, or
@@ -319,8 +323,10 @@ class LeaseTable:
         """``acquire`` for many sessions at once (a boot scan's): the creates go out ``window`` at
         a time (``request_many``), each window's answers awaited together; a lease that exists
         already is then taken as ``acquire`` takes it (held by ``owner``, or taken over from an
-        owner that is not alive). Answers the sessions ``owner`` now holds; a session whose lease
-        NATS could not answer for is not among them (its caller asks again later)."""
+        owner that is not alive): by compare-and-sets sent together where the last ``holders``
+        read it (``_set_as_read``), else one by one. Answers the sessions ``owner`` now holds; a
+        session whose lease NATS could not answer for is not among them (its caller asks again
+        later)."""
         mine = owner.encode()
         taken: set[str] = set()
         contested: list[str] = []
@@ -348,11 +354,73 @@ class LeaseTable:
                 else:
                     self._taken[session_id, owner] = revision
                     taken.add(session_id)
-        for session_id in contested:
+        read, self._last_read = self._last_read, {}
+        one_by_one = await self._set_as_read(contested, read, owner, taken, window)
+        for session_id in one_by_one:
             with contextlib.suppress(LogUnavailable):
                 if await self.acquire(session_id, owner):
                     taken.add(session_id)
         return taken
+
+    async def _set_as_read(
+        self,
+        session_ids: Sequence[str],
+        read: Mapping[str, tuple[bytes, int]],
+        owner: str,
+        taken: set[str],
+        window: int,
+    ) -> list[str]:
+        """Take the existing leases of ``session_ids`` as ``holders`` last ``read`` them: each
+        held by ``owner`` already, released, or held by an owner that is not alive is set to
+        ``owner`` by a compare-and-set at the revision read (sent ``window`` at a time), and
+        added to ``taken``; one held by a live owner is not taken. Answers the sessions left to
+        ``acquire`` one by one: not read, or moved since the read (their compare-and-set
+        failed). A daemon restarted on its data dir finds every lease of its sessions held by
+        itself: 50,000 of them were taken one by one in 53 s, two requests each."""
+        mine = owner.encode()
+        alive: dict[bytes, bool] = {}
+        one_by_one: list[str] = []
+        requests: list[tuple[str, bytes, dict[str, str] | None]] = []
+        asked: list[str] = []
+        for session_id in session_ids:
+            value = read.get(session_id)
+            if value is None:
+                one_by_one.append(session_id)
+                continue
+            holder, revision = value
+            if holder and holder != mine:
+                if holder not in alive:
+                    alive[holder] = await self._alive(holder)
+                if alive[holder]:
+                    continue
+            subject = f"$KV.{LEASES_BUCKET}.{encode_key(session_id)}"
+            expected = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
+            requests.append((subject, mine, expected))
+            asked.append(session_id)
+        for first in range(0, len(requests), window):
+            chunk = asked[first : first + window]
+            try:
+                answers = await request_many(
+                    self._nc, requests[first : first + window], timeout=self._timeout
+                )
+            except LogUnavailable as exc:
+                _log.debug("%d leases not taken yet: %r", len(chunk), exc)
+                continue
+            for session_id, answer in zip(chunk, answers, strict=True):
+                if answer is None:
+                    _log.debug("lease %s not taken yet: not answered", session_id)
+                    continue
+                try:
+                    now = _created(session_id, answer.data)
+                except LogUnavailable as exc:
+                    _log.debug("lease %s not taken yet: %r", session_id, exc)
+                    continue
+                if now is None:
+                    one_by_one.append(session_id)  # moved since it was read
+                else:
+                    self._taken[session_id, owner] = now
+                    taken.add(session_id)
+        return one_by_one
 
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released. A lease this table
@@ -395,8 +463,12 @@ class LeaseTable:
         The pass ends at the bucket's last message as the stream reported it before the watch
         began (a watcher delivers in stream order, and the last message is always the latest of
         its key), not at the watcher's own end-of-initial-values marker, which can come before
-        every key was delivered (seen with hundreds of keys)."""
+        every key was delivered (seen with hundreds of keys).
+
+        What it read (each lease's value and revision, the released ones too) is kept for the
+        next ``acquire_many``, which sets the existing leases it meets at those revisions."""
         named: dict[str, str] = {}
+        read: dict[str, tuple[bytes, int]] = {}
         with unavailable_as_log_error("list the session leases"):
             last = (await self._js.stream_info(f"KV_{LEASES_BUCKET}")).state.last_seq
             if last:
@@ -409,13 +481,16 @@ class LeaseTable:
                         session = decode_key(entry.key)
                         if entry.operation in ("DEL", "PURGE") or not entry.value:
                             named.pop(session, None)
+                            read[session] = (b"", entry.revision or 0)
                         else:
                             named[session] = entry.value.decode()
+                            read[session] = (entry.value, entry.revision or 0)
                         if entry.revision >= last:
                             break
                 finally:
                     await watcher.stop()
             alive = {owner for owner in set(named.values()) if await self._alive(owner.encode())}
+        self._last_read = read
         return {session: owner for session, owner in named.items() if owner in alive}
 
     async def watch(
