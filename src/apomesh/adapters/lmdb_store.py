@@ -559,6 +559,15 @@ class AsyncStore:
     async def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
         return await anyio.to_thread.run_sync(self.store.scan, db, prefix)
 
+    async def scan_many(self, wanted: Sequence[tuple[str, str]]) -> list[list[tuple[str, bytes]]]:
+        """``scan`` for each (database, prefix) in ``wanted``, in one trip to a worker thread
+        (a purge of thousands of sessions scans four databases each)."""
+
+        def scan_all() -> list[list[tuple[str, bytes]]]:
+            return [self.store.scan(db, prefix) for db, prefix in wanted]
+
+        return await anyio.to_thread.run_sync(scan_all)
+
     async def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
         await self._group_write([("journal", journal_key(agent_key, call_key), record)])
 

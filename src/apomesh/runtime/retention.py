@@ -14,6 +14,7 @@ next purge finishes the job; purging what is already gone is a no-op. Only an en
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -35,6 +36,10 @@ log = logging.getLogger("apomesh.daemon")
 
 SESSION_DATABASES = ("snapshots", "segments", "defs", "journal")
 """The store databases whose keys start with ``<session_id>/`` (the session's agent keys)."""
+
+PURGE_TOGETHER = 256
+"""Sessions a sweep purges together: their log subjects concurrently, their records in one
+write (one by one, a sweep of 20,000 expired sessions took 46 s)."""
 
 SWEEP_EVERY = 3600.0
 """Seconds between two retention sweeps of a running daemon."""
@@ -82,17 +87,32 @@ class Retention:
         await self._remove([session_id])
 
     async def _remove(self, session_ids: list[str]) -> None:
+        """Purge ``session_ids`` ``PURGE_TOGETHER`` at a time: their log subjects purged
+        concurrently, then their records deleted in one write (the completed records with them,
+        so a purge cut short leaves each session listed as ended)."""
         keys = await self._idempotency_keys(set(session_ids))
-        for session_id in session_ids:
-            await self.log_adapter.delete_session(session_id)
-            deletes = [(IDEMPOTENCY_DB, key) for key in keys.get(session_id, ())]
-            for db in SESSION_DATABASES:
-                deletes.extend((db, key) for key, _ in await self.store.scan(db, f"{session_id}/"))
-            deletes.append((CHECKPOINT_DB, session_id))
-            deletes.append(("completed", session_id))
+        for first in range(0, len(session_ids), PURGE_TOGETHER):
+            together = session_ids[first : first + PURGE_TOGETHER]
+            await asyncio.gather(*(self.log_adapter.delete_session(s) for s in together))
+            found = iter(
+                await self.store.scan_many(
+                    [(db, f"{s}/") for s in together for db in SESSION_DATABASES]
+                )
+            )
+            deletes: list[tuple[str, str]] = []
+            counts: list[int] = []
+            for session_id in together:
+                before = len(deletes)
+                deletes.extend((IDEMPOTENCY_DB, key) for key in keys.get(session_id, ()))
+                for db in SESSION_DATABASES:
+                    deletes.extend((db, key) for key, _ in next(found))
+                deletes.append((CHECKPOINT_DB, session_id))
+                deletes.append(("completed", session_id))
+                counts.append(len(deletes) - before)
             await self.store.write_batch([], deletes)
-            self._forget(session_id)
-            log.info("purged session %s (%d records)", session_id, len(deletes))
+            for session_id, count in zip(together, counts, strict=True):
+                self._forget(session_id)
+                log.info("purged session %s (%d records)", session_id, count)
 
     async def _idempotency_keys(self, session_ids: set[str]) -> dict[str, list[str]]:
         """The ``Idempotency-Key`` records that answer these sessions, by session."""

@@ -1,0 +1,94 @@
+"""The retention sweep (``runtime.retention``) on a real nats-server and a real LMDB store: more
+ended sessions than one group of purges, each removed from the log stream and from every store
+database, and a session that ended after the cutoff left whole."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import msgspec
+import pytest
+from tests.e2e.chaos_kit import shape_of, stored_session, thinker
+
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
+from apomesh.adapters.nats_connect import NATS, connect
+from apomesh.adapters.natsserver import NatsServer
+from apomesh.core.state import fold
+from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB
+from apomesh.runtime.registry import IDEMPOTENCY_DB, IdempotencyRecord, SessionRegistry
+from apomesh.runtime.retention import PURGE_TOGETHER, SESSION_DATABASES, Retention
+
+pytestmark = pytest.mark.anyio
+
+OLD_TS = 1_700_000_000.0
+CUTOFF = 1_700_000_500.0
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    client = await connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[AsyncStore]:
+    async with AsyncStore(LmdbStore(tmp_path / "lmdb")) as opened:
+        yield opened
+
+
+async def ended(log: JetStreamLog, registry: SessionRegistry, ts: float) -> str:
+    """An ended session on the log with its completed record, ending at ``ts``."""
+    session_id = uuid.uuid4().hex
+    envelopes = stored_session(
+        session_id, shape_of(thinker(2)), goal="old", events=6, terminal=True, ts=ts
+    )
+    await log.append(session_id, envelopes)
+    await registry.write_completed_many([fold(envelopes, session_id)])
+    return session_id
+
+
+def records_of(session_id: str) -> list[tuple[str, str, bytes]]:
+    """The store records a session's agents leave: one per session database, its fold
+    checkpoint, and an ``Idempotency-Key`` answering it."""
+    request = msgspec.msgpack.encode(IdempotencyRecord(session_id, "sha"))
+    return [
+        *((db, f"{session_id}/root/1", b"record") for db in SESSION_DATABASES),
+        (CHECKPOINT_DB, session_id, b"checkpoint"),
+        (IDEMPOTENCY_DB, f"key-{session_id}", request),
+    ]
+
+
+async def test_a_sweep_purges_many_ended_sessions_in_groups_and_keeps_the_recent(
+    nc: NATS, store: AsyncStore
+) -> None:
+    log = JetStreamLog(nc)
+    await log.ensure()
+    registry = SessionRegistry(
+        log_adapter=log,
+        leases=cast(Any, None),
+        store=store,
+        snapshots=cast(Any, None),
+        spawn=asyncio.ensure_future,
+    )
+    forgotten: list[str] = []
+    retention = Retention(log_adapter=log, store=store, registry=registry, forget=forgotten.append)
+    old = [await ended(log, registry, OLD_TS) for _ in range(PURGE_TOGETHER + 44)]
+    recent = await ended(log, registry, CUTOFF + 100)
+    for session_id in [*old, recent]:
+        await store.write_batch(records_of(session_id))
+
+    purged = await retention.sweep(CUTOFF)
+
+    assert sorted(purged) == sorted(old) and sorted(forgotten) == sorted(old)
+    assert await log.list_sessions() == [recent]
+    assert [r.session_id for r in await registry.completed_records()] == [recent]
+    for db in (*SESSION_DATABASES, CHECKPOINT_DB, IDEMPOTENCY_DB):
+        left = {key for key, _ in await store.scan(db, "")}
+        assert len(left) == 1 and recent in next(iter(left)), (db, len(left))
+    assert await retention.sweep(CUTOFF) == []  # nothing left to purge: a no-op
