@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -282,9 +283,13 @@ async def seed(url: str, count: int, rng: random.Random) -> tuple[int, dict[str,
     return written, kinds, seconds
 
 
-async def boot(url: str, data: Path, expected_auto: int, wait: float = 300) -> dict[str, Any]:
+async def boot(
+    url: str, data: Path, expected_auto: int, wait: float = 300, *, die: Path | None = None
+) -> dict[str, Any]:
     """Start a daemon on the log at ``url``; answer seconds to its start returning (the boot
-    scan) and to ``expected_auto`` dispatches acknowledged by the sink (waiting ``wait`` s)."""
+    scan) and to ``expected_auto`` dispatches acknowledged by the sink (waiting ``wait`` s).
+    ``die``: once the start returned, write its seconds and boot report to this JSON file and
+    SIGKILL this process (its leases stay held, its sessions unfinished: a daemon killed there)."""
     nc = await connect([url])
     host = PluginHost()
     sink = SinkWorker(nc, sorted(host.tools()))
@@ -306,6 +311,9 @@ async def boot(url: str, data: Path, expected_auto: int, wait: float = 300) -> d
     try:
         await daemon.start()
         scanned = time.perf_counter() - started
+        if die is not None:
+            die.write_text(json.dumps({"scan": scanned, "report": dict(daemon.boot_report)}))
+            os.kill(os.getpid(), signal.SIGKILL)
         await registering
         deadline = time.monotonic() + wait
         while sink.dispatches < expected_auto and time.monotonic() < deadline:

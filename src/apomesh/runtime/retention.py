@@ -5,11 +5,13 @@ ended longer ago than ``[retention] ended_after`` (the daemon's sweep at boot an
 A purge removes everything the daemon keeps of a session: its subject on the log stream, its
 snapshots, conversation segments, definitions and journal records, its fold checkpoint, the ``Idempotency-Key`` records
 that answer it (a retry after the purge starts a new session), and last its completed-session
-record. The completed record goes last on purpose: a purge cut short (a crash, a lost connection)
-leaves it behind, so the session is still listed as ended and the next sweep or the operator's
-next purge finishes the job; purging what is already gone is a no-op. Only an ended session
-(completed, failed or cancelled) is purged; a running, paused or recoverable one is refused
-(``CommandRefused``).
+record. The completed record goes last on purpose (in the one write that deletes the session's
+records, after its log subject is purged): a purge cut short (a crash, a lost connection) leaves
+it behind, so the session is still listed as ended and the next sweep or the operator's next purge
+finishes the job; purging what is already gone is a no-op. A sweep purges ``PURGE_TOGETHER``
+sessions at a time: their log subjects concurrently, then their records in one write. Only an
+ended session (completed, failed or cancelled) is purged; a running, paused or recoverable one is
+refused (``CommandRefused``).
 """
 
 from __future__ import annotations
