@@ -241,6 +241,37 @@ async def test_leases_read_by_holders_are_set_at_their_revision_together(
         assert await leases.owner(session) is None
 
 
+async def test_a_gone_owners_leases_read_by_owners_are_taken_over_together(
+    buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A takeover: ``owners`` reads the leases of the sessions a gone daemon drove (naming only
+    holders that are alive), then ``acquire_many`` sets them at the revisions read, none of them
+    taken one by one; a session whose lease a live peer holds is named and refused."""
+    leases = buckets.leases
+    me, peer, gone = unique("daemon-me"), unique("daemon-peer"), unique("daemon-gone")
+    await buckets.daemons.put(me, b"record")
+    await buckets.daemons.put(peer, b"record")
+    of_the_gone = [unique(f"gone-{n}") for n in range(150)]
+    of_the_peer, never_leased = unique("peer"), unique("never")
+    for session in of_the_gone:
+        assert await leases.acquire(session, gone)
+    assert await leases.acquire(of_the_peer, peer)
+    sessions = [*of_the_gone, of_the_peer, never_leased]
+    assert await leases.owners(sessions) == {of_the_peer: peer}
+    one_by_one: list[str] = []
+    acquire = leases.acquire
+
+    async def counted(session_id: str, owner: str) -> bool:
+        one_by_one.append(session_id)
+        return await acquire(session_id, owner)
+
+    monkeypatch.setattr(leases, "acquire", counted)
+    taken = await leases.acquire_many(sessions, me, window=64)
+    assert taken == {*of_the_gone, never_leased}
+    assert one_by_one == []  # the live peer's lease is refused as read, without a request
+    assert await leases.owners(sessions) == {**dict.fromkeys(taken, me), of_the_peer: peer}
+
+
 async def test_two_owners_taking_many_leases_at_once_never_share_one(buckets: KvBuckets) -> None:
     """Two daemons' boot scans adopting the same 700 sessions at the same moment: each session's
     lease goes to exactly one of them."""

@@ -58,6 +58,8 @@ DEFAULT_SKILL_HISTORY = 16
 DEFAULT_LEASE_TTL = 30.0
 LEASE_WINDOW = 1024
 """How many lease creates ``LeaseTable.acquire_many`` has in flight at once."""
+READ_TOGETHER = 64
+"""How many lease reads ``LeaseTable.owners`` has in flight at once."""
 
 _log = logging.getLogger("apomesh.leases")
 
@@ -286,9 +288,10 @@ class LeaseTable:
         """The revision of each lease this table took, by (session, owner) (a release deletes at that revision in one
         request; a lease moved since is read before anything is deleted)."""
         self._last_read: dict[str, tuple[bytes, int]] = {}
-        """Each lease as the last ``holders`` read it (its value, empty once released, and its
-        revision): where ``acquire_many`` finds a lease existing already, it sets it at that
-        revision (one compare-and-set, sent with the others) instead of reading it first."""
+        """Each lease as the last ``holders`` or ``owners`` read it (its value, empty once
+        released, and its revision): where ``acquire_many`` finds a lease existing already, it
+        sets it at that revision (one compare-and-set, sent with the others) instead of reading
+        it first. ``acquire_many`` empties it."""
 
     async def acquire(self, session_id: str, owner: str) -> bool:
         """Take the session's lease; True when ``owner`` now holds it (already holding it, or
@@ -454,6 +457,30 @@ class LeaseTable:
             if held is None or not await self._alive(held[0]):
                 return None
         return held[0].decode()
+
+    async def owners(self, session_ids: Sequence[str]) -> dict[str, str]:
+        """``owner`` for many sessions: their leases read ``READ_TOGETHER`` at a time, each
+        owner's presence once. Answers the sessions whose lease an owner that is alive holds ->
+        that owner. What it read is kept for the next ``acquire_many``, as ``holders`` keeps its
+        read (a takeover of a gone daemon's sessions asks this of them, then adopts them)."""
+        gate = asyncio.Semaphore(READ_TOGETHER)
+        read: dict[str, tuple[bytes, int]] = {}
+
+        async def one(session_id: str) -> None:
+            async with gate:
+                held = await _value(self._kv, encode_key(session_id))
+            if held is not None:
+                read[session_id] = held
+
+        with unavailable_as_log_error(f"lease owners of {len(session_ids)} sessions"):
+            await asyncio.gather(*(one(s) for s in session_ids))
+            alive = {
+                holder
+                for holder in {value for value, _ in read.values() if value}
+                if await self._alive(holder)
+            }
+        self._last_read.update(read)
+        return {s: value.decode() for s, (value, _) in read.items() if value in alive}
 
     async def holders(self, timeout: float = 10.0) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, from one watcher's initial values

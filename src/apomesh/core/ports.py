@@ -60,6 +60,10 @@ class SessionLeases(Protocol):
     async def owner(self, session_id: str) -> str | None:
         """Who holds the lease now (an owner that is alive), or None."""
 
+    async def owners(self, session_ids: Sequence[str]) -> dict[str, str]:
+        """``owner`` for many sessions at once: those whose lease an owner that is alive holds ->
+        that owner."""
+
     async def holders(self) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, read in one pass."""
 

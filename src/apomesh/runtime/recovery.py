@@ -15,7 +15,8 @@ and ``Takeover`` watches it.
 the presence records (``runtime.presence``) and remembers which daemon drives which session; the
 sessions of a daemon whose record aged out (it died) or that says ``drained`` (it handed them
 over) are adopted once their lease is free, under their own agent refs (``fresh_children`` is
-False), exactly as after a worker loss: journaled effects are served from the log, an intent
+False), together (their leases read, their logs folded and their leases taken many at a time, then
+started in waves, as the boot scan starts its own), exactly as after a worker loss: journaled effects are served from the log, an intent
 without its result goes through the tool's probe and ``on_unknown``. Two peers racing for one
 session are decided by its lease: exactly one adopts it. (The lone-daemon rule of the boot scan
 is untouched: a daemon restarting on its own data dir classifies its own sessions.)
@@ -29,13 +30,13 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import ResumePoint, StreamFold
 from apomesh.core import decisions
-from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError, OwnedElsewhere
+from apomesh.core.errors import ApomeshError, CodecError, CorruptPin, FoldError
 from apomesh.core.events import PluginPin
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState
@@ -50,10 +51,14 @@ log = logging.getLogger("apomesh.daemon")
 
 
 START_WAVE = 256
-"""Sessions the boot scan starts at once once every session is classified."""
+"""Sessions started at once (``start_in_waves``): the boot scan's once every session is
+classified, a takeover's once they are adopted."""
 
 WAVE_WAIT = 10.0
-"""The longest the boot scan waits for a wave of sessions to log their openings."""
+"""The longest ``start_in_waves`` waits for a wave of sessions to log their openings."""
+
+FOLD_TOGETHER = 32
+"""How many sessions a takeover folds at once."""
 
 
 @runtime_checkable
@@ -110,6 +115,22 @@ def fresh_children(state: SessionState) -> bool:
     return not state.cleanly_suspended
 
 
+async def start_in_waves(adopted: Sequence[SessionRuntime], closing: Callable[[], bool]) -> None:
+    """Start auto-resumed sessions ``START_WAVE`` at a time: the next wave once this one has
+    logged its openings (or after ``WAVE_WAIT`` seconds); tens of thousands of openings sent at
+    once time out on the log. Stops when ``closing()``."""
+    for first in range(0, len(adopted), START_WAVE):
+        wave = adopted[first : first + START_WAVE]
+        for runtime in wave:
+            if closing():
+                return
+            runtime.start("auto")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
+            )
+
+
 class BootScan:
     """Classifies every session on the log at boot; see the module docstring."""
 
@@ -139,7 +160,7 @@ class BootScan:
         """Classify every session on the log; auto-resume the safe ones, strand the others.
 
         The collector is paused for the scan, and what it leaves is kept out of the collector's
-        walks (``gc.freeze``) until its sessions are started (the end of ``_start_in_waves``
+        walks (``gc.freeze``) until its sessions are started (the end of ``start_in_waves``
         gives it back): one state per session is allocated and kept, and every collection the scan's
         allocations triggered walked them all over again (half of the scan of 100,000 sessions).
         Reference counting still frees what is dropped."""
@@ -253,7 +274,9 @@ class BootScan:
                 gc.freeze()
                 # Unfrozen when the waves end, however they end (also when the daemon closes
                 # before their task has run at all).
-                self.spawn(self._start_in_waves(adopted)).add_done_callback(lambda _: gc.unfreeze())
+                self.spawn(start_in_waves(adopted, self.closing)).add_done_callback(
+                    lambda _: gc.unfreeze()
+                )
         stats = checkpoints.stats
         resumed = len(pass_result.resumed) if pass_result is not None else 0
         folded = pass_result.folded if pass_result is not None else 0
@@ -327,20 +350,6 @@ class BootScan:
             len(result.suspect),
         )
         return result
-
-    async def _start_in_waves(self, adopted: list[SessionRuntime]) -> None:
-        """Start the sessions the scan adopted, ``START_WAVE`` at a time: the next wave once this
-        one has logged its openings (or after ``WAVE_WAIT`` seconds)."""
-        for first in range(0, len(adopted), START_WAVE):
-            wave = adopted[first : first + START_WAVE]
-            for runtime in wave:
-                if self.closing():
-                    return
-                runtime.start("auto")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
-                )
 
     async def _adopt_when_free(self, state: SessionState) -> None:
         """Auto-resume a session whose lease another owner still holds, once it expires (a
@@ -417,17 +426,16 @@ class Takeover:
                 if record.gone and (session_id, record.id) in self.settled:
                     continue  # handed over, and already adopted or ended
                 self.owned_by[session_id] = record.id
-        adopted = 0
+        due: list[tuple[str, str]] = []
         for session_id, owner in list(self.owned_by.items()):
-            if self.stopped():
-                break
             seen = records.get(owner)
             if seen is not None and not seen.gone:
                 if session_id not in listed.get(owner, ()):
                     del self.owned_by[session_id]  # it finished or moved: its owner says so
                 continue
-            if await self._take(session_id, owner):
-                adopted += 1
+            due.append((session_id, owner))
+        adopted = await self._take(due)
+        for session_id, owner in due:
             if self.owned_by.get(session_id) != owner:
                 self.settled.add((session_id, owner))
         for session_id, owner in list(self.stranded_by.items()):
@@ -467,36 +475,69 @@ class Takeover:
         )
         self.log.info("session %s of daemon %s waits for an operator here now", session_id, owner)
 
-    async def _take(self, session_id: str, owner: str) -> bool:
-        """Adopt one session of a daemon that is gone, once its lease is free."""
-        if self.registry.writer(session_id) is not None:
+    async def _take(self, due: list[tuple[str, str]]) -> int:
+        """Adopt the sessions of daemons that are gone (``due``: session, its owner) whose
+        leases are free, together: their leases read ``READ_TOGETHER`` at a time, their logs
+        folded ``FOLD_TOGETHER`` at a time, their leases taken together (``adopt_many``: a gone
+        owner's lease set at the revision read) and the adopted started in waves. One by one, a
+        session cost a fold, a lease read, four lease requests and its start in turn: 2,000
+        sessions of a killed daemon took 13 s to take over. Answers how many were adopted."""
+        due = [(s, owner) for s, owner in due if self._not_driven_here(s)]
+        if not due or self.stopped():
+            return 0
+        holders = await self.registry.lease_owners([s for s, _ in due])
+        if holders is None:
+            return 0  # NATS cannot say who holds them: the next sweep asks again
+        free: list[tuple[str, str]] = []
+        for session_id, owner in due:
+            holder = holders.get(session_id)
+            if holder == owner:
+                continue  # not expired (nor released) yet
+            if holder is not None and holder != self.registry.owner:
+                self.owned_by[session_id] = holder  # another peer took it: watch that one now
+                continue
+            free.append((session_id, owner))
+        gate = asyncio.Semaphore(FOLD_TOGETHER)
+        folded = await asyncio.gather(*(self._fold(s, owner, gate) for s, owner in free))
+        states = [state for state in folded if state is not None]
+        adopted, refused = await self.registry.adopt_many(states, fresh_children=lambda _: False)
+        owner_of = dict(free)
+        for runtime in adopted:
+            session_id = runtime.state.session_id
             self.owned_by.pop(session_id, None)
-            return False
-        holder = await self.registry.lease_owner(session_id)
-        if holder == owner:
-            return False  # not expired (nor released) yet
-        if holder is not None and holder != self.registry.owner:
-            self.owned_by[session_id] = holder  # another peer took it: watch that one now
-            return False
-        try:
-            state = await self.registry.fold_checkpoints.fold(self.log_adapter, session_id)
-        except (CodecError, FoldError) as exc:
-            self.log.error("session %s of daemon %s cannot be folded: %s", session_id, owner, exc)
-            self.owned_by.pop(session_id, None)
-            return False
-        if state.terminal or state.bootstrap is None:
-            # Ended, or never durably started: nothing to drive (the boot scan lists the latter).
-            self.owned_by.pop(session_id, None)
-            return False
-        try:
-            await self.registry.adopt(state, recovered="auto", fresh_children=False)
-        except OwnedElsewhere as exc:
-            self.owned_by[session_id] = exc.owner  # a peer won the race for it
-            return False
-        except ApomeshError as exc:
-            self.log.warning("session %s of daemon %s not adopted yet: %s", session_id, owner, exc)
-            return False
+            self.log.info("took over session %s from daemon %s", session_id, owner_of[session_id])
+        for state in refused:  # held by a peer that won the race, or not answered for
+            self.log.info(
+                "session %s of daemon %s not adopted yet: its lease is not free here",
+                state.session_id,
+                owner_of[state.session_id],
+            )
+        self.adopted += len(adopted)
+        await start_in_waves(adopted, self.stopped)
+        return len(adopted)
+
+    def _not_driven_here(self, session_id: str) -> bool:
+        """False (and no longer watched) when this daemon drives the session already."""
+        if self.registry.writer(session_id) is None:
+            return True
         self.owned_by.pop(session_id, None)
-        self.adopted += 1
-        self.log.info("took over session %s from daemon %s", session_id, owner)
-        return True
+        return False
+
+    async def _fold(
+        self, session_id: str, owner: str, gate: asyncio.Semaphore
+    ) -> SessionState | None:
+        """The session's state to adopt it with; None (and no longer watched) when it cannot be
+        folded, has ended or never durably started (the boot scan lists the latter)."""
+        async with gate:
+            try:
+                state = await self.registry.fold_checkpoints.fold(self.log_adapter, session_id)
+            except (CodecError, FoldError) as exc:
+                self.log.error(
+                    "session %s of daemon %s cannot be folded: %s", session_id, owner, exc
+                )
+                self.owned_by.pop(session_id, None)
+                return None
+        if state.terminal or state.bootstrap is None:
+            self.owned_by.pop(session_id, None)
+            return None
+        return state

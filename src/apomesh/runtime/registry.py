@@ -250,6 +250,13 @@ class SessionRegistry:
             return await self.leases.owner(session_id)
         return None
 
+    async def lease_owners(self, session_ids: Sequence[str]) -> dict[str, str] | None:
+        """Who holds each of these sessions' leases now (session -> a holder that is alive), or
+        None when NATS cannot say."""
+        with contextlib.suppress(ApomeshError):
+            return await self.leases.owners(session_ids)
+        return None
+
     async def lease_holders(self) -> dict[str, str] | None:
         """Every held lease (session -> holder) in one read, or None when NATS cannot say."""
         with contextlib.suppress(ApomeshError):
