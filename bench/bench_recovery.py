@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,43 @@ async def seed(url: str, count: int, rng: random.Random) -> tuple[int, dict[str,
     return written, kinds, seconds
 
 
+@contextlib.asynccontextmanager
+async def sink_daemon(
+    url: str, data: Path, *, lease_ttl: float | None = None
+) -> AsyncIterator[tuple[Daemon, SinkWorker]]:
+    """A daemon (not started yet) on the log at ``url``, data dir ``data``, and a ``SinkWorker``
+    on its connection; ``lease_ttl``: its presence TTL (the default when None)."""
+    nc = await connect([url])
+    host = PluginHost()
+    sink = SinkWorker(nc, sorted(host.tools()))
+    await sink.start()
+    store = AsyncStore(LmdbStore(data / "lmdb"))
+    daemon_config: dict[str, Any] = {"data_dir": str(data)}
+    if lease_ttl is not None:
+        daemon_config["lease_ttl"] = lease_ttl
+    config = load_config(None, env={}, overrides={"daemon": daemon_config})
+    daemon = Daemon(
+        config,
+        nc=nc,
+        log_adapter=JetStreamLog(nc),
+        heartbeats=HeartbeatStream(nc),
+        kv=await KvBuckets.open(nc, lease_ttl=config.daemon.lease_ttl),
+        store=store,
+        plugins=host,
+        workspace=data / "workspace",
+    )
+    try:
+        yield daemon, sink
+    finally:
+        # Teardown only: a daemon draining thousands of sessions the sink never runs is cut off.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(daemon.aclose(), 60)
+        sink.stop()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(nc.close(), 10)
+        await store.aclose()
+
+
 async def boot(
     url: str, data: Path, expected_auto: int, wait: float = 300, *, die: Path | None = None
 ) -> dict[str, Any]:
@@ -290,25 +328,9 @@ async def boot(
     scan) and to ``expected_auto`` dispatches acknowledged by the sink (waiting ``wait`` s).
     ``die``: once the start returned, write its seconds and boot report to this JSON file and
     SIGKILL this process (its leases stay held, its sessions unfinished: a daemon killed there)."""
-    nc = await connect([url])
-    host = PluginHost()
-    sink = SinkWorker(nc, sorted(host.tools()))
-    await sink.start()
-    store = AsyncStore(LmdbStore(data / "lmdb"))
-    config = load_config(None, env={}, overrides={"daemon": {"data_dir": str(data)}})
-    daemon = Daemon(
-        config,
-        nc=nc,
-        log_adapter=JetStreamLog(nc),
-        heartbeats=HeartbeatStream(nc),
-        kv=await KvBuckets.open(nc),
-        store=store,
-        plugins=host,
-        workspace=data / "workspace",
-    )
-    registering = asyncio.create_task(sink.registered.wait())
-    started = time.perf_counter()
-    try:
+    async with sink_daemon(url, data) as (daemon, sink):
+        registering = asyncio.create_task(sink.registered.wait())
+        started = time.perf_counter()
         await daemon.start()
         scanned = time.perf_counter() - started
         if die is not None:
@@ -325,14 +347,6 @@ async def boot(
             "dispatches": sink.dispatches,
             "report": dict(daemon.boot_report),
         }
-    finally:
-        # Teardown only: a daemon draining thousands of sessions the sink never runs is cut off.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(daemon.aclose(), 60)
-        sink.stop()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(nc.close(), 10)
-        await store.aclose()
 
 
 def measure_boot(count: int, rng: random.Random) -> None:

@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -69,7 +70,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_recovery import boot
+from bench_recovery import boot, sink_daemon
 from bench_runtime import RssSampler, percentile, scratch
 from bench_workload import BENCHTOOLS, _with_benchtools, apomesh_run, make_config
 from tests.e2e.chaos_kit import shape_of, stored_session, thinker
@@ -308,6 +309,91 @@ def measure_scan(count: int, rng: random.Random) -> None:
     )
 
 
+TAKEOVER_TTL = 3.0
+"""The lease TTL of the takeover's two daemons (``[daemon] lease_ttl``; 30 s by default): the
+takeover waits for it to run out, so a short one leaves the adoption's own time to see."""
+
+
+def _adopt_then_die(url: str, data: Path, adopted: Path) -> None:
+    """A child process: daemon A adopts the stored sessions, its presence record lists them, it
+    writes how many it drives to ``adopted`` and is SIGKILLed once its peer has started (a file
+    ``adopted`` with the suffix ``.peer``)."""
+
+    async def run() -> None:
+        async with sink_daemon(url, data, lease_ttl=TAKEOVER_TTL) as (daemon, _):
+            await daemon.start()
+            await asyncio.sleep(2 * TAKEOVER_TTL)  # renewed twice since: its record lists them
+            adopted.write_text(str(len(daemon.registry.live)))
+            while not adopted.with_suffix(".peer").exists():
+                await asyncio.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(run())
+
+
+async def _take_over(
+    url: str, data: Path, adopted: Path, child: Any, count: int
+) -> dict[str, float]:
+    """Daemon B: started while A drives every session (so its boot scan leaves them to A), then
+    A is killed; answers seconds from the kill to the first and to every session's agent
+    dispatched again by B (acknowledged by B's sink worker): each running again."""
+    deadline = time.monotonic() + 900
+    while not adopted.exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    async with sink_daemon(url, data, lease_ttl=TAKEOVER_TTL) as (daemon, sink):
+        await daemon.start()
+        watched = daemon.boot_report.get("owned_by_peers", 0)
+        adopted.with_suffix(".peer").write_text("")
+        while child.is_alive():
+            await asyncio.sleep(0.005)
+        killed = time.perf_counter()
+        first = half = math.nan
+        while sink.dispatches < count and time.perf_counter() - killed < 600:
+            await asyncio.sleep(0.01)
+            if sink.dispatches and math.isnan(first):
+                first = time.perf_counter() - killed
+            if sink.dispatches >= count / 2 and math.isnan(half):
+                half = time.perf_counter() - killed
+        return {
+            "first": first,
+            "half": half,
+            "all": time.perf_counter() - killed,
+            "taken": sink.dispatches,
+            "by_a": int(adopted.read_text()),
+            "watched": watched,
+        }
+
+
+def measure_takeover(count: int) -> None:
+    """``count`` stored auto-resumable sessions driven by daemon A (a child process) and watched
+    by its peer B; A SIGKILLed; kill to B driving all of them, against the lease TTL."""
+    with scratch("apomesh-scale-takeover-") as base:
+        server = NatsServer(single_node(base / "nats", name="nats"))
+        server.start()
+        try:
+            shape = shape_of(thinker(2))
+            sessions = [stored_session(uuid.uuid4().hex, shape, goal=f"s{n}") for n in range(count)]
+            asyncio.run(publish_stored(server.url, sessions))
+            del sessions
+            adopted = base / "adopted"
+            child = multiprocessing.get_context("fork").Process(
+                target=_adopt_then_die, args=(server.url, base / "a", adopted)
+            )
+            child.start()
+            figures = asyncio.run(_take_over(server.url, base / "b", adopted, child, count))
+            child.join(10)
+        finally:
+            server.stop()
+    print(
+        f"  {count:,} sessions driven by daemon A ({figures['by_a']:,.0f}; its peer B watching "
+        f"{figures['watched']:,.0f}), A SIGKILLed: B dispatches the first session's agent again "
+        f"{figures['first']:.2f} s after the kill, half of them at {figures['half']:.2f} s and "
+        f"all {figures['taken']:,.0f} at **{figures['all']:.2f} s** (lease TTL {TAKEOVER_TTL:g} s:"
+        f" the TTL, then up to one takeover sweep, then the adoption)",
+        flush=True,
+    )
+
+
 async def stored_checkpoint(data: Path, session_id: str) -> FoldCheckpoint | None:
     """The fold checkpoint of the session in the daemon data dir ``data`` (read as it stores it)."""
     async with AsyncStore(LmdbStore(data / "lmdb")) as store:
@@ -497,8 +583,11 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=5, help="worker kills")
     parser.add_argument("--loss-sessions", type=int, default=6)
+    parser.add_argument("--takeover-sessions", type=int, default=10_000)
     parser.add_argument(
-        "--only", default="parked,scan,long,loss", help="parts to run, comma-separated"
+        "--only",
+        default="parked,scan,long,loss,takeover",
+        help="parts to run, comma-separated",
     )
     args = parser.parse_args()
     if args.quick:
@@ -509,6 +598,7 @@ def main() -> int:
             20_000,
             2,
         )
+        args.takeover_sessions = 2_000
     parts = set(args.only.split(","))
     print(f"scale: load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     if "scan" in parts:
@@ -523,6 +613,9 @@ def main() -> int:
         install_plugin_package(BENCHTOOLS)
         print("parked sessions (one daemon, in-process workers)", flush=True)
         asyncio.run(measure_parked(args.parked, args.reps, 20, 50))
+    if "takeover" in parts:
+        print("takeover of a killed daemon's sessions by its running peer", flush=True)
+        measure_takeover(args.takeover_sessions)
     if "loss" in parts:
         print("worker loss (real processes, SIGKILL, default heartbeat)", flush=True)
         measure_loss(args.rounds, args.loss_sessions)

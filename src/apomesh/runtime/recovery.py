@@ -60,6 +60,9 @@ WAVE_WAIT = 10.0
 FOLD_TOGETHER = 32
 """How many sessions a takeover folds at once."""
 
+TAKE_TOGETHER = 1024
+"""How many sessions of gone daemons one step of a takeover sweep adopts together."""
+
 
 @runtime_checkable
 class FoldsInOnePass(Protocol):
@@ -434,7 +437,11 @@ class Takeover:
                     del self.owned_by[session_id]  # it finished or moved: its owner says so
                 continue
             due.append((session_id, owner))
-        adopted = await self._take(due)
+        adopted = 0
+        for first in range(0, len(due), TAKE_TOGETHER):
+            if self.stopped():
+                break
+            adopted += await self._take(due[first : first + TAKE_TOGETHER])
         for session_id, owner in due:
             if self.owned_by.get(session_id) != owner:
                 self.settled.add((session_id, owner))
@@ -480,8 +487,10 @@ class Takeover:
         leases are free, together: their leases read ``READ_TOGETHER`` at a time, their logs
         folded ``FOLD_TOGETHER`` at a time, their leases taken together (``adopt_many``: a gone
         owner's lease set at the revision read) and the adopted started in waves. One by one, a
-        session cost a fold, a lease read, four lease requests and its start in turn: 2,000
-        sessions of a killed daemon took 13 s to take over. Answers how many were adopted."""
+        session cost a fold, a lease read, four lease requests and its start in turn: 10,000
+        sessions of a killed daemon took 68 s to take over after the TTL. The sweep hands them
+        over ``TAKE_TOGETHER`` at a time, so the first are driven again without waiting for the
+        last to be folded. Answers how many were adopted."""
         due = [(s, owner) for s, owner in due if self._not_driven_here(s)]
         if not due or self.stopped():
             return 0
