@@ -43,9 +43,15 @@ the agent re-dispatched to a live worker and kill to its first node done there (
 running again), p50 and p99 over ``--rounds`` (5) kills, against the heartbeat threshold + one
 beat at the default heartbeat (1 s beats, lost after 3 missed: 4 s).
 
+**Takeover.** ``--takeover-sessions`` (10,000) stored auto-resumable sessions; daemon A (a child
+process, lease TTL 3 s) adopts them all and is SIGKILLed once its peer B (in this process, the
+same TTL) has started and watches them; the figures are kill to the first, half and every
+session's agent dispatched again by B (acknowledged by B's sink worker): the TTL, up to one
+takeover sweep, then the adoption and start.
+
 Durability: LMDB synced on every commit, JetStream's default ``sync_interval``. Run ``python
 bench/bench_scale.py`` (``--quick``: 1,000 parked, 10,000 stored only, a 20,000-event session, 2
-kills). Figures are printed, never asserted.
+kills, a takeover of 2,000). Figures are printed, never asserted.
 """
 
 from __future__ import annotations
