@@ -194,6 +194,20 @@ async def test_many_leases_are_taken_together_as_one_by_one(buckets: KvBuckets) 
     assert await leases.owner(free[0]) is None
 
 
+def acquired_one_by_one(leases: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The sessions ``leases.acquire`` is asked for from now on (``acquire_many``'s one-by-one
+    fallback), in order."""
+    asked: list[str] = []
+    acquire = leases.acquire
+
+    async def counted(session_id: str, owner: str) -> bool:
+        asked.append(session_id)
+        return bool(await acquire(session_id, owner))
+
+    monkeypatch.setattr(leases, "acquire", counted)
+    return asked
+
+
 async def test_leases_read_by_holders_are_set_at_their_revision_together(
     buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -221,14 +235,7 @@ async def test_leases_read_by_holders_are_set_at_their_revision_together(
     assert await leases.release(moved, dead)
     assert await leases.acquire(moved, dead)
     assert await leases.acquire(unread, me)  # taken after the read: not in it
-    one_by_one: list[str] = []
-    acquire = leases.acquire
-
-    async def counted(session_id: str, owner: str) -> bool:
-        one_by_one.append(session_id)
-        return await acquire(session_id, owner)
-
-    monkeypatch.setattr(leases, "acquire", counted)
+    one_by_one = acquired_one_by_one(leases, monkeypatch)
     sessions = [*mine, released, of_the_dead, of_the_peer, moved, unread]
     taken = await leases.acquire_many(sessions, me, window=64)
     assert taken == {*mine, released, of_the_dead, moved, unread}
@@ -258,14 +265,7 @@ async def test_a_gone_owners_leases_read_by_owners_are_taken_over_together(
     assert await leases.acquire(of_the_peer, peer)
     sessions = [*of_the_gone, of_the_peer, never_leased]
     assert await leases.owners(sessions) == {of_the_peer: peer}
-    one_by_one: list[str] = []
-    acquire = leases.acquire
-
-    async def counted(session_id: str, owner: str) -> bool:
-        one_by_one.append(session_id)
-        return await acquire(session_id, owner)
-
-    monkeypatch.setattr(leases, "acquire", counted)
+    one_by_one = acquired_one_by_one(leases, monkeypatch)
     taken = await leases.acquire_many(sessions, me, window=64)
     assert taken == {*of_the_gone, never_leased}
     assert one_by_one == []  # the live peer's lease is refused as read, without a request

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -237,14 +237,11 @@ class SkillCatalog:
         ]
 
 
-_CREATE_IF_ABSENT = {"Nats-Expected-Last-Subject-Sequence": "0"}
-"""A publish to a key with no message at all (a lease create; a release's delete marker counts
-as a message, which the bucket's own ``create`` in ``acquire`` takes into account)."""
-
-
 def _created(session_id: str, answer: bytes) -> int | None:
-    """The revision a lease create's answer (a JetStream PubAck) gives, or None when the key had a
-    message already. Raises ``LogUnavailable`` when JetStream could not store it, ``LogError`` for
+    """The revision a lease's conditional publish answer (a JetStream PubAck) gives, or None when
+    the key was not at the revision expected (for a create, 0: no message at all; a release's
+    delete marker counts as one, which the bucket's own ``create`` in ``acquire`` takes into
+    account). Raises ``LogUnavailable`` when JetStream could not store it, ``LogError`` for
     another refusal. Raw creates cost about half the CPU of the bucket's ``create`` (20,000 in
     0.8 s of CPU against 1.5 s); sent together by ``request_many``, less again."""
     ack = read_pub_ack(answer, f"lease {session_id}")
@@ -323,27 +320,67 @@ class LeaseTable:
     async def acquire_many(
         self, session_ids: Sequence[str], owner: str, *, window: int = LEASE_WINDOW
     ) -> set[str]:
-        """``acquire`` for many sessions at once (a boot scan's): the creates go out ``window`` at
-        a time (``request_many``), each window's answers awaited together; a lease that exists
-        already is then taken as ``acquire`` takes it (held by ``owner``, or taken over from an
-        owner that is not alive): by compare-and-sets sent together where the last ``holders``
-        read it (``_set_as_read``), else one by one. Answers the sessions ``owner`` now holds; a
-        session whose lease NATS could not answer for is not among them (its caller asks again
-        later)."""
-        mine = owner.encode()
+        """``acquire`` for many sessions at once (a boot scan's, a takeover's): the creates go out
+        ``window`` at a time (``_set_many``); a lease that exists already is then taken as
+        ``acquire`` takes it (held by ``owner``, released, or taken over from an owner that is
+        not alive): by compare-and-sets sent together at the revision the last ``holders`` or
+        ``owners`` read, else (not read, or moved since) one by one. Answers the sessions
+        ``owner`` now holds; a session whose lease NATS could not answer for is not among them
+        (its caller asks again later). A daemon restarted on its data dir finds every lease of
+        its sessions held by itself: 50,000 of them were taken one by one in 53 s, two requests
+        each."""
         taken: set[str] = set()
+        contested = await self._set_many([(s, 0) for s in session_ids], owner, taken, window)
+        read, self._last_read = self._last_read, {}
+        mine = owner.encode()
+        alive: dict[bytes, bool] = {}
+        at_read: list[tuple[str, int]] = []
+        one_by_one: list[str] = []
+        for session_id in contested:
+            value = read.get(session_id)
+            if value is None:
+                one_by_one.append(session_id)
+                continue
+            holder, revision = value
+            if holder and holder != mine:
+                if holder not in alive:
+                    alive[holder] = await self._alive(holder)
+                if alive[holder]:
+                    continue  # a live owner's: not taken
+            at_read.append((session_id, revision))
+        one_by_one += await self._set_many(at_read, owner, taken, window)
+        for session_id in one_by_one:
+            with contextlib.suppress(LogUnavailable):
+                if await self.acquire(session_id, owner):
+                    taken.add(session_id)
+        return taken
+
+    async def _set_many(
+        self, wanted: Sequence[tuple[str, int]], owner: str, taken: set[str], window: int
+    ) -> list[str]:
+        """Set each lease of ``wanted`` (session, the revision it must be at: 0 for a key with no
+        message yet) to ``owner``, by raw conditional publishes sent ``window`` at a time
+        (``request_many``), each window's answers awaited together: those set are added to
+        ``taken``, their revision noted. Answers the sessions whose lease was not at that
+        revision; one NATS could not answer for is in neither."""
+        mine = owner.encode()
         contested: list[str] = []
-        for first in range(0, len(session_ids), window):
-            chunk = session_ids[first : first + window]
+        for first in range(0, len(wanted), window):
+            chunk = wanted[first : first + window]
             requests = [
-                (f"$KV.{LEASES_BUCKET}.{encode_key(s)}", mine, _CREATE_IF_ABSENT) for s in chunk
+                (
+                    f"$KV.{LEASES_BUCKET}.{encode_key(session_id)}",
+                    mine,
+                    {"Nats-Expected-Last-Subject-Sequence": str(revision)},
+                )
+                for session_id, revision in chunk
             ]
             try:
                 answers = await request_many(self._nc, requests, timeout=self._timeout)
             except LogUnavailable as exc:
                 _log.debug("%d leases not taken yet: %r", len(chunk), exc)
                 continue
-            for session_id, answer in zip(chunk, answers, strict=True):
+            for (session_id, _), answer in zip(chunk, answers, strict=True):
                 if answer is None:
                     _log.debug("lease %s not taken yet: not answered", session_id)
                     continue
@@ -357,73 +394,7 @@ class LeaseTable:
                 else:
                     self._taken[session_id, owner] = revision
                     taken.add(session_id)
-        read, self._last_read = self._last_read, {}
-        one_by_one = await self._set_as_read(contested, read, owner, taken, window)
-        for session_id in one_by_one:
-            with contextlib.suppress(LogUnavailable):
-                if await self.acquire(session_id, owner):
-                    taken.add(session_id)
-        return taken
-
-    async def _set_as_read(
-        self,
-        session_ids: Sequence[str],
-        read: Mapping[str, tuple[bytes, int]],
-        owner: str,
-        taken: set[str],
-        window: int,
-    ) -> list[str]:
-        """Take the existing leases of ``session_ids`` as ``holders`` last ``read`` them: each
-        held by ``owner`` already, released, or held by an owner that is not alive is set to
-        ``owner`` by a compare-and-set at the revision read (sent ``window`` at a time), and
-        added to ``taken``; one held by a live owner is not taken. Answers the sessions left to
-        ``acquire`` one by one: not read, or moved since the read (their compare-and-set
-        failed). A daemon restarted on its data dir finds every lease of its sessions held by
-        itself: 50,000 of them were taken one by one in 53 s, two requests each."""
-        mine = owner.encode()
-        alive: dict[bytes, bool] = {}
-        one_by_one: list[str] = []
-        requests: list[tuple[str, bytes, dict[str, str] | None]] = []
-        asked: list[str] = []
-        for session_id in session_ids:
-            value = read.get(session_id)
-            if value is None:
-                one_by_one.append(session_id)
-                continue
-            holder, revision = value
-            if holder and holder != mine:
-                if holder not in alive:
-                    alive[holder] = await self._alive(holder)
-                if alive[holder]:
-                    continue
-            subject = f"$KV.{LEASES_BUCKET}.{encode_key(session_id)}"
-            expected = {"Nats-Expected-Last-Subject-Sequence": str(revision)}
-            requests.append((subject, mine, expected))
-            asked.append(session_id)
-        for first in range(0, len(requests), window):
-            chunk = asked[first : first + window]
-            try:
-                answers = await request_many(
-                    self._nc, requests[first : first + window], timeout=self._timeout
-                )
-            except LogUnavailable as exc:
-                _log.debug("%d leases not taken yet: %r", len(chunk), exc)
-                continue
-            for session_id, answer in zip(chunk, answers, strict=True):
-                if answer is None:
-                    _log.debug("lease %s not taken yet: not answered", session_id)
-                    continue
-                try:
-                    now = _created(session_id, answer.data)
-                except LogUnavailable as exc:
-                    _log.debug("lease %s not taken yet: %r", session_id, exc)
-                    continue
-                if now is None:
-                    one_by_one.append(session_id)  # moved since it was read
-                else:
-                    self._taken[session_id, owner] = now
-                    taken.add(session_id)
-        return one_by_one
+        return contested
 
     async def release(self, session_id: str, owner: str) -> bool:
         """Give the lease up if ``owner`` holds it; True when it was released. A lease this table
