@@ -252,22 +252,24 @@ async def test_a_gone_owners_leases_read_by_owners_are_taken_over_together(
     buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A takeover: ``owners`` reads the leases of the sessions a gone daemon drove (naming only
-    holders that are alive), then ``acquire_many`` sets them at the revisions read, none of them
-    taken one by one; a session whose lease a live peer holds is named and refused."""
+    holders that are alive), then ``acquire_many`` sets them at the revisions read (a released
+    one at its delete marker's), none of them taken one by one; a session whose lease a live
+    peer holds is named and refused."""
     leases = buckets.leases
     me, peer, gone = unique("daemon-me"), unique("daemon-peer"), unique("daemon-gone")
     await buckets.daemons.put(me, b"record")
     await buckets.daemons.put(peer, b"record")
     of_the_gone = [unique(f"gone-{n}") for n in range(150)]
-    of_the_peer, never_leased = unique("peer"), unique("never")
-    for session in of_the_gone:
+    of_the_peer, never_leased, released = unique("peer"), unique("never"), unique("released")
+    for session in [*of_the_gone, released]:
         assert await leases.acquire(session, gone)
+    assert await leases.release(released, gone)  # handed over: a delete marker
     assert await leases.acquire(of_the_peer, peer)
-    sessions = [*of_the_gone, of_the_peer, never_leased]
+    sessions = [*of_the_gone, of_the_peer, never_leased, released]
     assert await leases.owners(sessions) == {of_the_peer: peer}
     one_by_one = acquired_one_by_one(leases, monkeypatch)
     taken = await leases.acquire_many(sessions, me, window=64)
-    assert taken == {*of_the_gone, never_leased}
+    assert taken == {*of_the_gone, never_leased, released}
     assert one_by_one == []  # the live peer's lease is refused as read, without a request
     assert await leases.owners(sessions) == {**dict.fromkeys(taken, me), of_the_peer: peer}
 

@@ -157,6 +157,19 @@ async def _value(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
     return (entry.value or b"", entry.revision or 0)
 
 
+async def _last_message(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
+    """The key's value and revision as its last message left it (a deletion: an empty value at
+    the delete marker's revision), or None when it has no message."""
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError as exc:
+        deleted = exc.entry
+        if deleted is None or not deleted.revision:
+            return None
+        return (b"", deleted.revision)
+    return (entry.value or b"", entry.revision or 0)
+
+
 async def _keys(kv: KeyValue) -> list[str]:
     try:
         keys = await kv.keys()
@@ -439,7 +452,7 @@ class LeaseTable:
 
         async def one(session_id: str) -> None:
             async with gate:
-                held = await _value(self._kv, encode_key(session_id))
+                held = await _last_message(self._kv, encode_key(session_id))
             if held is not None:
                 read[session_id] = held
 
