@@ -19,12 +19,14 @@ import anyio
 import anyio.to_thread
 import httpx
 import msgspec
+import nats.js.errors
 import pytest
 
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.nats_connect import connect
 from apomesh.adapters.natsserver import NatsServer
+from apomesh.adapters.replicated_store import STATE_BUCKET, kv_key
 from apomesh.core.state import SessionState, fold
 from apomesh.core.state_codec import decode_checkpoint
 from apomesh.core.views import session_view
@@ -114,6 +116,24 @@ async def stored(daemon: DaemonProcess) -> dict[str, bytes]:
         return dict(await store.scan(CHECKPOINT_DB, ""))
 
 
+async def checkpoint_dropped(nats_url: str, session_id: str) -> None:
+    """Wait until the replicated state bucket (the store's authority, which its listings read)
+    holds no checkpoint of the ended session: its writer drops it in a task of its own just after
+    the end, so a kill at once can come first (the boot scan then skips the ended session)."""
+    nc = await connect(nats_url)
+    try:
+        bucket = await nc.jetstream().key_value(STATE_BUCKET)
+        with anyio.fail_after(DEADLINE):
+            while True:
+                try:
+                    await bucket.get(kv_key(CHECKPOINT_DB, session_id))
+                except nats.js.errors.KeyNotFoundError:
+                    return
+                await anyio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
 def boot_report(daemon: DaemonProcess) -> dict[str, Any]:
     return dict(httpx.get(f"{daemon.url}/healthz", timeout=10).json()["boot"])
 
@@ -164,6 +184,7 @@ async def test_a_long_session_resumes_from_its_checkpoint_reading_only_the_tail(
     await same_as_the_log(client, nats_server.url, session_id, before.last_index)
 
     await finish(client, nats_server.url, session_id)
+    await checkpoint_dropped(nats_server.url, session_id)
     await anyio.to_thread.run_sync(daemon.kill)
     assert await stored(daemon) == {}  # an ended session keeps no checkpoint
     await anyio.to_thread.run_sync(daemon.start)
