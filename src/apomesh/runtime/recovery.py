@@ -15,9 +15,10 @@ and ``Takeover`` watches it.
 the presence records (``runtime.presence``) and remembers which daemon drives which session; the
 sessions of a daemon whose record aged out (it died) or that says ``drained`` (it handed them
 over) are adopted once their lease is free, under their own agent refs (``fresh_children`` is
-False), together (their leases read, their logs folded and their leases taken many at a time, then
-started in waves, as the boot scan starts its own), exactly as after a worker loss: journaled effects are served from the log, an intent
-without its result goes through the tool's probe and ``on_unknown``. Two peers racing for one
+False), many at a time (their leases read, their logs folded and their leases taken together,
+then started in waves as the boot scan starts its own), exactly as after a worker loss: journaled
+effects are served from the log, an intent without its result goes through the tool's probe and
+``on_unknown``. Two peers racing for one
 session are decided by its lease: exactly one adopts it. (The lone-daemon rule of the boot scan
 is untouched: a daemon restarting on its own data dir classifies its own sessions.)
 """
@@ -488,7 +489,8 @@ class Takeover:
         folded ``FOLD_TOGETHER`` at a time, their leases taken together (``adopt_many``: a gone
         owner's lease set at the revision read) and the adopted started in waves. One by one, a
         session cost a fold, a lease read, four lease requests and its start in turn: 10,000
-        sessions of a killed daemon took 68 s to take over after the TTL. The sweep hands them
+        sessions of a killed daemon were all running again 67 s after the kill (lease TTL 3 s),
+        28.5 s now. The sweep hands them
         over ``TAKE_TOGETHER`` at a time, so the first are driven again without waiting for the
         last to be folded. Answers how many were adopted."""
         due = [(s, owner) for s, owner in due if self._not_driven_here(s)]

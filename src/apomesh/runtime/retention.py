@@ -3,14 +3,15 @@ ended longer ago than ``[retention] ended_after`` (the daemon's sweep at boot an
 ``apomesh sessions purge --ended-before``).
 
 A purge removes everything the daemon keeps of a session: its subject on the log stream, its
-snapshots, conversation segments, definitions and journal records, its fold checkpoint, the ``Idempotency-Key`` records
-that answer it (a retry after the purge starts a new session), and last its completed-session
-record. The completed record goes last on purpose (in the one write that deletes the session's
-records, after its log subject is purged): a purge cut short (a crash, a lost connection) leaves
-it behind, so the session is still listed as ended and the next sweep or the operator's next purge
-finishes the job; purging what is already gone is a no-op. A sweep purges ``PURGE_TOGETHER``
-sessions at a time: their log subjects concurrently, then their records in one write. Only an
-ended session (completed, failed or cancelled) is purged; a running, paused or recoverable one is
+snapshots, conversation segments, definitions and journal records, its fold checkpoint, the
+``Idempotency-Key`` records that answer it (a retry after the purge starts a new session), and
+last its completed-session record. The completed record goes last on purpose (in the one write
+that deletes the session's records, after its log subject is purged): a purge cut short (a crash,
+a lost connection) leaves it behind, so the session is still listed as ended and the next sweep
+or the operator's next purge finishes the job; purging what is already gone is a no-op. A sweep
+purges ``PURGE_TOGETHER`` sessions at a time: their log subjects concurrently, then their
+records, a few sessions' to a write (``WRITE_RECORDS``), each session's in one. Only an ended
+session (completed, failed or cancelled) is purged; a running, paused or recoverable one is
 refused (``CommandRefused``).
 """
 
@@ -40,8 +41,13 @@ SESSION_DATABASES = ("snapshots", "segments", "defs", "journal")
 """The store databases whose keys start with ``<session_id>/`` (the session's agent keys)."""
 
 PURGE_TOGETHER = 256
-"""Sessions a sweep purges together: their log subjects concurrently, their records in one
-write (one by one, a sweep of 20,000 expired sessions took 46 s)."""
+"""Sessions a sweep purges together: their log subjects concurrently, their records in a few
+writes (one by one, a sweep of 20,000 expired sessions took 46 s)."""
+
+WRITE_RECORDS = 500
+"""The most records a purge deletes in one write, unless one session has more (its records are
+never split): a replicated store's write is one JetStream atomic batch, which takes at most
+1,000 messages."""
 
 SWEEP_EVERY = 3600.0
 """Seconds between two retention sweeps of a running daemon."""
@@ -90,8 +96,9 @@ class Retention:
 
     async def _remove(self, session_ids: list[str]) -> None:
         """Purge ``session_ids`` ``PURGE_TOGETHER`` at a time: their log subjects purged
-        concurrently, then their records deleted in one write (the completed records with them,
-        so a purge cut short leaves each session listed as ended)."""
+        concurrently, then their records deleted, each session's in one write with others' up to
+        ``WRITE_RECORDS`` records (the completed records with them, so a purge cut short leaves
+        each session listed as ended)."""
         keys = await self._idempotency_keys(set(session_ids))
         for first in range(0, len(session_ids), PURGE_TOGETHER):
             together = session_ids[first : first + PURGE_TOGETHER]
@@ -101,20 +108,31 @@ class Retention:
                     [(db, f"{s}/") for s in together for db in SESSION_DATABASES]
                 )
             )
+            written: list[tuple[str, int]] = []
             deletes: list[tuple[str, str]] = []
-            counts: list[int] = []
             for session_id in together:
-                before = len(deletes)
-                deletes.extend((IDEMPOTENCY_DB, key) for key in keys.get(session_id, ()))
+                records = [(IDEMPOTENCY_DB, key) for key in keys.get(session_id, ())]
                 for db in SESSION_DATABASES:
-                    deletes.extend((db, key) for key, _ in next(found))
-                deletes.append((CHECKPOINT_DB, session_id))
-                deletes.append(("completed", session_id))
-                counts.append(len(deletes) - before)
-            await self.store.write_batch([], deletes)
-            for session_id, count in zip(together, counts, strict=True):
-                self._forget(session_id)
-                log.info("purged session %s (%d records)", session_id, count)
+                    records.extend((db, key) for key, _ in next(found))
+                records.append((CHECKPOINT_DB, session_id))
+                records.append(("completed", session_id))
+                if deletes and len(deletes) + len(records) > WRITE_RECORDS:
+                    await self._delete(deletes, written)
+                    written, deletes = [], []
+                written.append((session_id, len(records)))
+                deletes.extend(records)
+            await self._delete(deletes, written)
+
+    async def _delete(
+        self, deletes: list[tuple[str, str]], sessions: list[tuple[str, int]]
+    ) -> None:
+        """Delete the records of ``sessions`` (id, how many records) in one write."""
+        if not deletes:
+            return
+        await self.store.write_batch([], deletes)
+        for session_id, count in sessions:
+            self._forget(session_id)
+            log.info("purged session %s (%d records)", session_id, count)
 
     async def _idempotency_keys(self, session_ids: set[str]) -> dict[str, list[str]]:
         """The ``Idempotency-Key`` records that answer these sessions, by session."""
