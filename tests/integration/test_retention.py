@@ -76,9 +76,9 @@ def records_of(session_id: str) -> list[tuple[str, str, bytes]]:
     ]
 
 
-async def test_a_sweep_purges_many_ended_sessions_in_groups_and_keeps_the_recent(
-    nc: NATS, store: AsyncStore
-) -> None:
+async def log_and_registry(nc: NATS, store: AsyncStore) -> tuple[JetStreamLog, SessionRegistry]:
+    """The log and the registry a daemon's retention works with (the registry's completed
+    records in ``store``; no lease or snapshot is touched by a purge)."""
     log = JetStreamLog(nc)
     await log.ensure()
     registry = SessionRegistry(
@@ -88,6 +88,13 @@ async def test_a_sweep_purges_many_ended_sessions_in_groups_and_keeps_the_recent
         snapshots=cast(Any, None),
         spawn=asyncio.ensure_future,
     )
+    return log, registry
+
+
+async def test_a_sweep_purges_many_ended_sessions_in_groups_and_keeps_the_recent(
+    nc: NATS, store: AsyncStore
+) -> None:
+    log, registry = await log_and_registry(nc, store)
     forgotten: list[str] = []
     retention = Retention(log_adapter=log, store=store, registry=registry, forget=forgotten.append)
     old = [await ended(log, registry, OLD_TS) for _ in range(PURGE_TOGETHER + 44)]
@@ -114,15 +121,7 @@ async def test_a_session_whose_log_is_not_purged_keeps_its_records_and_the_rest_
 ) -> None:
     """NATS does not purge one session's log subject: that session keeps every record (still
     listed as ended, for the next sweep), every other is purged, and the error is raised."""
-    log = JetStreamLog(nc)
-    await log.ensure()
-    registry = SessionRegistry(
-        log_adapter=log,
-        leases=cast(Any, None),
-        store=store,
-        snapshots=cast(Any, None),
-        spawn=asyncio.ensure_future,
-    )
+    log, registry = await log_and_registry(nc, store)
     retention = Retention(log_adapter=log, store=store, registry=registry)
     old = [await ended(log, registry, OLD_TS) for _ in range(5)]
     for session_id in old:
