@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -272,6 +273,28 @@ async def test_a_gone_owners_leases_read_by_owners_are_taken_over_together(
     assert taken == {*of_the_gone, never_leased, released}
     assert one_by_one == []  # the live peer's lease is refused as read, without a request
     assert await leases.owners(sessions) == {**dict.fromkeys(taken, me), of_the_peer: peer}
+
+
+async def test_an_owner_nats_cannot_tell_of_keeps_its_leases_for_now(
+    buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``acquire_many`` asking whether the owner of a lease it read is alive, and NATS not
+    answering: that owner's leases are left alone (asked for again later), no error escapes, and
+    the free sessions are taken."""
+    leases = buckets.leases
+    me, other = unique("daemon-me"), unique("daemon-other")
+    await buckets.daemons.put(me, b"record")
+    held, free = unique("held"), unique("free")
+    assert await leases.acquire(held, other)
+    await leases.holders()
+
+    async def no_answer(owner: bytes) -> bool:
+        raise nats.errors.TimeoutError
+
+    monkeypatch.setattr(leases, "_alive", no_answer)
+    one_by_one = acquired_one_by_one(leases, monkeypatch)
+    assert await leases.acquire_many([held, free], me) == {free}
+    assert one_by_one == []
 
 
 async def test_two_owners_taking_many_leases_at_once_never_share_one(buckets: KvBuckets) -> None:

@@ -357,9 +357,9 @@ class LeaseTable:
             holder, revision = value
             if holder and holder != mine:
                 if holder not in alive:
-                    alive[holder] = await self._alive(holder)
+                    alive[holder] = await self._alive_or_unknown(holder)
                 if alive[holder]:
-                    continue  # a live owner's: not taken
+                    continue  # a live owner's (or one NATS cannot tell of): not taken now
             at_read.append((session_id, revision))
         one_by_one += await self._set_many(at_read, owner, taken, window)
         for session_id in one_by_one:
@@ -527,6 +527,16 @@ class LeaseTable:
                 deliver_policy=DeliverPolicy.NEW,
             )
         return subscription.unsubscribe
+
+    async def _alive_or_unknown(self, owner: bytes) -> bool:
+        """``_alive``, and True when NATS cannot say (its leases are then left alone for now,
+        as ``acquire_many`` leaves a lease NATS does not answer for)."""
+        try:
+            with unavailable_as_log_error(f"presence of {owner.decode()}"):
+                return await self._alive(owner)
+        except LogUnavailable as exc:
+            _log.debug("leases of %s not taken yet: %r", owner.decode(), exc)
+            return True
 
     async def _alive(self, owner: bytes) -> bool:
         """Whether the owner's presence record is there (renewed within the presence TTL)."""
