@@ -122,6 +122,27 @@ async def test_the_skill_catalog_keeps_revisions_and_forgets_deleted_skills(
     assert await buckets.skills.history(unique("never")) == []
 
 
+async def test_a_listing_right_after_a_put_names_every_skill_and_history_every_revision(
+    buckets: KvBuckets,
+) -> None:
+    """Read back at once, again and again: the listing and the history come from the stream
+    itself, not from a key watcher that can end before its first key arrives."""
+    names = [unique("listed") for _ in range(25)]
+    for n, name in enumerate(names):
+        await buckets.skills.put(name, b"first")
+        revision = await buckets.skills.put(name, b"second")
+        assert set(names[: n + 1]) <= set(await buckets.skills.keys())
+        history = await buckets.skills.history(name)
+        assert [(entry.value, entry.deleted) for entry in history] == [
+            (b"first", False),
+            (b"second", False),
+        ]
+        assert history[-1].revision == revision
+    await buckets.skills.delete(names[0])
+    assert names[0] not in await buckets.skills.keys()
+    assert set(names[1:]) <= set(await buckets.skills.keys())
+
+
 async def test_a_lease_has_one_owner_at_a_time(buckets: KvBuckets) -> None:
     leases = buckets.leases
     a, b = unique("daemon-a"), unique("daemon-b")

@@ -148,6 +148,10 @@ async def open_bucket(
         return await js.key_value(bucket)
 
 
+# The KV-Operation header values of a message that deletes its key.
+_DELETIONS = ("DEL", "PURGE")
+
+
 async def _value(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
     """The key's current value and revision, or None when it is absent or deleted."""
     try:
@@ -170,19 +174,26 @@ async def _last_message(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
     return (entry.value or b"", entry.revision or 0)
 
 
-async def _keys(kv: KeyValue) -> list[str]:
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
-    return sorted(decode_key(key) for key in keys)
+async def _keys(js: JetStreamContext, kv: KeyValue, bucket: str) -> list[str]:
+    """The keys of ``bucket`` that hold a value now, sorted.
+
+    Read from the stream's own subject list, then each key's last message (a deleted key keeps
+    its delete marker's subject), not from a key watcher: the watcher behind ``KeyValue.keys``
+    can mark the end of its initial values while the first of them are still in flight, and then
+    answers no keys at all."""
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
+    keys = [subject[len(prefix) :] for subject in info.state.subjects or {}]
+    found = await asyncio.gather(*(_value(kv, key) for key in keys))
+    return sorted(decode_key(key) for key, value in zip(keys, found, strict=True) if value)
 
 
 class AgentRegistry:
     """Published agents: create-only, by key (e.g. ``name@version``)."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext) -> None:
         self._kv = kv
+        self._js = js
 
     async def create(self, key: str, value: bytes) -> None:
         """Publish ``value`` under ``key``; identical bytes again is a no-op, other bytes raise
@@ -205,14 +216,15 @@ class AgentRegistry:
 
     async def keys(self) -> list[str]:
         with unavailable_as_log_error("list agents"):
-            return await _keys(self._kv)
+            return await _keys(self._js, self._kv, AGENTS_BUCKET)
 
 
 class SkillCatalog:
     """The mutable skill catalog, with the last revisions of each skill kept."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, js: JetStreamContext) -> None:
         self._kv = kv
+        self._js = js
 
     async def put(self, name: str, body: bytes) -> int:
         """Store a new revision of the skill; returns its revision number."""
@@ -235,19 +247,26 @@ class SkillCatalog:
 
     async def keys(self) -> list[str]:
         with unavailable_as_log_error("list skills"):
-            return await _keys(self._kv)
+            return await _keys(self._js, self._kv, SKILLS_BUCKET)
 
     async def history(self, name: str) -> list[Revision]:
         """The kept revisions of the skill, oldest first (deletions included)."""
+        # Message by message along the key's subject, not through ``KeyValue.history``, whose
+        # watcher can end before the first message arrives and answer no history at all.
+        subject = f"$KV.{SKILLS_BUCKET}.{encode_key(name)}"
+        revisions: list[Revision] = []
+        seq = 1
         with unavailable_as_log_error(f"skill history {name}"):
-            try:
-                entries = await self._kv.history(encode_key(name))
-            except nats.js.errors.NoKeysError:
-                return []
-        return [
-            Revision(entry.revision or 0, entry.value or b"", entry.operation in ("DEL", "PURGE"))
-            for entry in entries
-        ]
+            while True:
+                try:
+                    msg = await self._js.get_msg(
+                        f"KV_{SKILLS_BUCKET}", seq=seq, subject=subject, next=True
+                    )
+                except nats.js.errors.NotFoundError:
+                    return revisions
+                operation = (msg.headers or {}).get("KV-Operation")
+                revisions.append(Revision(msg.seq or 0, msg.data or b"", operation in _DELETIONS))
+                seq = (msg.seq or seq) + 1
 
 
 def _created(session_id: str, answer: bytes) -> int | None:
@@ -490,7 +509,7 @@ class LeaseTable:
                         if entry is None:
                             continue
                         session = decode_key(entry.key)
-                        if entry.operation in ("DEL", "PURGE") or not entry.value:
+                        if entry.operation in _DELETIONS or not entry.value:
                             named.pop(session, None)
                             read[session] = (b"", entry.revision or 0)
                         else:
@@ -515,7 +534,7 @@ class LeaseTable:
             if not msg.subject.startswith(prefix):
                 return
             operation = (msg.headers or {}).get("KV-Operation")
-            owner = None if operation in ("DEL", "PURGE") or not msg.data else msg.data.decode()
+            owner = None if operation in _DELETIONS or not msg.data else msg.data.decode()
             on_change(decode_key(msg.subject[len(prefix) :]), owner)
 
         with unavailable_as_log_error("watch the session leases"):
@@ -784,8 +803,8 @@ class KvBuckets:
             ),
         )
         return cls(
-            AgentRegistry(agents),
-            SkillCatalog(skills),
+            AgentRegistry(agents, js),
+            SkillCatalog(skills, js),
             LeaseTable(leases, daemons, js, lease_ttl, nc, timeout),
             PresenceTable(daemons, lease_ttl, js, presence_part_bytes(max_payload)),
         )
