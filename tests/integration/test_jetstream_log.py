@@ -22,6 +22,7 @@ from apomesh.adapters.heartbeats import (
 )
 from apomesh.adapters.jetstream_log import LOG_STREAM, JetStreamLog, _Position
 from apomesh.adapters.nats_connect import NATS, close_quietly, connect
+from apomesh.adapters.stream_fold import fold_stream
 from apomesh.core import envelope
 from apomesh.core.errors import (
     AppendConflict,
@@ -249,6 +250,28 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
     assert {s: gapped._positions[s] for s in sessions[1:]} == {s: truth[s] for s in sessions[1:]}
     assert asked and set(asked[0]) == set(sessions[1:])  # the one page has the gap
     await nc.jetstream().delete_stream(f"E_{tag}")
+
+
+async def test_the_one_pass_says_after_each_page_how_far_it_has_read(nc: NATS) -> None:
+    """``progress`` hears, page after page, the messages read so far of the sequences the pass
+    spans, ending at all of them (what ``apomesh serve`` logs during a long boot scan)."""
+    tag = uuid.uuid4().hex[:8]
+    stream, prefix = f"P_{tag}", f"p{tag}.log"
+    writer = JetStreamLog(nc, stream=stream, subject_prefix=prefix, ensure_heartbeats=False)
+    await writer.ensure()
+    sessions = [new_session() for _ in range(5)]
+    for round_ in range(5):  # 25 messages, interleaved
+        for session in sessions:
+            await writer.append(session, events(session, 2 * round_, 2))
+    heard: list[tuple[int, int]] = []
+
+    folded = await fold_stream(
+        nc, stream, prefix, skip=set(), page=10, progress=lambda *told: heard.append(told)
+    )
+
+    assert heard == [(10, 25), (20, 25), (25, 25)]
+    assert all(folded.states[s].last_index == 9 for s in sessions)
+    await nc.jetstream().delete_stream(stream)
 
 
 async def test_the_ends_of_many_sessions_are_learned_in_batches_and_a_stale_one_is_refused(

@@ -1,11 +1,14 @@
 """The retention sweep (``runtime.retention``) on a real nats-server and a real LMDB store, alone
 and written through to the replicated bucket: more ended sessions than one group of purges, each
 removed from the log stream and from every store database, and a session that ended after the
-cutoff left whole."""
+cutoff left whole. And the completed records the boot scan writes for the ended sessions it
+finds, more than one atomic batch of the bucket holds."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -92,17 +95,35 @@ async def log_and_registry(nc: NATS, store: AsyncStore) -> tuple[JetStreamLog, S
 
 
 async def test_a_sweep_purges_many_ended_sessions_in_groups_and_keeps_the_recent(
-    nc: NATS, store: AsyncStore
+    nc: NATS, store: AsyncStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     log, registry = await log_and_registry(nc, store)
     forgotten: list[str] = []
-    retention = Retention(log_adapter=log, store=store, registry=registry, forget=forgotten.append)
+    retention = Retention(
+        log_adapter=log,
+        store=store,
+        registry=registry,
+        forget=forgotten.append,
+        progress_every=0,  # a progress line after every group
+    )
     old = [await ended(log, registry, OLD_TS) for _ in range(PURGE_TOGETHER + 44)]
     recent = await ended(log, registry, CUTOFF + 100)
     for session_id in [*old, recent]:
         await store.write_batch(records_of(session_id))
 
-    purged = await retention.sweep(CUTOFF)
+    with caplog.at_level(logging.INFO, logger="apomesh.daemon"):
+        purged = await retention.sweep(CUTOFF)
+
+    # What the daemon says meanwhile: how many, how far after each group, done; no line a session.
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said[0] == f"retention: purging {len(purged):,} sessions that ended past retention"
+    steps = [
+        re.fullmatch(r"retention: ([\d,]+) of ([\d,]+) sessions purged \((\d+)%\)", m)
+        for m in said[1:-1]
+    ]
+    assert len(steps) >= 2 and all(steps), said
+    assert steps[-1] is not None and steps[-1].group(3) == "100"
+    assert said[-1] == f"retention: {len(purged):,} ended sessions purged"
 
     assert sorted(purged) == sorted(old) and sorted(forgotten) == sorted(old)
     on_the_log = set(await log.list_sessions())  # the server may hold other tests' sessions
@@ -147,3 +168,25 @@ async def test_a_session_whose_log_is_not_purged_keeps_its_records_and_the_rest_
         assert left == [f"{stuck}/root/1"]
     monkeypatch.setattr(log, "delete_session", purge)
     assert await retention.sweep(CUTOFF) == [stuck]  # the next sweep finishes the job
+
+
+async def test_the_boot_scan_books_more_ended_sessions_than_one_atomic_batch_holds(
+    nc: NATS, store: AsyncStore
+) -> None:
+    """``write_completed_many`` with 1,100 ended sessions (the replicated bucket takes at most
+    1,000 messages in one atomic batch; one write of them all was refused and stopped the
+    daemon's start): every record is written."""
+    _, registry = await log_and_registry(nc, store)
+    shape = shape_of(thinker(2))
+    states = []
+    for _ in range(1_100):
+        session_id = uuid.uuid4().hex
+        envelopes = stored_session(
+            session_id, shape, goal="old", events=6, terminal=True, ts=OLD_TS
+        )
+        states.append(fold(envelopes, session_id))
+
+    await registry.write_completed_many(states)
+
+    written = {r.session_id for r in await registry.completed_records()}
+    assert {state.session_id for state in states} <= written

@@ -16,6 +16,7 @@ import pytest
 from tests.strategies import born, session_started
 from tests.writers import writer_deps
 
+from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
 from apomesh.adapters.memory_log import MemoryLog
 from apomesh.core import envelope
 from apomesh.core.errors import (
@@ -23,6 +24,7 @@ from apomesh.core.errors import (
     AppendConflict,
     CommandRefused,
     Fenced,
+    LogUnavailable,
     NotFound,
 )
 from apomesh.core.events import (
@@ -35,6 +37,8 @@ from apomesh.core.events import (
     SessionEnded,
 )
 from apomesh.core.state import SessionState, fold, new_state
+from apomesh.plugins.manager import PluginHost
+from apomesh.runtime import registry as registry_module
 from apomesh.runtime.registry import SessionRegistry
 from apomesh.runtime.sessions import Ending, SessionRuntime
 
@@ -334,3 +338,58 @@ async def test_a_session_cut_off_at_hand_over_keeps_its_lease_a_lease_ttl_then_g
         if leases.released:
             break
     assert leases.released == 1
+
+
+async def test_a_coordinator_that_nats_does_not_answer_is_driven_again_not_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NATS does not answer what a coordinator needs (``LogUnavailable`` escapes it): the
+    session is not ended ``failed`` (a passing outage would lose it); its writer stops, and the
+    registry folds its log and drives it on under its lease (``SessionRecovered`` auto), to the
+    end. Real LMDB for the registry's records."""
+    monkeypatch.setattr(registry_module, "UNAVAILABLE_PAUSE", 0.01)
+    log = MemoryLog()
+    runs: list[SessionRuntime] = []
+
+    class OutageOnce:
+        async def run(self, session: SessionRuntime) -> str:
+            runs.append(session)
+            if len(runs) == 1:
+                raise LogUnavailable("read session s-writer: NATS is unavailable (timeout)")
+            return "done"
+
+    host = PluginHost()
+    monkeypatch.setattr(host, "coordination_kinds", lambda: {"solo": OutageOnce()})
+    async with AsyncStore(LmdbStore(tmp_path / "lmdb")) as store:
+        registry = SessionRegistry(
+            log_adapter=log,
+            leases=CountedLeases(),
+            store=store,
+            snapshots=cast(Any, SimpleNamespace(forget=lambda key: None)),
+            spawn=asyncio.ensure_future,
+        )
+        registry.owner = "daemon-here"
+        deps = writer_deps(tmp_path, log=log, plugins=host, on_end=registry.end)
+        registry.make_runtime = lambda state, fresh: SessionRuntime(
+            deps, state, fresh_children=fresh
+        )
+        await registry.adopt(
+            new_state(SID),
+            recovered=None,
+            fresh_children=False,
+            opening=[session_started(), born("root")],
+        )
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if [r.session_id for r in await registry.completed_records()] == [SID]:
+                break
+        events = [e.event for e in await log.read(SID)]
+    assert len(runs) == 2 and runs[0] is not runs[1]
+    kinds = [type(event).__name__ for event in events]
+    assert kinds == [
+        "SessionStarted",
+        "AgentLifecycle",
+        "SessionRecovered",
+        "SessionEnded",
+    ], kinds
+    assert events[-1] == SessionEnded(status="completed", output="done")

@@ -52,7 +52,7 @@ import base64
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -678,12 +678,14 @@ class JetStreamLog:
         *,
         resume: Mapping[str, ResumePoint] | None = None,
         sessions: Collection[str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> StreamFold:
         """Every session folded in one pass over the stream (``adapters.stream_fold``), passing
         over the sessions in ``skip`` and starting those in ``resume`` from their fold checkpoint
         (from its sequence on when every one of ``sessions`` has one); those the pass cannot
         vouch for are ``suspect``. Where the unfinished ones end is noted too (by the pass where
-        its pages are dense, else ``learn_ends``): the boot scan resumes them next."""
+        its pages are dense, else ``learn_ends``): the boot scan resumes them next. ``progress``
+        is told after each page how many messages were read of how many."""
         folded = await fold_stream(
             self._nc,
             self.stream,
@@ -691,6 +693,7 @@ class JetStreamLog:
             skip=skip,
             resume=resume,
             sessions=sessions,
+            progress=progress,
         )
         unknown = []
         for session_id, state in folded.states.items():

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,16 +102,21 @@ async def fold_stream(
     sessions: Collection[str] | None = None,
     page: int = 10_000,
     timeout: float = 10.0,
+    progress: Callable[[int, int], None] | None = None,
 ) -> StreamFold:
     """Fold every session of ``stream`` (subjects ``<subject_prefix>.<session_id>``) that is not in
     ``skip``, reading the stream once in order, each from its ``resume`` point if it has one. See
-    the module docstring for ``suspect`` and for where the pass starts."""
+    the module docstring for ``suspect`` and for where the pass starts. ``progress`` is called
+    after each page with the messages read so far and the stream sequences the pass spans (as
+    many messages, less the deleted ones)."""
     result = StreamFold()
     info = await api_request(nc, f"{JS_API_PREFIX}.STREAM.INFO.{stream}", {}, timeout=timeout)
     state = info.get("state", {})
     seq, last_seq = int(state.get("first_seq") or 1), int(state.get("last_seq") or 0)
     waiting = {s: point for s, point in (resume or {}).items() if s not in skip}
     seq = max(seq, _first_needed(waiting, sessions, skip) or seq)
+    spanned = max(0, last_seq - seq + 1)
+    read = 0
     wildcard = f"{subject_prefix}.*"
 
     def read_page(start: int) -> asyncio.Task[DirectGetPage]:
@@ -140,6 +145,7 @@ async def fold_stream(
                 # The next page is asked for now and arrives while this one is folded.
                 upcoming = read_page(got.last_sequence + 1)
             result.pages += 1
+            read += len(got.messages)
             decodable = True
             for first in range(0, len(got.messages), FOLD_SLICE):
                 if first:
@@ -153,6 +159,8 @@ async def fold_stream(
                 ):
                     _suspect(result, session_id)
             seq = got.last_sequence + 1
+            if progress is not None:
+                progress(read, spanned)
     finally:
         if upcoming is not None:
             upcoming.cancel()

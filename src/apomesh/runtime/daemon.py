@@ -120,12 +120,13 @@ class Daemon:
         )
         self.registry.owner_url = self.presence.url_of
         self.registry.changed = self.presence.nudge
+        self.registry.closing = self._winding_down
         self.takeover = Takeover(
             log_adapter=log_adapter,
             registry=self.registry,
             presence=self.presence,
             plugins=plugins,
-            stopped=lambda: self._closing or self.presence.state != "active",
+            stopped=self._winding_down,
             logger=log,
         )
         self.workers = WorkerPool(
@@ -176,10 +177,14 @@ class Daemon:
             registry=self.registry,
             plugins=plugins,
             spawn=self._spawn,
-            closing=lambda: self._closing,
+            closing=self._winding_down,
             logger=log,
             takeover=self.takeover,
         )
+
+    def _winding_down(self) -> bool:
+        """Draining or closing: no session is started, adopted or driven again from now on."""
+        return self._closing or self.presence.state != "active"
 
     @property
     def closing(self) -> bool:

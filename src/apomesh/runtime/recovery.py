@@ -45,6 +45,7 @@ from apomesh.plugins.api import Tool
 from apomesh.plugins.manager import PluginHost
 from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
 from apomesh.runtime.presence import Presence
+from apomesh.runtime.progress import PROGRESS_EVERY, ProgressLog
 from apomesh.runtime.registry import Recoverable, SessionRegistry
 from apomesh.runtime.sessions import SessionRuntime
 
@@ -75,6 +76,7 @@ class FoldsInOnePass(Protocol):
         *,
         resume: Mapping[str, ResumePoint] | None = None,
         sessions: Collection[str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> StreamFold: ...
 
 
@@ -119,11 +121,18 @@ def fresh_children(state: SessionState) -> bool:
     return not state.cleanly_suspended
 
 
-async def start_in_waves(adopted: Sequence[SessionRuntime], closing: Callable[[], bool]) -> None:
+async def start_in_waves(
+    adopted: Sequence[SessionRuntime],
+    closing: Callable[[], bool],
+    progress_every: float = PROGRESS_EVERY,
+) -> None:
     """Start auto-resumed sessions ``START_WAVE`` at a time: the next wave once this one has
     logged its openings (or after ``WAVE_WAIT`` seconds); tens of thousands of openings sent at
-    once time out on the log. Stops when ``closing()``."""
+    once time out on the log. Stops when ``closing()``. How many are started is logged every
+    ``progress_every`` seconds while it lasts."""
+    progress = ProgressLog(log, "resuming", "sessions started", every=progress_every)
     for first in range(0, len(adopted), START_WAVE):
+        progress(first, len(adopted))
         wave = adopted[first : first + START_WAVE]
         for runtime in wave:
             if closing():
@@ -133,6 +142,7 @@ async def start_in_waves(adopted: Sequence[SessionRuntime], closing: Callable[[]
             await asyncio.wait_for(
                 asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
             )
+    progress.finish(len(adopted))
 
 
 class BootScan:
@@ -149,8 +159,10 @@ class BootScan:
         closing: Callable[[], bool],
         logger: logging.Logger | None = None,
         takeover: Takeover | None = None,
+        progress_every: float = PROGRESS_EVERY,
     ) -> None:
         self.log_adapter = log_adapter
+        self.progress_every = progress_every
         self.store = store
         self.registry = registry
         self.plugins = plugins
@@ -278,9 +290,8 @@ class BootScan:
                 gc.freeze()
                 # Unfrozen when the waves end, however they end (also when the daemon closes
                 # before their task has run at all).
-                self.spawn(start_in_waves(adopted, self.closing)).add_done_callback(
-                    lambda _: gc.unfreeze()
-                )
+                waves = start_in_waves(adopted, self.closing, self.progress_every)
+                self.spawn(waves).add_done_callback(lambda _: gc.unfreeze())
         stats = checkpoints.stats
         resumed = len(pass_result.resumed) if pass_result is not None else 0
         folded = pass_result.folded if pass_result is not None else 0
@@ -337,21 +348,31 @@ class BootScan:
             return None
         try:
             resume = await self.registry.fold_checkpoints.load_all()
-            result = await self.log_adapter.fold_all(completed, resume=resume, sessions=session_ids)
+            progress = ProgressLog(
+                self.log, "boot scan", "log messages read", every=self.progress_every
+            )
+            result = await self.log_adapter.fold_all(
+                completed, resume=resume, sessions=session_ids, progress=progress
+            )
         except ApomeshError as exc:
             self.log.warning(
                 "boot scan: one pass over the log failed (%s); reading sessions one by one", exc
             )
             return None
         self.log.info(
-            "boot scan: %d events read in one pass (%d pages, %d folded), %d sessions (%d from"
-            " their fold checkpoint), %d to read one by one",
-            result.events,
-            result.pages,
-            result.folded,
-            len(result.states),
-            len(result.resumed),
-            len(result.suspect),
+            "boot scan: %s events read in one pass (%s pages, %s folded), %s sessions (%s from"
+            " their fold checkpoint), %s to read one by one",
+            *(
+                f"{n:,}"
+                for n in (
+                    result.events,
+                    result.pages,
+                    result.folded,
+                    len(result.states),
+                    len(result.resumed),
+                    len(result.suspect),
+                )
+            ),
         )
         return result
 

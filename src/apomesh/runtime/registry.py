@@ -28,7 +28,14 @@ from typing import Any, Literal
 import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
-from apomesh.core.errors import ApomeshError, AppendConflict, NotFound, OwnedElsewhere
+from apomesh.core.errors import (
+    ApomeshError,
+    AppendConflict,
+    LogUnavailable,
+    NotFound,
+    OwnedElsewhere,
+    StoreUnavailable,
+)
 from apomesh.core.events import Event
 from apomesh.core.ports import EventLog, SessionLeases
 from apomesh.core.state import SessionState
@@ -49,6 +56,17 @@ READOPT_LIMIT = 3
 
 READOPT_PAUSE = 0.2
 """Seconds (times the try) the lease holder waits before it drives a session on after a conflict."""
+
+UNAVAILABLE_PAUSE = 1.0
+"""Seconds before a session stopped by NATS not answering is folded and driven again (doubled
+after each try NATS still does not answer, up to ``UNAVAILABLE_PAUSE_MAX``)."""
+
+UNAVAILABLE_PAUSE_MAX = 30.0
+
+COMPLETED_PER_WRITE = 100
+"""Completed records to one store write in ``write_completed_many``: each write is one atomic
+batch of the replicated bucket, which holds at most 1,000 messages (a record is one, or a few
+parts when it is over a message's size)."""
 
 
 def renew_interval(ttl: float) -> float:
@@ -118,6 +136,9 @@ class SessionRegistry:
         """The advertised URL of a lease owner (set by the daemon from the presence records)."""
         self.changed: Callable[[], None] = lambda: None
         """Called when the set of live or stranded sessions changes (the presence record)."""
+        self.closing: Callable[[], bool] = lambda: False
+        """True once the daemon drains or closes (set by the daemon): no session is driven
+        again then."""
         self.log_adapter = log_adapter
         self.leases = leases
         self.store = store
@@ -333,16 +354,48 @@ class SessionRegistry:
             )
             self.spawn(self.leases.release(session_id, self.owner))
             return
-        # Another writer appended to the log: what this writer holds is stale.
+        # Another writer appended to the log, or NATS did not answer: what this writer holds
+        # may be stale either way.
         self.folds.forget(session_id)
         await runtime.stop()
         for ref in state.agents:
             self.snapshots.forget(f"{session_id}/{ref}")
+        if self.closing():
+            return  # its lease lapses with this daemon's presence; the next one folds its log
+        if ending.kind == "unavailable":
+            self.spawn(self._drive_when_answering(session_id))
+            return
         if await self.lease_owner(session_id) == self.owner and await self._drive_again(session_id):
             return
         # Driven by the lease holder elsewhere: read from the log from now on.
         with contextlib.suppress(Exception):
             await self.leases.release(session_id, self.owner)
+
+    async def _drive_when_answering(self, session_id: str) -> None:
+        """A session whose writer stopped because NATS did not answer: fold its log and drive
+        it on under its lease (``recovered="auto"``, as after a worker loss: journaled effects
+        served from the log, an intent without its result through the tool's probe), tried
+        again with a growing pause while NATS still does not answer. Left alone once another
+        writer drives it (an operator's command here, a peer that holds its lease)."""
+        pause = UNAVAILABLE_PAUSE
+        while not self.closing():
+            await asyncio.sleep(pause)
+            if session_id in self.live or self.closing():
+                return
+            try:
+                state = await self.fold_checkpoints.fold(self.log_adapter, session_id)
+                if state.terminal or session_id in self.live:
+                    return
+                await self.adopt(state, recovered="auto", fresh_children=False)
+            except (LogUnavailable, StoreUnavailable) as exc:
+                self.log.info("session %s waits for NATS to drive it again: %s", session_id, exc)
+                pause = min(pause * 2, UNAVAILABLE_PAUSE_MAX)
+                continue
+            except Exception as exc:
+                self.log.error("session %s not driven again: %s", session_id, exc)
+                return
+            self.log.warning("session %s is driven again from its log", session_id)
+            return
 
     async def _drive_again(self, session_id: str) -> bool:
         """This daemon holds the lease, so the writer that appended in between was a stale one
@@ -474,11 +527,17 @@ class SessionRegistry:
         await self.store.put_completed(state.session_id, _completed_record(state))
 
     async def write_completed_many(self, states: Sequence[SessionState]) -> None:
-        """The completed records of many ended sessions, in one write."""
-        if states:
-            await self.store.write_batch(
-                [("completed", state.session_id, _completed_record(state)) for state in states]
+        """The completed records of many ended sessions (a boot scan's, by the ten thousand),
+        ``COMPLETED_PER_WRITE`` to a write, the writes sent together (the store commits what
+        waits together: one LMDB transaction; one atomic batch of the replicated bucket per
+        1,000 messages, its limit, which one write of them all went over)."""
+        records = [("completed", state.session_id, _completed_record(state)) for state in states]
+        await asyncio.gather(
+            *(
+                self.store.write_batch(records[first : first + COMPLETED_PER_WRITE])
+                for first in range(0, len(records), COMPLETED_PER_WRITE)
             )
+        )
 
     async def completed_records(self) -> list[CompletedRecord]:
         return [_completed_decoder.decode(v) for _, v in await self.store.list_completed()]

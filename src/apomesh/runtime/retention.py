@@ -28,6 +28,7 @@ from apomesh.core.errors import ApomeshError, CommandRefused, NotFound
 from apomesh.core.ports import EventLog
 from apomesh.core.state import fold
 from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB
+from apomesh.runtime.progress import PROGRESS_EVERY, ProgressLog
 from apomesh.runtime.registry import (
     IDEMPOTENCY_DB,
     CompletedRecord,
@@ -67,8 +68,10 @@ class Retention:
         store: AsyncStore,
         registry: SessionRegistry,
         forget: Callable[[str], None] = lambda session_id: None,
+        progress_every: float = PROGRESS_EVERY,
     ) -> None:
         self.log_adapter = log_adapter
+        self.progress_every = progress_every
         self.store = store
         self.registry = registry
         self._forget = forget
@@ -97,13 +100,15 @@ class Retention:
         """Remove an ended session's log subject and every record of it."""
         await self.ended_at(session_id)
         await self._remove([session_id])
+        log.info("purged session %s", session_id)
 
-    async def _remove(self, session_ids: list[str]) -> None:
+    async def _remove(self, session_ids: list[str], progress: ProgressLog | None = None) -> None:
         """Purge ``session_ids`` ``PURGE_TOGETHER`` at a time: their log subjects purged
         concurrently, then their records deleted, each session's in one write with others' up to
         ``WRITE_RECORDS`` records (the completed records with them, so a purge cut short leaves
         each session listed as ended). A session whose log subject NATS did not purge keeps its
-        records; the others go on, and the first such error is raised at the end."""
+        records; the others go on, and the first such error is raised at the end. ``progress``
+        is told after each group how many sessions are done of how many."""
         keys = await self._idempotency_keys(set(session_ids))
         gate = asyncio.Semaphore(PURGES_IN_FLIGHT)
         failed: list[ApomeshError] = []
@@ -131,6 +136,10 @@ class Retention:
                 written.append((session_id, len(records)))
                 deletes.extend(records)
             await self._delete(deletes, written)
+            if progress is not None:
+                progress(first + len(group), len(session_ids))
+        if progress is not None:
+            progress.finish(len(session_ids))
         if failed:
             log.warning("%d ended sessions not purged yet: %s", len(failed), failed[0])
             raise failed[0]
@@ -153,7 +162,7 @@ class Retention:
         await self.store.write_batch([], deletes)
         for session_id, count in sessions:
             self._forget(session_id)
-            log.info("purged session %s (%d records)", session_id, count)
+            log.debug("purged session %s (%d records)", session_id, count)
 
     async def _idempotency_keys(self, session_ids: set[str]) -> dict[str, list[str]]:
         """The ``Idempotency-Key`` records that answer these sessions, by session."""
@@ -177,7 +186,13 @@ class Retention:
         return sorted(records, key=lambda r: r.ended_at)
 
     async def sweep(self, ended_before: float) -> list[str]:
-        """Purge every session that ended before ``ended_before``; returns their ids."""
+        """Purge every session that ended before ``ended_before``; returns their ids. Says how
+        many it purges, and how far it has come every ``progress_every`` seconds."""
         purged = [record.session_id for record in await self.expired(ended_before)]
-        await self._remove(purged)
+        if not purged:
+            return purged
+        log.info("retention: purging %s sessions that ended past retention", f"{len(purged):,}")
+        progress = ProgressLog(log, "retention", "sessions purged", every=self.progress_every)
+        await self._remove(purged, progress)
+        log.info("retention: %s ended sessions purged", f"{len(purged):,}")
         return purged

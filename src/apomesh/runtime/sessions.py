@@ -59,6 +59,7 @@ from apomesh.core.errors import (
     Nondeterminism,
     NotFound,
     PayloadTooLarge,
+    StoreUnavailable,
 )
 from apomesh.core.events import (
     TURN_SOURCE,
@@ -140,10 +141,12 @@ class Drained(Exception):
 @dataclass(frozen=True)
 class Ending:
     """Why a runtime stops driving its session: it ``finished`` (its log is terminal), it is
-    ``stranded`` (held for an operator: ``reason``, ``category``), or its append met a
-    ``conflict`` (another writer appended to its log)."""
+    ``stranded`` (held for an operator: ``reason``, ``category``), its append met a
+    ``conflict`` (another writer appended to its log), or NATS did not answer what its
+    coordinator needed (``unavailable``: the log or the replicated store out of reach for longer
+    than a call waits; the session is driven again from its log once NATS answers)."""
 
-    kind: Literal["finished", "stranded", "conflict"]
+    kind: Literal["finished", "stranded", "conflict", "unavailable"]
     reason: str = ""
     category: str = ""
 
@@ -1682,6 +1685,18 @@ class SessionRuntime:
                 reason, category = str(held).removeprefix("held: "), "model_failed"
             await self.deps.on_end(self, Ending("stranded", reason=reason, category=category))
             return
+        except (LogUnavailable, StoreUnavailable) as exc:
+            if self.state.terminal or self.conflict is not None:
+                return
+            # Nothing is decided on a guess, and a passing outage must not end the session
+            # failed: it stops here, and the registry drives it again from its log (as after a
+            # worker loss) once NATS answers.
+            log.warning(
+                "session %s stopped: %s; it is driven again from its log once NATS answers",
+                self.session_id,
+                exc,
+            )
+            self.deps.spawn(self.deps.on_end(self, Ending("unavailable", reason=str(exc))))
         except Exception as exc:
             if self.state.terminal or self.conflict is not None:
                 return
