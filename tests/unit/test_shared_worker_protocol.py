@@ -7,6 +7,7 @@ dispatch that the worker's later beats no longer list at its epoch."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, cast
 
 import pytest
@@ -129,6 +130,37 @@ async def test_placement_leaves_room_for_other_daemons_agents() -> None:
     assert workers.metrics.value("apomesh_placement_waits_total") == 1
     workers.release("w1")
     assert workers.free_slots(info) == 1
+
+
+async def test_many_agents_waiting_for_room_at_once_make_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Thousands of sessions resumed together wait for room at once: each is counted, and one
+    line says how many wait (not a line each), until room frees up."""
+    nc = FakeNats()
+    workers = pool(nc)
+    await workers.register(Register("w1", "w1", [], ["scripted"], max_agents=1))
+    assert await workers.pick(CONFIG) == "w1"
+    with caplog.at_level(logging.WARNING, logger="apomesh.daemon"):
+        waiting = [
+            asyncio.ensure_future(workers.pick(CONFIG, who=f"session s{n} agent root"))
+            for n in range(50)
+        ]
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if workers.waiting_for_room == 50:
+                break
+        await asyncio.sleep(0.3)  # every one of them looked again a few times
+    said = [r.getMessage() for r in caplog.records if "waits for room" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("session s0 agent root waits for room")
+    assert workers.metrics.value("apomesh_placement_waits_total") == 50
+    workers.release("w1")
+    done, pending = await asyncio.wait(waiting, timeout=2, return_when=asyncio.FIRST_COMPLETED)
+    assert [task.result() for task in done] == ["w1"]  # one slot freed: one of them placed
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert workers.waiting_for_room == 0
 
 
 async def test_a_worker_that_refuses_for_being_full_is_full_until_its_next_beat() -> None:

@@ -46,6 +46,9 @@ from apomesh.runtime.protocol import (
     dispatch_subject,
 )
 
+ROOM_WARNING_EVERY = 10.0
+"""Seconds between two warnings that agents wait for room on a worker (``WorkerPool.pick``)."""
+
 LOST_WORKERS_KEPT = 64
 """How many workers declared lost the pool keeps listing (``GET /v1/workers``, ``alive`` false)."""
 REFUSED_ASK_AGAIN = 30.0
@@ -136,6 +139,9 @@ class WorkerPool:
         self._dispatch_refused: dict[str, float] = {}
         self._registration_refused: dict[str, float] = {}
         self._reconnected_at = time.monotonic()
+        self.waiting_for_room = 0
+        """Agents waiting in ``pick`` for room on a capable worker now."""
+        self._room_warned_at = -ROOM_WARNING_EVERY
         self._was_connected = True
 
     # --- registration and beats (handed over by the control plane) -------------------------------
@@ -263,65 +269,105 @@ class WorkerPool:
     ) -> str | None:
         """A live registered worker that has the agent's model provider and tools, whose
         plugin versions satisfy the session's ``pins`` and that has room for one more agent
-        (``free_slots``); waits for one (``who``, the session and agent, is named in a warning
-        while it waits), or answers None once ``stop()`` is true."""
+        (``free_slots``); waits for one, or answers None once ``stop()`` is true. An agent
+        waiting for room is counted (``placement_waits``, ``waiting_for_room``) and ``who``,
+        the session and agent, may be the one the warning names (one line for all the agents
+        waiting, every ``ROOM_WARNING_EVERY`` seconds)."""
         warned = False
         waited_for_room = False
-        while True:
-            if stop is not None and stop():
-                return None
-            fresh = time.monotonic() - self.threshold
-            capable = [
-                w
-                for w in self.workers.values()
-                if w.last_seen >= fresh
-                and config.model.provider in w.providers
-                and all(t in w.tools for t in config.tools)
-            ]
-            candidates = [w for w in capable if worker_pin_problem(w.plugins, pins) is None]
-            if not candidates and capable and not warned:
-                problems = {w.worker_id: worker_pin_problem(w.plugins, pins) for w in capable}
-                self.log.warning(
-                    "%s waits for a worker whose plugins match its pins: %s",
-                    who or config.name,
-                    "; ".join(f"{worker}: {problem}" for worker, problem in problems.items()),
+        try:
+            while True:
+                if stop is not None and stop():
+                    return None
+                picked, warned, waited = self._try_pick(
+                    config, prefer, pins, who, warned, counted=waited_for_room
                 )
-                warned = True
-            roomy = [w for w in candidates if self.free_slots(w) > 0]
-            if candidates and not roomy and not waited_for_room:
-                self.log.warning(
-                    "%s waits for room on a worker: %s",
-                    who or config.name,
-                    "; ".join(
-                        f"{w.worker_id} runs {w.max_agents - self.free_slots(w)} of {w.max_agents}"
-                        for w in candidates
-                    ),
-                )
-                self.metrics.placement_waits.inc()
-                waited_for_room = True
-            candidates = roomy
-            # A worker that just refused or missed a dispatch is passed over while another can
-            # take it (it is not declared lost for that: liveness alone decides).
-            now = time.monotonic()
-            answering = [
-                w
+                if waited and not waited_for_room:
+                    waited_for_room = True
+                    self.waiting_for_room += 1
+                    self.metrics.placement_waits.inc()
+                if picked is not None:
+                    return picked
+                await asyncio.sleep(0.1)
+        finally:
+            if waited_for_room:
+                self.waiting_for_room -= 1
+
+    def _try_pick(
+        self,
+        config: AgentConfig,
+        prefer: str | None,
+        pins: Sequence[PluginPin],
+        who: str,
+        warned: bool,
+        *,
+        counted: bool,
+    ) -> tuple[str | None, bool, bool]:
+        """One look for a worker (see ``pick``): (the worker picked or None, whether the pins
+        warning was given, whether every capable worker is full); ``counted``: this agent is
+        among ``waiting_for_room`` already."""
+        fresh = time.monotonic() - self.threshold
+        capable = [
+            w
+            for w in self.workers.values()
+            if w.last_seen >= fresh
+            and config.model.provider in w.providers
+            and all(t in w.tools for t in config.tools)
+        ]
+        candidates = [w for w in capable if worker_pin_problem(w.plugins, pins) is None]
+        if not candidates and capable and not warned:
+            problems = {w.worker_id: worker_pin_problem(w.plugins, pins) for w in capable}
+            self.log.warning(
+                "%s waits for a worker whose plugins match its pins: %s",
+                who or config.name,
+                "; ".join(f"{worker}: {problem}" for worker, problem in problems.items()),
+            )
+            warned = True
+        roomy = [w for w in candidates if self.free_slots(w) > 0]
+        full = bool(candidates) and not roomy
+        if full:
+            self._warn_full(who or config.name, candidates, self.waiting_for_room - counted)
+        candidates = roomy
+        # A worker that just refused or missed a dispatch is passed over while another can
+        # take it (it is not declared lost for that: liveness alone decides).
+        now = time.monotonic()
+        answering = [
+            w
+            for w in candidates
+            if now - self._dispatch_refused.get(w.worker_id, -1e9) > self.threshold
+        ]
+        candidates = answering or candidates
+        if candidates:
+            if (
+                config.affinity == "sticky"
+                and prefer
+                and prefer in self.workers
+                and prefer in [w.worker_id for w in candidates]
+            ):
+                self.workers[prefer].load += 1
+                return prefer, warned, full
+            chosen = min(candidates, key=lambda w: (w.load, w.worker_id))
+            chosen.load += 1
+            return chosen.worker_id, warned, full
+        return None, warned, full
+
+    def _warn_full(self, who: str, candidates: list[WorkerInfo], others: int) -> None:
+        """Every capable worker is full: said for all the agents waiting at once (``who`` and
+        ``others``), at most once every ``ROOM_WARNING_EVERY`` seconds (thousands of sessions
+        resumed together wait at once: a line each would bury the log)."""
+        now = time.monotonic()
+        if now - self._room_warned_at < ROOM_WARNING_EVERY:
+            return
+        self._room_warned_at = now
+        self.log.warning(
+            "%s waits for room on a worker%s: %s",
+            who,
+            f" (with {others:,} other agents)" if others else "",
+            "; ".join(
+                f"{w.worker_id} runs {w.max_agents - self.free_slots(w)} of {w.max_agents}"
                 for w in candidates
-                if now - self._dispatch_refused.get(w.worker_id, -1e9) > self.threshold
-            ]
-            candidates = answering or candidates
-            if candidates:
-                if (
-                    config.affinity == "sticky"
-                    and prefer
-                    and prefer in self.workers
-                    and prefer in [w.worker_id for w in candidates]
-                ):
-                    self.workers[prefer].load += 1
-                    return prefer
-                chosen = min(candidates, key=lambda w: (w.load, w.worker_id))
-                chosen.load += 1
-                return chosen.worker_id
-            await asyncio.sleep(0.1)
+            ),
+        )
 
     def alive_ids(self) -> list[str]:
         """The registered workers heard from within the liveness threshold."""
