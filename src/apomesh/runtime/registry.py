@@ -355,9 +355,9 @@ class SessionRegistry:
             self.spawn(self.leases.release(session_id, self.owner))
             return
         # Another writer appended to the log, or NATS did not answer: what this writer holds
-        # may be stale either way.
+        # may be stale either way. Its last append lands (or not) before the log is read again.
         self.folds.forget(session_id)
-        await runtime.stop()
+        await runtime.retire()
         for ref in state.agents:
             self.snapshots.forget(f"{session_id}/{ref}")
         if self.closing():

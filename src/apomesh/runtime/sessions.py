@@ -273,6 +273,7 @@ class SessionRuntime:
         "session_id",
         "slots",
         "state",
+        "stopped",
         "task",
     )
 
@@ -293,6 +294,9 @@ class SessionRuntime:
         self.held_reason: str | None = None
         self.conflict: AppendConflict | None = None
         """Set when another writer appended to this session's log: nothing more is written here."""
+        self.stopped = False
+        """Set by ``retire``: nothing more is appended here (an append waiting for the log
+        gives up), so the next writer of the session folds a log this one no longer moves."""
         self._recovering = fresh_children or bool(state.agents)
         # The coordinator loop's position: the checkpoint it is at (its log index, -1 before the
         # first) and how many times it asked the root since. A recovered loop starts at the
@@ -349,6 +353,8 @@ class SessionRuntime:
         async with self._writer:
             if self.conflict is not None:
                 raise Fenced(f"session {self.session_id} is driven by another writer")
+            if self.stopped:
+                raise Fenced(f"session {self.session_id}: this writer was stopped")
             if self.state.terminal:
                 # A report or request that raced the session's end: refused, never appended. A
                 # command the ended state refuses by itself (a pause answered twice) is refused
@@ -461,7 +467,7 @@ class SessionRuntime:
                 await self.deps.log.append(self.session_id, envs)
                 return
             except LogUnavailable as exc:
-                if self.deps.closing():
+                if self.deps.closing() or self.stopped:
                     raise
                 if not warned:
                     log.warning("session %s waits for the log: %s", self.session_id, exc)
@@ -1750,6 +1756,16 @@ class SessionRuntime:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
+
+    async def retire(self) -> None:
+        """Stop driving for good, before another writer folds the log (after a conflict, or
+        NATS not answering): nothing more is appended here, and this returns once no append of
+        this writer is in flight (the one in flight ends with its attempt), so that fold sees
+        this writer's last word."""
+        self.stopped = True
+        await self.stop()
+        async with self._writer:
+            return
 
 
 async def _no_send(report: Report) -> Reply:
