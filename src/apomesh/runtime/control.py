@@ -26,7 +26,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from apomesh.core.errors import ApomeshError, Fenced
+from apomesh.core.errors import ApomeshError, Fenced, LogUnavailable, StoreUnavailable
 from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.live_deltas import LiveDeltas
 from apomesh.runtime.metrics import DaemonMetrics
@@ -54,6 +54,10 @@ from apomesh.runtime.sessions import Held, SessionRuntime
 from apomesh.runtime.workers import WorkerPool
 
 log = logging.getLogger("apomesh.daemon")
+
+REPORT_RETRY_SECONDS = 30.0
+"""How long a report is asked of its session's writer again while NATS does not answer what
+the writer needs for it (then the dispatch is fenced off and the agent dispatched again)."""
 
 
 class ControlPlane:
@@ -266,7 +270,7 @@ class ControlPlane:
                     "fenced", message=f"epoch {report.epoch} of {report.agent} is not current"
                 )
             else:
-                reply = await runtime.handle_report(report, size)
+                reply = await self._when_nats_answers(runtime, report, size)
         except Held as exc:
             reply = Reply("ok", decision="hold", message=str(exc))
         except Fenced as exc:
@@ -274,6 +278,16 @@ class ControlPlane:
                 "fenced %s from %s: %s", type(report).__name__, report.worker_id, exc.message
             )
             reply = Reply("fenced", message=exc.message)
+        except (LogUnavailable, StoreUnavailable) as exc:
+            # Not an error of the agent's: its dispatch stops here, as if cut off, and the
+            # session dispatches it again from its last stored node (or the next daemon does).
+            self.log.warning(
+                "fenced %s from %s: NATS did not answer (%s)",
+                type(report).__name__,
+                report.worker_id,
+                exc.message,
+            )
+            reply = Reply("fenced", message=f"NATS did not answer the daemon: {exc.message}")
         except ApomeshError as exc:
             reply = Reply("error", message=exc.message)
         except Exception as exc:
@@ -282,6 +296,22 @@ class ControlPlane:
         if reply.status == "fenced":
             self.metrics.fenced_reports.inc()
         return reply
+
+    async def _when_nats_answers(self, runtime: SessionRuntime, report: Report, size: int) -> Reply:
+        """``runtime.handle_report``, asked again while NATS does not answer what it needs (as a
+        worker's resend after a lost reply is: the writer settles a report it took already),
+        up to ``REPORT_RETRY_SECONDS``, and not once the writer drains or was retired."""
+        deadline = asyncio.get_running_loop().time() + REPORT_RETRY_SECONDS
+        delay = 0.1
+        while True:
+            try:
+                return await runtime.handle_report(report, size)
+            except (LogUnavailable, StoreUnavailable):
+                late = asyncio.get_running_loop().time() + delay > deadline
+                if late or runtime.draining or runtime.stopped:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 async def _reply(msg: Msg, payload: Any) -> None:
