@@ -184,6 +184,52 @@ async def test_a_caller_cancelled_mid_append_leaves_the_step_whole_and_the_state
     assert await log.last_index(SID) == runtime.state.last_index == stored[-1].index + 1
 
 
+class SlowResend(LostAck):
+    """``LostAck`` whose second append (the resend of the first) waits for ``go``."""
+
+    def __init__(self, log: MemoryLog) -> None:
+        super().__init__(log)
+        self.resending = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def append(self, session_id: str, envelopes: Any) -> None:
+        if self.calls == 1:
+            self.calls += 1
+            self.resending.set()
+            await self.go.wait()
+            await self.log.append(session_id, envelopes)
+            return
+        await super().append(session_id, envelopes)
+
+
+async def test_a_caller_cancelled_again_during_the_resend_holds_the_writer_until_it_is_done(
+    tmp_path: Path,
+) -> None:
+    """Cancelled while its append is unanswered, and cancelled again while the writer sends it
+    again: the writer still holds its lock until the resend is done, so a decision asked for
+    meanwhile waits and follows on (it would otherwise put other events at the same index)."""
+    ended: list[Ending] = []
+    log, runtime = await paused_writer(tmp_path, ended)
+    lossy = SlowResend(log)
+    runtime.deps = dataclasses.replace(runtime.deps, log=cast(Any, lossy))
+    answering = asyncio.ensure_future(runtime.answer_hitl("p1", "yes", by="alice"))
+    await lossy.landed.wait()
+    answering.cancel()
+    await lossy.resending.wait()
+    answering.cancel()  # again, during the resend
+    await asyncio.sleep(0.01)
+    resuming = asyncio.ensure_future(runtime.append(OperatorAction(action="resume", by="carol")))
+    await asyncio.sleep(0.01)
+    assert not answering.done() and not resuming.done()  # both wait for the resend
+    lossy.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await answering
+    await resuming
+    stored = [type(e.event).__name__ for e in await log.read(SID)]
+    assert stored[-2:] == ["HitlAnswered", "OperatorAction"] and ended == []
+    assert runtime.state.last_index == await log.last_index(SID)
+
+
 class SlowLeases:
     """Leases that are always free, granted after a pause (another task runs meanwhile)."""
 

@@ -388,9 +388,16 @@ class SessionRuntime:
                 # applied: the append may have landed. The same envelopes are sent again (the log
                 # settles a resend: written once) and applied, so the step still lands whole or
                 # not at all and the state never drifts from the log; then the cancellation
-                # goes on. (No task per step: the step's own task does the common case.)
+                # goes on. The lock is held until that resend is done, however often the caller
+                # is cancelled meanwhile: a next decision made before it would put other events
+                # at the same indexes. (No task per step: the step's own task does the common
+                # case.)
+                resend = asyncio.ensure_future(self._commit(envs, events))
+                while not resend.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([resend])
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._commit(envs, events))
+                    resend.result()
                 raise
         await self.poke()
         return answer
