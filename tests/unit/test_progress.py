@@ -1,4 +1,5 @@
-"""``ProgressLog``: a long task's progress line at most once every few seconds, and its last."""
+"""``ProgressLog``: a long task's progress line at most once every few seconds, and its last;
+``Waiting``: how many wait for one thing, and their one warning every few seconds."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 
 import pytest
 
-from apomesh.runtime.progress import ProgressLog
+from apomesh.runtime.progress import ProgressLog, Waiting
 
 
 class Clock:
@@ -51,3 +52,17 @@ def test_a_short_task_says_nothing_and_an_empty_one_is_whole(
         empty = ProgressLog(logger, "resuming", "sessions started", every=0, clock=clock)
         empty(0, 0)
     assert [r.getMessage() for r in caplog.records] == ["resuming: 0 of 0 sessions started (100%)"]
+
+
+def test_many_waiters_share_one_warning_every_few_seconds() -> None:
+    clock = Clock()
+    waiting = Waiting(every=10.0, clock=clock)
+    for _ in range(3):
+        waiting.enter()
+    assert waiting.due() and waiting.others(counted=True) == " (with 2 others)"
+    assert not waiting.due()  # the others' turn comes with the next warning
+    clock.now += 10.0
+    assert waiting.due()
+    for _ in range(3):
+        waiting.leave()
+    assert waiting.count == 0 and waiting.others(counted=False) == ""

@@ -148,7 +148,7 @@ async def test_many_agents_waiting_for_room_at_once_make_one_warning(
         ]
         for _ in range(100):
             await asyncio.sleep(0.01)
-            if workers.waiting_for_room == 50:
+            if workers.waiting_for_room.count == 50:
                 break
         await asyncio.sleep(0.3)  # every one of them looked again a few times
     said = [r.getMessage() for r in caplog.records if "waits for room" in r.getMessage()]
@@ -160,7 +160,7 @@ async def test_many_agents_waiting_for_room_at_once_make_one_warning(
     for task in pending:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    assert workers.waiting_for_room == 0
+    assert workers.waiting_for_room.count == 0
 
 
 async def test_a_worker_that_refuses_for_being_full_is_full_until_its_next_beat() -> None:

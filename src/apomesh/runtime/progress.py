@@ -1,9 +1,13 @@
-"""How far a long task of the daemon has come, logged at most once every few seconds.
+"""How far a long task of the daemon has come, and how many wait for one thing, each said at
+most once every few seconds.
 
 A daemon start over a large log reads it whole (the boot scan's pass) and may first purge
 thousands of expired sessions (the retention sweep); ``ProgressLog`` is what ``apomesh serve``
 says meanwhile, one line every ``PROGRESS_EVERY`` seconds, instead of nothing until the start is
-done. A task shorter than that says nothing more than its usual closing line.
+done. A task shorter than that says nothing more than its usual closing line. Thousands of
+sessions resumed at once can wait together for one thing (room on a worker, the log while NATS
+does not answer): ``Waiting`` counts them, and their warning is one line every
+``WAITING_EVERY`` seconds for all of them instead of a line each.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from collections.abc import Callable
 
 PROGRESS_EVERY = 2.0
 """Seconds between two progress lines of one task."""
+
+WAITING_EVERY = 10.0
+"""Seconds between two warnings that some wait for one thing (``Waiting``)."""
 
 
 class ProgressLog:
@@ -56,3 +63,36 @@ class ProgressLog:
         self.logger.info(
             "%s: %s of %s %s (%d%%)", self.what, f"{done:,}", f"{total:,}", self.unit, share
         )
+
+
+class Waiting:
+    """How many wait for one thing now (``count``, kept by ``enter`` and ``leave``), and when
+    their one warning is due (``due``: at most once every ``every`` seconds)."""
+
+    def __init__(
+        self, *, every: float = WAITING_EVERY, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.count = 0
+        self.every = every
+        self._clock = clock
+        self._said_at: float | None = None
+
+    def enter(self) -> None:
+        self.count += 1
+
+    def leave(self) -> None:
+        self.count -= 1
+
+    def due(self) -> bool:
+        """True when the warning may be said now (it is then taken as said)."""
+        now = self._clock()
+        if self._said_at is not None and now - self._said_at < self.every:
+            return False
+        self._said_at = now
+        return True
+
+    def others(self, counted: bool) -> str:
+        """`` (with N others)`` for a warning of one waiter (``counted``: among ``count``), or
+        nothing when it waits alone."""
+        others = self.count - counted
+        return f" (with {others:,} others)" if others > 0 else ""

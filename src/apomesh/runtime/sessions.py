@@ -101,6 +101,7 @@ from apomesh.runtime.config import LimitsConfig
 from apomesh.runtime.fold_checkpoints import CHECKPOINT_EVERY, FoldCheckpoints, KnowsSequences
 from apomesh.runtime.metrics import DaemonMetrics
 from apomesh.runtime.pinning import worker_pins
+from apomesh.runtime.progress import Waiting
 from apomesh.runtime.protocol import (
     ENCODER,
     MODEL_CALL_FAILED,
@@ -176,6 +177,9 @@ class SessionDeps:
     """Events appended between two of those checkpoints."""
     node_commit_delay: float = 0.05
     """Seconds a node's snapshot waits for its agent's next store write (``DeferredNode``)."""
+    waiting_for_log: Waiting = field(default_factory=Waiting)
+    """The sessions whose step waits for the log now (NATS not answering), and their one
+    warning every few seconds."""
 
     @functools.cached_property
     def checkpoint_sources(self) -> frozenset[str]:
@@ -468,22 +472,34 @@ class SessionRuntime:
         # While NATS is out of reach (a server restart) the step waits and is sent again, the
         # same envelopes with the same ids: the log settles a resend, so nothing is written twice.
         delay = 0.05
-        warned = False
-        while True:
-            try:
-                await self.deps.log.append(self.session_id, envs)
-                return
-            except LogUnavailable as exc:
-                if self.deps.closing() or self.stopped:
+        waiting = self.deps.waiting_for_log
+        counted = False
+        try:
+            while True:
+                try:
+                    await self.deps.log.append(self.session_id, envs)
+                    return
+                except LogUnavailable as exc:
+                    if self.deps.closing() or self.stopped:
+                        raise
+                    if not counted:
+                        counted = True
+                        waiting.enter()
+                    if waiting.due():
+                        log.warning(
+                            "session %s waits for the log%s: %s",
+                            self.session_id,
+                            waiting.others(counted),
+                            exc,
+                        )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                except AppendConflict as exc:
+                    self._lost_to_another_writer(exc)
                     raise
-                if not warned:
-                    log.warning("session %s waits for the log: %s", self.session_id, exc)
-                    warned = True
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-            except AppendConflict as exc:
-                self._lost_to_another_writer(exc)
-                raise
+        finally:
+            if counted:
+                waiting.leave()
 
     def _lost_to_another_writer(self, exc: AppendConflict) -> None:
         """Another writer appended to this session's log: stop driving it here, at once."""

@@ -33,6 +33,7 @@ from apomesh.plugins.pins import worker_pin_problem
 from apomesh.runtime import tracing
 from apomesh.runtime.config import Config
 from apomesh.runtime.metrics import DaemonMetrics
+from apomesh.runtime.progress import Waiting
 from apomesh.runtime.protocol import (
     DEFAULT_MAX_AGENTS,
     DISPATCH_ACK_DECODER,
@@ -45,9 +46,6 @@ from apomesh.runtime.protocol import (
     Run,
     dispatch_subject,
 )
-
-ROOM_WARNING_EVERY = 10.0
-"""Seconds between two warnings that agents wait for room on a worker (``WorkerPool.pick``)."""
 
 LOST_WORKERS_KEPT = 64
 """How many workers declared lost the pool keeps listing (``GET /v1/workers``, ``alive`` false)."""
@@ -139,9 +137,8 @@ class WorkerPool:
         self._dispatch_refused: dict[str, float] = {}
         self._registration_refused: dict[str, float] = {}
         self._reconnected_at = time.monotonic()
-        self.waiting_for_room = 0
-        """Agents waiting in ``pick`` for room on a capable worker now."""
-        self._room_warned_at = -ROOM_WARNING_EVERY
+        self.waiting_for_room = Waiting()
+        """Agents waiting in ``pick`` for room on a capable worker now, and their one warning."""
         self._was_connected = True
 
     # --- registration and beats (handed over by the control plane) -------------------------------
@@ -272,7 +269,7 @@ class WorkerPool:
         (``free_slots``); waits for one, or answers None once ``stop()`` is true. An agent
         waiting for room is counted (``placement_waits``, ``waiting_for_room``) and ``who``,
         the session and agent, may be the one the warning names (one line for all the agents
-        waiting, every ``ROOM_WARNING_EVERY`` seconds)."""
+        waiting, every ``WAITING_EVERY`` seconds)."""
         warned = False
         waited_for_room = False
         try:
@@ -284,14 +281,14 @@ class WorkerPool:
                 )
                 if waited and not waited_for_room:
                     waited_for_room = True
-                    self.waiting_for_room += 1
+                    self.waiting_for_room.enter()
                     self.metrics.placement_waits.inc()
                 if picked is not None:
                     return picked
                 await asyncio.sleep(0.1)
         finally:
             if waited_for_room:
-                self.waiting_for_room -= 1
+                self.waiting_for_room.leave()
 
     def _try_pick(
         self,
@@ -326,7 +323,7 @@ class WorkerPool:
         roomy = [w for w in candidates if self.free_slots(w) > 0]
         full = bool(candidates) and not roomy
         if full:
-            self._warn_full(who or config.name, candidates, self.waiting_for_room - counted)
+            self._warn_full(who or config.name, candidates, counted)
         candidates = roomy
         # A worker that just refused or missed a dispatch is passed over while another can
         # take it (it is not declared lost for that: liveness alone decides).
@@ -351,18 +348,16 @@ class WorkerPool:
             return chosen.worker_id, warned, full
         return None, warned, full
 
-    def _warn_full(self, who: str, candidates: list[WorkerInfo], others: int) -> None:
-        """Every capable worker is full: said for all the agents waiting at once (``who`` and
-        ``others``), at most once every ``ROOM_WARNING_EVERY`` seconds (thousands of sessions
+    def _warn_full(self, who: str, candidates: list[WorkerInfo], counted: bool) -> None:
+        """Every capable worker is full: said for all the agents waiting at once (``who``, and
+        how many others), at most once every ``WAITING_EVERY`` seconds (thousands of sessions
         resumed together wait at once: a line each would bury the log)."""
-        now = time.monotonic()
-        if now - self._room_warned_at < ROOM_WARNING_EVERY:
+        if not self.waiting_for_room.due():
             return
-        self._room_warned_at = now
         self.log.warning(
             "%s waits for room on a worker%s: %s",
             who,
-            f" (with {others:,} other agents)" if others else "",
+            self.waiting_for_room.others(counted),
             "; ".join(
                 f"{w.worker_id} runs {w.max_agents - self.free_slots(w)} of {w.max_agents}"
                 for w in candidates
