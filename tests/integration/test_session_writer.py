@@ -439,3 +439,35 @@ async def test_a_coordinator_that_nats_does_not_answer_is_driven_again_not_faile
         "SessionEnded",
     ], kinds
     assert events[-1] == SessionEnded(status="completed", output="done")
+
+
+class LandsUnanswered:
+    """A log whose appends are stored and then reported as not answered (``LogUnavailable``)."""
+
+    def __init__(self, log: MemoryLog) -> None:
+        self.log = log
+
+    async def append(self, session_id: str, envelopes: Any) -> None:
+        await self.log.append(session_id, envelopes)
+        raise LogUnavailable(f"append to session {session_id}: not acknowledged within 5 s")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.log, name)
+
+
+async def test_an_append_given_up_at_shutdown_stops_the_writer_from_appending_more(
+    tmp_path: Path,
+) -> None:
+    """At shutdown a step's append is not waited for once NATS does not answer; it may be stored
+    all the same, so the writer no longer knows where its log ends: its next decision is refused
+    (it would put other events at the same index), and the log keeps the given-up step."""
+    log, runtime = await paused_writer(tmp_path, [])
+    runtime.deps = dataclasses.replace(
+        runtime.deps, log=cast(Any, LandsUnanswered(log)), closing=lambda: True
+    )
+    with pytest.raises(LogUnavailable):
+        await runtime.answer_hitl("p1", "yes", by="alice")
+    with pytest.raises(Fenced, match="stopped"):
+        await runtime.append(OperatorAction(action="resume", by="carol"))
+    kinds = [type(e.event).__name__ for e in await log.read(SID)]
+    assert kinds[-1] == "HitlAnswered" and "OperatorAction" not in kinds

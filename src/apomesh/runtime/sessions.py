@@ -299,8 +299,9 @@ class SessionRuntime:
         self.conflict: AppendConflict | None = None
         """Set when another writer appended to this session's log: nothing more is written here."""
         self.stopped = False
-        """Set by ``retire``: nothing more is appended here (an append waiting for the log
-        gives up), so the next writer of the session folds a log this one no longer moves."""
+        """Set by ``retire``, or when an append is given up at shutdown (it may be stored):
+        nothing more is appended here (an append waiting for the log gives up), so the next
+        writer of the session folds a log this one no longer moves."""
         self._recovering = fresh_children or bool(state.agents)
         # The coordinator loop's position: the checkpoint it is at (its log index, -1 before the
         # first) and how many times it asked the root since. A recovered loop starts at the
@@ -481,6 +482,9 @@ class SessionRuntime:
                     return
                 except LogUnavailable as exc:
                     if self.deps.closing() or self.stopped:
+                        # Given up with the append perhaps stored: this writer no longer knows
+                        # where its log ends, so it appends nothing more (the next one folds it).
+                        self.stopped = True
                         raise
                     if not counted:
                         counted = True
@@ -1715,7 +1719,7 @@ class SessionRuntime:
             await self.deps.on_end(self, Ending("stranded", reason=reason, category=category))
             return
         except (LogUnavailable, StoreUnavailable) as exc:
-            if self.state.terminal or self.conflict is not None:
+            if self.state.terminal or self.conflict is not None or self.stopped:
                 return
             # Nothing is decided on a guess, and a passing outage must not end the session
             # failed: it stops here, and the registry drives it again from its log (as after a
@@ -1727,7 +1731,7 @@ class SessionRuntime:
             )
             self.deps.spawn(self.deps.on_end(self, Ending("unavailable", reason=str(exc))))
         except Exception as exc:
-            if self.state.terminal or self.conflict is not None:
+            if self.state.terminal or self.conflict is not None or self.stopped:
                 return
             log.warning("session %s failed: %s", self.session_id, exc)
             with contextlib.suppress(Exception):
