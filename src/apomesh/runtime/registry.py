@@ -482,10 +482,12 @@ class SessionRegistry:
                 await self.leases.release(session_id, self.owner)
 
     async def stop_all(self) -> None:
-        """Daemon shutdown: stop every writer; its leases lapse with its presence record (see
-        ``Daemon.aclose``)."""
-        for runtime in list(self.live.values()):
-            await runtime.stop()
+        """Daemon shutdown: stop every writer, all at once (a writer resending a step it was
+        cut off in ends with that attempt: one after the other, thousands of them waited for
+        NATS in turn); its leases lapse with its presence record (see ``Daemon.aclose``)."""
+        await asyncio.gather(
+            *(runtime.stop() for runtime in list(self.live.values())), return_exceptions=True
+        )
 
     # --- leases ----------------------------------------------------------------------------------
 
