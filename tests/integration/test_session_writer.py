@@ -158,6 +158,21 @@ class LostAck:
         return getattr(self.log, name)
 
 
+async def answer_cut_off(
+    tmp_path: Path, lossy_log: type[LostAck]
+) -> tuple[MemoryLog, SessionRuntime, LostAck, asyncio.Future[None], list[Ending]]:
+    """A paused writer on ``lossy_log`` whose answer's caller is cancelled once the append has
+    landed unanswered: the log, the writer, the lossy log, the cancelled call and the endings."""
+    ended: list[Ending] = []
+    log, runtime = await paused_writer(tmp_path, ended)
+    lossy = lossy_log(log)
+    runtime.deps = dataclasses.replace(runtime.deps, log=cast(Any, lossy))
+    answering = asyncio.ensure_future(runtime.answer_hitl("p1", "yes", by="alice"))
+    await lossy.landed.wait()
+    answering.cancel()
+    return log, runtime, lossy, answering, ended
+
+
 async def test_a_caller_cancelled_mid_append_leaves_the_step_whole_and_the_state_on_the_log(
     tmp_path: Path,
 ) -> None:
@@ -165,13 +180,7 @@ async def test_a_caller_cancelled_mid_append_leaves_the_step_whole_and_the_state
     writer sends the same envelopes again (the log settles the resend: written once) and applies
     them before the cancellation goes on, so its state is what its log holds and the next step
     follows on."""
-    ended: list[Ending] = []
-    log, runtime = await paused_writer(tmp_path, ended)
-    lossy = LostAck(log)
-    runtime.deps = dataclasses.replace(runtime.deps, log=cast(Any, lossy))
-    answering = asyncio.ensure_future(runtime.answer_hitl("p1", "yes", by="alice"))
-    await lossy.landed.wait()
-    answering.cancel()
+    log, runtime, _, answering, _ = await answer_cut_off(tmp_path, LostAck)
     with pytest.raises(asyncio.CancelledError):
         await answering
     stored = await log.read(SID)
@@ -208,13 +217,8 @@ async def test_a_caller_cancelled_again_during_the_resend_holds_the_writer_until
     """Cancelled while its append is unanswered, and cancelled again while the writer sends it
     again: the writer still holds its lock until the resend is done, so a decision asked for
     meanwhile waits and follows on (it would otherwise put other events at the same index)."""
-    ended: list[Ending] = []
-    log, runtime = await paused_writer(tmp_path, ended)
-    lossy = SlowResend(log)
-    runtime.deps = dataclasses.replace(runtime.deps, log=cast(Any, lossy))
-    answering = asyncio.ensure_future(runtime.answer_hitl("p1", "yes", by="alice"))
-    await lossy.landed.wait()
-    answering.cancel()
+    log, runtime, lossy, answering, ended = await answer_cut_off(tmp_path, SlowResend)
+    assert isinstance(lossy, SlowResend)
     await lossy.resending.wait()
     answering.cancel()  # again, during the resend
     await asyncio.sleep(0.01)
@@ -409,7 +413,7 @@ async def test_a_coordinator_that_nats_does_not_answer_is_driven_again_not_faile
     async with AsyncStore(LmdbStore(tmp_path / "lmdb")) as store:
         registry = SessionRegistry(
             log_adapter=log,
-            leases=CountedLeases(),
+            leases=cast(Any, CountedLeases()),
             store=store,
             snapshots=cast(Any, SimpleNamespace(forget=lambda key: None)),
             spawn=asyncio.ensure_future,
