@@ -460,8 +460,12 @@ class SessionRegistry:
         outlives a crashed daemon, and a peer adopts it then (or once this daemon's presence
         record ages out, should it exit first). Answers their ids."""
         handed: list[str] = []
-        for session_id, runtime in list(self.live.items()):
-            await runtime.stop()
+        driven = list(self.live.items())
+        # All stopped at once, as at shutdown (``stop_all``), then each handed over.
+        await asyncio.gather(*(runtime.stop() for _, runtime in driven), return_exceptions=True)
+        for session_id, runtime in driven:
+            if self.live.get(session_id) is not runtime:
+                continue
             del self.live[session_id]
             self.folds.forget(session_id)
             for ref in runtime.state.agents:
