@@ -180,7 +180,8 @@ async def _keys(js: JetStreamContext, kv: KeyValue, bucket: str) -> list[str]:
     Read from the stream's own subject list, then each key's last message (a deleted key keeps
     its delete marker's subject), not from a key watcher: the watcher behind ``KeyValue.keys``
     can mark the end of its initial values while the first of them are still in flight, and then
-    answers no keys at all."""
+    answers no keys at all. (The server lists up to 100,000 subjects in one answer: far more
+    skills or published agents than a catalog holds.)"""
     prefix = f"$KV.{bucket}."
     info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
     keys = [subject[len(prefix) :] for subject in info.state.subjects or {}]

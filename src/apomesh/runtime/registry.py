@@ -383,10 +383,7 @@ class SessionRegistry:
             if session_id in self.live or self.closing():
                 return
             try:
-                state = await self.fold_checkpoints.fold(self.log_adapter, session_id)
-                if state.terminal or session_id in self.live:
-                    return
-                await self.adopt(state, recovered="auto", fresh_children=False)
+                adopted = await self._adopt_from_log(session_id)
             except (LogUnavailable, StoreUnavailable) as exc:
                 self.log.info("session %s waits for NATS to drive it again: %s", session_id, exc)
                 pause = min(pause * 2, UNAVAILABLE_PAUSE_MAX)
@@ -394,8 +391,19 @@ class SessionRegistry:
             except Exception as exc:
                 self.log.error("session %s not driven again: %s", session_id, exc)
                 return
-            self.log.warning("session %s is driven again from its log", session_id)
+            if adopted:
+                self.log.warning("session %s is driven again from its log", session_id)
             return
+
+    async def _adopt_from_log(self, session_id: str) -> bool:
+        """Fold the session's log as it stands (from its fold checkpoint) and drive it on here
+        under its lease, as after a worker loss (``recovered="auto"``, its own agent refs); False
+        when there was nothing to do (it has ended, or a writer drives it here already)."""
+        state = await self.fold_checkpoints.fold(self.log_adapter, session_id)
+        if state.terminal or session_id in self.live:
+            return False
+        await self.adopt(state, recovered="auto", fresh_children=False)
+        return True
 
     async def _drive_again(self, session_id: str) -> bool:
         """This daemon holds the lease, so the writer that appended in between was a stale one
@@ -416,10 +424,8 @@ class SessionRegistry:
         self._readopted[session_id] = tries
         await asyncio.sleep(READOPT_PAUSE * tries)  # the stale writer sees the lease meanwhile
         try:
-            state = await self.fold_checkpoints.fold(self.log_adapter, session_id)
-            if state.terminal or session_id in self.live:
+            if not await self._adopt_from_log(session_id):
                 return True
-            await self.adopt(state, recovered="auto", fresh_children=False)
         except Exception as exc:
             self.log.error("session %s not driven again after a conflict: %s", session_id, exc)
             return False
