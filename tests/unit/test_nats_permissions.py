@@ -128,8 +128,13 @@ def test_urls_are_logged_without_their_secrets(url: str, shown: str) -> None:
 
 def test_the_control_plane_role_has_no_jetstream_kv_or_log() -> None:
     control = control_permissions()
-    assert set(control.publish) == {"apomesh.dispatch.*", "_INBOX.worker.>"}
-    assert set(control.subscribe) == {"apomesh.ctl.*.*.*", "apomesh.hb.*", "_INBOX.control.>"}
+    assert set(control.publish) == {"apomesh.dispatch.*", "_INBOX.worker.>", "apomesh.echo.*"}
+    assert set(control.subscribe) == {
+        "apomesh.ctl.*.*.*",
+        "apomesh.hb.*",
+        "_INBOX.control.>",
+        "apomesh.echo.*",
+    }
     for denied in ("$JS.>", "$KV.>", "apomesh.log.>"):
         assert denied in control.publish_deny and denied in control.subscribe_deny
     assert not control.allow_responses  # an answer goes only where it may publish anyway

@@ -5,8 +5,8 @@ id a worker's credentials bind it to.
 writes, the log, and the control, heartbeat and dispatch subjects (its in-process workers share
 its connection). ``control_permissions`` is the daemon's second, control-plane connection, the
 one that answers workers' registrations and reports and sends them dispatches: only the
-dispatch subjects, the workers' inboxes, the bound control and heartbeat subjects and its own
-inbox (``_INBOX.control``), and never JetStream, the KV buckets or the log, so a bug in a
+dispatch subjects, the workers' inboxes, the bound control and heartbeat subjects, its own
+inbox (``_INBOX.control``) and the echo it sends itself (``apomesh.echo.<incarnation>``), and never JetStream, the KV buckets or the log, so a bug in a
 responder cannot reach them whatever reply subject a worker asks for. Several daemons may share
 the daemon and control logins: the control login hears every daemon's control subjects
 (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``), and each daemon subscribes to its own.
@@ -37,6 +37,7 @@ from apomesh.runtime.protocol import (
     CTL_BOUND_WILDCARD,
     CTL_PREFIX,
     DISPATCH_PREFIX,
+    ECHO_PREFIX,
     HB_PREFIX,
     WORKER_INBOX_PREFIX,
     beat_subject,
@@ -90,12 +91,17 @@ def daemon_permissions() -> Permissions:
 
 def control_permissions() -> Permissions:
     """The daemon's control-plane connection (one login may serve several daemons): it hears
-    workers' bound control subjects (every daemon's) and heartbeats and its own inbox, answers into the workers' inboxes and sends dispatches; the
+    workers' bound control subjects (every daemon's) and heartbeats and its own inbox, answers into the workers' inboxes and sends dispatches, and sends itself its echo; the
     JetStream API, the KV buckets and the log are denied, and it has no ``allow_responses``, so
     it can answer a request only on a subject it may publish to anyway."""
     return Permissions(
-        publish=(f"{DISPATCH_PREFIX}*", f"{WORKER_INBOX_PREFIX}>"),
-        subscribe=(CTL_BOUND_WILDCARD, f"{HB_PREFIX}*", f"{CONTROL_INBOX_PREFIX}.>"),
+        publish=(f"{DISPATCH_PREFIX}*", f"{WORKER_INBOX_PREFIX}>", f"{ECHO_PREFIX}*"),
+        subscribe=(
+            CTL_BOUND_WILDCARD,
+            f"{HB_PREFIX}*",
+            f"{CONTROL_INBOX_PREFIX}.>",
+            f"{ECHO_PREFIX}*",
+        ),
         publish_deny=FORBIDDEN_TO_WORKERS,
         subscribe_deny=FORBIDDEN_TO_WORKERS,
     )

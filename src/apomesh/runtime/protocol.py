@@ -68,6 +68,9 @@ CTL_PREFIX = "apomesh.ctl."
 CTL_BOUND_WILDCARD = "apomesh.ctl.*.*.*"
 """Every daemon's control subjects (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``)."""
 HB_PREFIX = "apomesh.hb."
+ECHO_PREFIX = "apomesh.echo."
+"""``<prefix><incarnation>``: what a daemon sends itself to know NATS still delivers to it
+(``WorkerPool.liveness_forever``: a worker's silence counts only while the daemon hears)."""
 DISPATCH_PREFIX = "apomesh.dispatch."
 WORKER_INBOX_PREFIX = "_INBOX.worker."
 DEFAULT_MAX_AGENTS = 32

@@ -37,6 +37,7 @@ from apomesh.runtime.progress import Waiting
 from apomesh.runtime.protocol import (
     DEFAULT_MAX_AGENTS,
     DISPATCH_ACK_DECODER,
+    ECHO_PREFIX,
     ENCODER,
     Beat,
     Cancel,
@@ -140,6 +141,8 @@ class WorkerPool:
         self.waiting_for_room = Waiting()
         """Agents waiting in ``pick`` for room on a capable worker now, and their one warning."""
         self._was_connected = True
+        self._heard_at = time.monotonic()
+        """When this daemon's echo last came back (``liveness_forever``)."""
 
     # --- registration and beats (handed over by the control plane) -------------------------------
 
@@ -488,15 +491,42 @@ class WorkerPool:
     async def liveness_forever(
         self, *, pending_beats: Callable[[], int], closing: Callable[[], bool]
     ) -> None:
-        """Declare lost every worker silent for ``missed_beats`` intervals (never while this daemon
-        is itself cut off, or too busy to read the beats it was sent)."""
+        """Declare lost every worker silent for ``missed_beats`` intervals, never on silence this
+        daemon could not hear: while its own event loop was too busy to read beats, while it is
+        cut off from NATS, and while NATS does not deliver to it though the connection stands
+        (a server frozen by a disk stall or a paused VM: every tick the daemon sends itself an
+        echo, ``apomesh.echo.<incarnation>``, and is deaf while none came back for an
+        interval)."""
         tick = min(self.interval / 4, 0.25)
+        echo = f"{ECHO_PREFIX}{self.incarnation}"
+        self._heard_at = time.monotonic()
+
+        async def heard(_msg: Any) -> None:
+            self._heard_at = time.monotonic()
+
+        echoes = await self.nc.subscribe(echo, cb=heard)
+        try:
+            await self._judge_forever(tick, echo, pending_beats, closing)
+        finally:
+            with contextlib.suppress(Exception):
+                await echoes.unsubscribe()
+
+    async def _judge_forever(
+        self,
+        tick: float,
+        echo: str,
+        pending_beats: Callable[[], int],
+        closing: Callable[[], bool],
+    ) -> None:
         last_tick = time.monotonic()
         deferred_since: float | None = None
+        deaf_since: float | None = None  # when the last echo before this deaf spell came back
         while True:
             await asyncio.sleep(tick)
             if closing():
                 return  # a daemon shutting down judges nobody
+            with contextlib.suppress(Exception):  # a closed connection: ``connected`` says so
+                await self.nc.publish(echo, b"")
             connected = self.nc.is_connected
             now = time.monotonic()
             stalled = now - last_tick - tick
@@ -521,11 +551,33 @@ class WorkerPool:
                 # We were the ones cut off: nobody is judged on silence we could not hear.
                 self._was_connected = True
                 self._reconnected_at = now
+                self._heard_at = now
+                deaf_since = None
                 self.log.info(
                     "reconnected to NATS: workers get %.1f s to be heard again", 2 * self.threshold
                 )
                 for w in self.workers.values():
                     w.last_seen = now
+                continue
+            if now - self._heard_at > self.interval:
+                # Connected, yet NATS delivers nothing to us, not even our own echo.
+                if deaf_since is None:
+                    deaf_since = self._heard_at
+                    self.log.warning(
+                        "NATS has delivered nothing to this daemon for %.1f s (its echo is not "
+                        "back): no worker is judged on silence until it is",
+                        now - deaf_since,
+                    )
+                continue
+            if deaf_since is not None:
+                # What we could not hear is nobody's silence: each worker's silence goes on
+                # from where it stood when the spell began, the beats held up meanwhile arriving
+                # with our echo.
+                spell = self._heard_at - deaf_since
+                for w in self.workers.values():
+                    w.last_seen = min(now, w.last_seen + spell)
+                self.log.info("NATS delivers to this daemon again after %.1f s", spell)
+                deaf_since = None
                 continue
             if now - self._reconnected_at < self.threshold:
                 # Workers reconnect on their own schedule after a server restart: one more

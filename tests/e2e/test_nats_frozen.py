@@ -1,0 +1,90 @@
+"""The single nats-server frozen (SIGSTOP) mid-run, then let go (SIGCONT), under sessions answered
+by the fresh-model server on real daemon and worker processes.
+
+A frozen server is not a stopped one: no connection drops, every request, append, lease write and
+heartbeat simply gets no answer until the server runs again (a disk stall, a paused VM, a long
+garbage collection). Here it stays frozen longer than an append's retry budget and a worker's
+loss threshold, while solo, fanout and refine sessions make side-effecting calls. Afterwards every
+session must end `completed` with no operator acting, every effect the model asked for must have
+run exactly once, and no acknowledged event may be lost (``tests/e2e/chaos_audit.py``); and no
+worker may be declared lost for the silence the daemon could not hear (its echo,
+``WorkerPool.liveness_forever``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import anyio
+import pytest
+from tests.e2e.chaos_kit import FreshChaos, use_fresh_model
+from tests.fakes.fresh_model import FreshModelServer
+
+from apomesh.sdk.client import Client
+from apomesh.testing import Mesh
+
+FROZEN_SECONDS = 7.0
+"""Longer than an append's retry budget (5 s) and the mesh's worker loss threshold (0.9 s)."""
+
+
+@pytest.mark.anyio
+async def test_sessions_complete_exactly_once_across_a_frozen_nats_server(
+    bare_mesh: Mesh,
+) -> None:
+    mesh = bare_mesh
+    with FreshModelServer() as server:
+        mesh.start(2, config=use_fresh_model(mesh, server.base_url))
+        async with Client(mesh.url, reconnect_window=120) as client:
+            chaos = FreshChaos(mesh, client, server.model, server.log, rng=random.Random(21))
+            shapes = ["solo", "fanout", "refine", "solo", "fanout", "refine"]
+            ids = [
+                await client.start_session(
+                    f"frozen {n} {shape}", definition=chaos.definition(shape)
+                )
+                for n, shape in enumerate(shapes)
+            ]
+            # Freeze once the sessions are under way: at least one side-effecting call recorded.
+            with anyio.fail_after(60):
+                async for record in client.events(ids[0]):
+                    if record.kind == "ToolCallIntent":
+                        break
+            pid = mesh.server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await anyio.sleep(FROZEN_SECONDS)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            audits = []
+            operator_needed: set[str] = set()
+            for session_id, shape in zip(ids, shapes, strict=True):
+                in_time = await _ends_by_itself(client, session_id, operator_needed)
+                audits.append(await chaos.audit(session_id, shape, in_time=in_time))
+    problems = [(a.session_id, a.status, a.problems) for a in audits if not a.ok]
+    assert not problems, problems
+    assert all(a.status == "completed" for a in audits), [a.status for a in audits]
+    assert chaos.tally.duplicates == 0
+    assert not operator_needed, "a frozen server put sessions on the recoverable list"
+    output = mesh.daemon.output_tail(400_000)
+    assert "Traceback" not in output, output[-4000:]
+    # The daemon heard nothing while the server was frozen, its own echo included: nobody was
+    # judged on that silence, so no agent was dispatched twice for it.
+    assert " lost: " not in output, output[-4000:]
+    assert "delivers to this daemon again" in output
+
+
+async def _ends_by_itself(client: Client, session_id: str, operator_needed: set[str]) -> bool:
+    """Wait until the session is terminal, noting it (and resuming it, so the audit still runs)
+    if it lands on the recoverable list; False when 120 s pass first."""
+    with anyio.move_on_after(120):
+        while True:
+            view = await client.get_session(session_id)
+            if view.status in ("completed", "failed", "cancelled"):
+                return True
+            if session_id in {r.session_id for r in await client.list_recoverable()}:
+                operator_needed.add(session_id)
+                await client.resume(session_id)
+            await anyio.sleep(0.5)
+    return False
