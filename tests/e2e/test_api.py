@@ -401,6 +401,8 @@ def test_healthz_answers_ok(http: httpx.Client) -> None:
     health = response.json()
     assert health["ok"] is True
     assert health["nats"] == "connected"
+    host, _, port = health["nats_server"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
 
 
 SAMPLE = re.compile(

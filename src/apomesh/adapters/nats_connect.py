@@ -234,13 +234,18 @@ async def connect(
     tls: ssl.SSLContext | None = None,
     connect_timeout: float = 10.0,
     reconnect_wait: float = 0.5,
+    ping_interval: float = 5.0,
+    max_pings_outstanding: int = 2,
     inbox_prefix: str | None = None,
 ) -> NATS:
     """Open a connection that reconnects forever once it is up.
 
     ``credentials`` is the path of a ``.creds`` file (JWT + NKey seed), ``nkey_seed_file`` that of
     an NKey user seed (it needs the ``nkeys`` package); ``inbox_prefix`` replaces ``_INBOX`` for
-    this connection's reply subjects. Raises ``NatsAuthError`` when the server refuses the
+    this connection's reply subjects. The server is pinged every ``ping_interval`` seconds; with
+    more than ``max_pings_outstanding`` pings unanswered the connection is stale and another
+    server of ``urls`` is tried (nats-py's own default, two minutes between pings, kept a client
+    on a frozen server for minutes while the rest of the cluster served). Raises ``NatsAuthError`` when the server refuses the
     credentials, ``NatsTlsError`` when the TLS handshake fails, and ``LogUnavailable`` naming the
     URLs and the last error when no server answers within ``connect_timeout`` seconds.
     """
@@ -282,6 +287,8 @@ async def connect(
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": reconnect_wait,
+        "ping_interval": ping_interval,
+        "max_outstanding_pings": max_pings_outstanding,
         "connect_timeout": max(1, int(min(connect_timeout, 5.0))),
         "error_cb": on_error,
         "disconnected_cb": on_disconnected,

@@ -63,6 +63,12 @@ class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     control_tls_key: str = ""
     connect_timeout: PositiveSeconds = 5.0
     reconnect_wait: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    ping_interval: PositiveSeconds = 5.0
+    """Seconds between two pings of a connection's server."""
+    max_pings_outstanding: Annotated[int, msgspec.Meta(ge=1, le=100)] = 2
+    """Pings left unanswered before the connection is taken for stale and another server of
+    ``urls`` is tried: a server that stops answering (frozen by a disk stall or a paused VM,
+    its connection still open) is left within about (this + 1) x ``ping_interval`` seconds."""
     max_reconnect_attempts: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
     @property

@@ -111,6 +111,8 @@ def nats_options(config: Config) -> dict[str, Any]:
     options: dict[str, Any] = {
         "connect_timeout": n.connect_timeout,
         "reconnect_wait": n.reconnect_wait,
+        "ping_interval": n.ping_interval,
+        "max_pings_outstanding": n.max_pings_outstanding,
     }
     if n.creds_file:
         options["credentials"] = n.creds_file
@@ -138,6 +140,8 @@ def control_nats_options(config: Config) -> dict[str, Any] | None:
     options: dict[str, Any] = {
         "connect_timeout": n.connect_timeout,
         "reconnect_wait": n.reconnect_wait,
+        "ping_interval": n.ping_interval,
+        "max_pings_outstanding": n.max_pings_outstanding,
         "inbox_prefix": CONTROL_INBOX_PREFIX,
     }
     if n.control_nkey_seed_file:

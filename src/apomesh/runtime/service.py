@@ -712,6 +712,13 @@ class Service:
         m.workers_alive.set(len(self.workers.workers))
         return m.render()
 
+    def _nats_server(self) -> str | None:
+        """The host:port of the server the daemon's connection is on (of its ``urls``)."""
+        url = getattr(self.nc, "connected_url", None)
+        if url is None or not url.hostname:
+            return None
+        return f"{url.hostname}:{url.port}" if url.port else str(url.hostname)
+
     async def health(self) -> dict[str, Any]:
         """``status``: ``ok``; ``degraded`` when the daemon serves but cannot make progress on
         its own (no live worker, agents waiting for a capable worker), each reason in
@@ -742,6 +749,7 @@ class Service:
             "waiting_for_worker": waiting,
             "incarnation": self.incarnation,
             "nats": "connected" if connected else "reconnecting",
+            "nats_server": self._nats_server() if connected else None,
             "daemon": self.registry.owner,
             "sessions": len(self.registry.live),
             "recoverable": len(self.registry.stranded),
