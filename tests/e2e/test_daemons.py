@@ -405,7 +405,8 @@ async def test_drain_moves_a_daemons_sessions_to_its_peer_with_no_unknown_outcom
     async with Client(b.url) as on_b:
         # Handed over, not left to expire: A gave the leases back once drained.
         for session_id in session_ids:
-            assert (await on_b.get_session(session_id)).owner != a_id
+            owner = (await on_b.get_session(session_id)).owner
+            assert owner != a_id, a.output_tail(400_000)[-4000:]
 
     for session_id in session_ids:
         log = await all_events(b.url, session_id)

@@ -390,6 +390,30 @@ async def test_a_session_cut_off_at_hand_over_keeps_its_lease_a_lease_ttl_then_g
     assert leases.released == 1
 
 
+async def test_a_writer_stopped_by_nats_not_answering_during_a_drain_is_handed_over(
+    tmp_path: Path,
+) -> None:
+    """A writer whose coordinator meets NATS not answering while the daemon drains is not driven
+    again here; it is handed over with the rest, its lease held a lease TTL (a dispatch of it may
+    still run) and then given back: a drained daemon living on never keeps it."""
+    log, runtime = await paused_writer(tmp_path, [])
+    leases = CountedLeases()
+    registry = lease_registry(log, leases)
+    registry.snapshots = cast(Any, SimpleNamespace(forget=lambda key: None))
+    registry.closing = lambda: True  # the drain has begun
+    registry.live[SID] = runtime
+    await registry.end(runtime, Ending("unavailable", "read session: NATS is unavailable"))
+    assert SID not in registry.live
+    assert await registry.hand_over(hold_cut_off=0.2) == [SID]
+    assert leases.released == 0  # still held: a dispatch of it may still run
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if leases.released:
+            break
+    assert leases.released == 1
+    assert await registry.hand_over(hold_cut_off=0.2) == []  # handed over once
+
+
 async def test_a_coordinator_that_nats_does_not_answer_is_driven_again_not_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -153,6 +153,10 @@ class SessionRegistry:
         self.stranded: dict[str, Recoverable] = {}
         self._readopted: dict[str, int] = {}
         """Sessions driven again after a stale writer's conflict, and how many times in a row."""
+        self._left_winding_down: set[str] = set()
+        """Sessions whose writer stopped on a conflict or NATS not answering once this daemon
+        was winding down, so not driven again here: their leases are still held here, and
+        ``hand_over`` gives them back with the rest."""
         self.fold_checkpoints = FoldCheckpoints(store, logger=self.log)
         """Sessions' folded-state checkpoints: a session to adopt is folded from its latest."""
         self.folds = FoldCache(
@@ -361,7 +365,10 @@ class SessionRegistry:
         for ref in state.agents:
             self.snapshots.forget(f"{session_id}/{ref}")
         if self.closing():
-            return  # its lease lapses with this daemon's presence; the next one folds its log
+            # Its lease lapses with this daemon's presence, or the hand-over to the live peers
+            # gives it back; the next driver folds its log.
+            self._left_winding_down.add(session_id)
+            return
         if ending.kind == "unavailable":
             self.spawn(self._drive_when_answering(session_id))
             return
@@ -378,9 +385,12 @@ class SessionRegistry:
         again with a growing pause while NATS still does not answer. Left alone once another
         writer drives it (an operator's command here, a peer that holds its lease)."""
         pause = UNAVAILABLE_PAUSE
-        while not self.closing():
+        while True:
             await asyncio.sleep(pause)
-            if session_id in self.live or self.closing():
+            if session_id in self.live:
+                return
+            if self.closing():
+                self._left_winding_down.add(session_id)  # see ``end``
                 return
             try:
                 adopted = await self._adopt_from_log(session_id)
@@ -464,7 +474,9 @@ class SessionRegistry:
         with no unknown outcome; one cut off by the grace period (a side effect may still be in
         flight on its worker) keeps its lease ``hold_cut_off`` seconds more, as long as a lease
         outlives a crashed daemon, and a peer adopts it then (or once this daemon's presence
-        record ages out, should it exit first). Answers their ids."""
+        record ages out, should it exit first), as does one whose writer stopped on a conflict
+        or NATS not answering during the drain (``_left_winding_down``: not handed over, its
+        lease stayed here while this daemon lived on drained). Answers their ids."""
         handed: list[str] = []
         driven = list(self.live.items())
         # All stopped at once, as at shutdown (``stop_all``), then each handed over.
@@ -482,6 +494,13 @@ class SessionRegistry:
             else:
                 self.spawn(self._release_later(session_id, hold_cut_off))
             handed.append(session_id)
+        # Sessions whose writer stopped on a conflict or NATS not answering during the drain:
+        # cut off like those above (a dispatch of theirs may still run), so released as late.
+        for session_id in sorted(self._left_winding_down - set(handed)):
+            if session_id not in self.live:
+                self.spawn(self._release_later(session_id, hold_cut_off))
+                handed.append(session_id)
+        self._left_winding_down.clear()
         self.changed()
         return handed
 
