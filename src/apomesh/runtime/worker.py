@@ -85,6 +85,9 @@ from apomesh.runtime.protocol import (
 
 log = logging.getLogger("apomesh.worker")
 
+HELD_UP_BEATS = 2.0
+"""Heartbeat intervals without a beat after which a worker warns that its event loop was held up."""
+
 _VERBS: dict[type, str] = {
     NodeReport: VERB_NODE,
     TurnReport: VERB_TURN,
@@ -266,7 +269,12 @@ class Worker:
             self._registering.discard(daemon_id)
 
     async def _beat_forever(self) -> None:
+        last, waited = time.monotonic(), self.heartbeat_interval
         while True:
+            now = time.monotonic()
+            if now - last > HELD_UP_BEATS * waited:
+                self._say_held_up(now - last, waited)
+            last = now
             self._seq += 1
             beat = Beat(
                 self.worker_id,
@@ -280,9 +288,24 @@ class Worker:
                 await self.nc.publish(beat_subject(self.worker_id), ENCODER.encode(beat))
             # A registration may set a shorter interval than the one being slept: beat at once
             # then, or the daemon's first silence window could close before the next beat.
+            waited = self.heartbeat_interval
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), self.heartbeat_interval)
+                await asyncio.wait_for(self._beat_now.wait(), waited)
             self._beat_now.clear()
+
+    def _say_held_up(self, gap: float, due: float) -> None:
+        """No beat went out for ``gap`` seconds: say so, and what was running (the daemons may
+        have declared this worker lost meanwhile and dispatched those agents elsewhere)."""
+        running = ", ".join(f"{s}/{a}" for s, a in list(self.running)[:10]) or "nothing"
+        log.warning(
+            "no heartbeat for %.1f s (one is due every %.1f s): this worker's event loop was held"
+            " up, by blocking work in an async tool or plugin or by the process being stopped;"
+            " its daemons may have declared it lost and dispatched its agents elsewhere"
+            " (running: %s)",
+            gap,
+            due,
+            running,
+        )
 
     def _abandon(self, daemon_id: str, reason: str, keep: str) -> None:
         """Cancel every dispatch daemon ``daemon_id`` sent from another incarnation than ``keep``
