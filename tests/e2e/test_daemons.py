@@ -51,6 +51,7 @@ class Daemons:
 
     def __init__(self, cluster: NatsCluster, base: Path) -> None:
         self.urls = [s.url for s in cluster]
+        self.cluster = cluster
         self.base = base
         self.workspace = base / "workspace"
         self.daemons: list[DaemonProcess] = []
@@ -283,6 +284,50 @@ async def test_fresh_model_sessions_of_a_killed_daemon_finish_on_its_peer_audite
         audit = audit_session(log, None, system.workspace, calls, session_id=session_id)
         assert audit.ok, audit.problems
         assert audit.status == "completed"
+
+
+async def test_two_daemons_across_nats_frozen_longer_than_a_lease_finish_exactly_once(
+    system: Daemons,
+) -> None:
+    """Every node of the cluster frozen (SIGSTOP) for four times the lease TTL under two daemons'
+    fresh-model sessions: every presence record and lease ages past its TTL while nobody can
+    renew it. Once the nodes run again no daemon may take its live peer's sessions for gone
+    ones and run their effects again: every session completes exactly once, with no operator."""
+    with FreshModelServer() as server:
+        system.use_fresh_model(server.base_url)
+        a = system.daemon("a")
+        b = system.daemon("b")
+        system.worker("w1")
+        system.worker("w2")
+        await wait_daemons(a, b)
+        started: dict[str, str] = {}
+        for daemon in (a, b):
+            async with Client(daemon.url) as client:
+                for n in range(2):
+                    definition = fresh_solo(server.model, appends=4)
+                    sid = await client.start_session(
+                        f"freeze-{daemon.data_dir.name}-{n}", definition=definition
+                    )
+                    started[sid] = daemon.url
+        async with Client(a.url) as on_a:
+            await wait_side_effects(on_a, list(started), 1)
+        pids = [s.pid for s in system.cluster if s.pid is not None]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            await anyio.sleep(4 * LEASE_TTL)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        records = {sid: await all_events(url, sid) for sid, url in started.items()}
+        calls = server.log()
+        async with Client(a.url) as on_a:
+            waiting = {r.session_id for r in await on_a.list_recoverable()}
+    for session_id, log in records.items():
+        audit = audit_session(log, None, system.workspace, calls, session_id=session_id)
+        assert audit.ok, (session_id, audit.problems)
+        assert audit.status == "completed"
+    assert not waiting & set(started)
 
 
 async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_peer(
