@@ -126,6 +126,16 @@ async def wait_daemons(*daemons: DaemonProcess) -> None:
                 await anyio.sleep(0.1)
 
 
+async def two_daemons(system: Daemons) -> tuple[DaemonProcess, DaemonProcess]:
+    """Daemons A and B over two shared workers, once A lists both daemons and both workers."""
+    a = system.daemon("a")
+    b = system.daemon("b")
+    system.worker("w1")
+    system.worker("w2")
+    await wait_daemons(a, b)
+    return a, b
+
+
 async def wait_side_effects(client: Client, session_ids: list[str], count: int) -> None:
     with anyio.fail_after(DEADLINE):
         for session_id in session_ids:
@@ -263,11 +273,7 @@ async def test_fresh_model_sessions_of_a_killed_daemon_finish_on_its_peer_audite
     were told is served to the peer (recorded turns), never asked again."""
     with FreshModelServer() as server:
         system.use_fresh_model(server.base_url)
-        a = system.daemon("a")
-        b = system.daemon("b")
-        system.worker("w1")
-        system.worker("w2")
-        await wait_daemons(a, b)
+        a, b = await two_daemons(system)
         async with Client(a.url) as on_a:
             session_ids = [
                 await on_a.start_session(
@@ -295,11 +301,7 @@ async def test_two_daemons_across_nats_frozen_longer_than_a_lease_finish_exactly
     ones and run their effects again: every session completes exactly once, with no operator."""
     with FreshModelServer() as server:
         system.use_fresh_model(server.base_url)
-        a = system.daemon("a")
-        b = system.daemon("b")
-        system.worker("w1")
-        system.worker("w2")
-        await wait_daemons(a, b)
+        a, b = await two_daemons(system)
         started: dict[str, str] = {}
         for daemon in (a, b):
             async with Client(daemon.url) as client:
@@ -335,11 +337,7 @@ async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_p
 ) -> None:
     # A lease TTL longer than a restart of A: A's own boot scan, not B's takeover, sees the crash.
     system.env["APOMESH_DAEMON_LEASE_TTL"] = "10"
-    a = system.daemon("a")
-    b = system.daemon("b")
-    system.worker("w1")
-    system.worker("w2")
-    await wait_daemons(a, b)
+    a, b = await two_daemons(system)
     (session_id,) = await start_sessions(a.url, ["stranded-then-lost"], steps=8)
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, [session_id], 1)
@@ -372,11 +370,7 @@ async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_p
 async def test_a_frozen_daemons_session_moves_and_its_stale_writes_are_rejected(
     system: Daemons,
 ) -> None:
-    a = system.daemon("a")
-    b = system.daemon("b")
-    system.worker("w1")
-    system.worker("w2")
-    await wait_daemons(a, b)
+    a, b = await two_daemons(system)
     b_id = await daemon_id(b.url)
     [session_id] = await start_sessions(a.url, ["frozen"], steps=20)
     async with Client(a.url) as on_a:
@@ -422,11 +416,7 @@ async def two_daemons_running(
     system: Daemons, prefix: str
 ) -> tuple[DaemonProcess, DaemonProcess, str, str, list[str]]:
     """Daemons A and B over two shared workers, and two long sessions on A past a side effect."""
-    a = system.daemon("a")
-    b = system.daemon("b")
-    system.worker("w1")
-    system.worker("w2")
-    await wait_daemons(a, b)
+    a, b = await two_daemons(system)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
     session_ids = await start_sessions(a.url, [f"{prefix}-{n}" for n in range(2)], steps=30)
     async with Client(a.url) as on_a:
@@ -505,11 +495,7 @@ async def test_sigterm_with_a_live_peer_hands_the_sessions_over(system: Daemons)
 async def test_the_console_lists_the_daemons_with_their_sessions(
     system: Daemons, page: Any
 ) -> None:
-    a = system.daemon("a")
-    b = system.daemon("b")
-    system.worker("w1")
-    system.worker("w2")
-    await wait_daemons(a, b)
+    a, b = await two_daemons(system)
     a_id, b_id = await daemon_id(a.url), await daemon_id(b.url)
     await start_sessions(b.url, ["console-0", "console-1"], steps=20)
     await page.goto(f"{a.url}/#/daemons")

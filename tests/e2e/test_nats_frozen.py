@@ -48,17 +48,7 @@ async def test_sessions_complete_exactly_once_across_a_frozen_nats_server(
         async with Client(mesh.url, reconnect_window=120) as client:
             chaos = FreshChaos(mesh, client, server.model, server.log, rng=random.Random(21))
             shapes = ["solo", "fanout", "refine", "solo", "fanout", "refine"]
-            ids = [
-                await client.start_session(
-                    f"frozen {n} {shape}", definition=chaos.definition(shape)
-                )
-                for n, shape in enumerate(shapes)
-            ]
-            # Freeze once the sessions are under way: at least one side-effecting call recorded.
-            with anyio.fail_after(60):
-                async for record in client.events(ids[0]):
-                    if record.kind == "ToolCallIntent":
-                        break
+            ids = await _under_way(client, chaos, "frozen", shapes)
             pid = mesh.server.pid
             assert pid is not None
             os.kill(pid, signal.SIGSTOP)
@@ -77,7 +67,7 @@ async def test_sessions_complete_exactly_once_across_a_frozen_nats_server(
     assert chaos.tally.duplicates == 0
     assert not operator_needed, "a frozen server put sessions on the recoverable list"
     output = mesh.daemon.output_tail(400_000)
-    assert "Traceback" not in output, output[-4000:]
+    assert "Traceback" not in output, _around_traceback(output)
     # The daemon heard nothing while the server was frozen, its own echo included: nobody was
     # judged on that silence, so no agent was dispatched twice for it.
     assert " lost: " not in output, output[-4000:]
@@ -109,16 +99,7 @@ async def test_sessions_finish_on_the_other_nodes_while_the_daemons_node_is_froz
         async with Client(mesh.url, reconnect_window=120) as client:
             chaos = FreshChaos(mesh, client, server.model, server.log, rng=random.Random(22))
             shapes = ["solo", "fanout", "refine", "solo"]
-            ids = [
-                await client.start_session(
-                    f"cluster frozen {n} {shape}", definition=chaos.definition(shape)
-                )
-                for n, shape in enumerate(shapes)
-            ]
-            with anyio.fail_after(60):
-                async for record in client.events(ids[0]):
-                    if record.kind == "ToolCallIntent":
-                        break
+            ids = await _under_way(client, chaos, "cluster frozen", shapes)
             on = await _daemons_server(mesh.url)
             frozen = next(s for s in mesh.servers if s.url.endswith(f":{on.split(':')[-1]}"))
             assert frozen.pid is not None
@@ -139,7 +120,28 @@ async def test_sessions_finish_on_the_other_nodes_while_the_daemons_node_is_froz
     assert chaos.tally.duplicates == 0
     assert not operator_needed, "a frozen node put sessions on the recoverable list"
     assert moved_to != on, "the daemon stayed on the frozen node"
-    assert "Traceback" not in mesh.daemon.output_tail(400_000)
+    output = mesh.daemon.output_tail(400_000)
+    assert "Traceback" not in output, _around_traceback(output)
+
+
+def _around_traceback(output: str) -> str:
+    """The daemon's output from a little before its first traceback on."""
+    at = output.find("Traceback")
+    return output[max(0, at - 1500) : at + 4000]
+
+
+async def _under_way(client: Client, chaos: FreshChaos, tag: str, shapes: list[str]) -> list[str]:
+    """Start a session of each shape; answer their ids once the first has logged a
+    side-effecting call's intent (the sessions are under way)."""
+    ids = [
+        await client.start_session(f"{tag} {n} {shape}", definition=chaos.definition(shape))
+        for n, shape in enumerate(shapes)
+    ]
+    with anyio.fail_after(60):
+        async for record in client.events(ids[0]):
+            if record.kind == "ToolCallIntent":
+                break
+    return ids
 
 
 async def _daemons_server(url: str) -> str:

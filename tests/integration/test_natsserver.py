@@ -30,8 +30,10 @@ from apomesh.adapters.natsserver import (
     NatsServer,
     NatsServerError,
     NatsServerNotFound,
+    ServerSpec,
     embedded_server,
     find_nats_server,
+    render_config,
     single_node,
 )
 
@@ -106,6 +108,14 @@ async def test_a_three_node_cluster_replicates_a_stream(nats_cluster: NatsCluste
     finally:
         await writer.close()
         await reader.close()
+
+
+def test_cluster_peers_ping_their_routes_often() -> None:
+    """A peer frozen with its routes open is cut off within seconds, not minutes: the rendered
+    cluster block pings idle routes every 2 s and drops one after 3 unanswered pings."""
+    spec = ServerSpec("n1", 4222, 8222, Path("/tmp/n1"), cluster_name="c", cluster_port=6222)
+    cluster = render_config(spec).split("cluster {", 1)[1].split("}", 1)[0]
+    assert 'ping_interval: "2s"' in cluster and "ping_max: 3" in cluster
 
 
 async def _request_until_answered(client: Client, subject: str, payload: bytes) -> bytes:
