@@ -26,6 +26,7 @@ from apomesh.core.errors import (
     Fenced,
     LogUnavailable,
     NotFound,
+    StoreUnavailable,
 )
 from apomesh.core.events import (
     AsyncJobStarted,
@@ -388,6 +389,44 @@ async def test_a_session_cut_off_at_hand_over_keeps_its_lease_a_lease_ttl_then_g
         if leases.released:
             break
     assert leases.released == 1
+
+
+class StoreAnswersLate:
+    """A state store whose first ``put_completed`` the replicated bucket does not confirm."""
+
+    def __init__(self) -> None:
+        self.completed: list[str] = []
+        self.refused = 0
+
+    async def put_completed(self, session_id: str, record: bytes) -> None:
+        if not self.refused:
+            self.refused += 1
+            raise StoreUnavailable("the replicated state store is out of reach: TimeoutError()")
+        self.completed.append(session_id)
+
+
+async def test_a_session_ending_while_the_store_does_not_answer_is_booked_and_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session ends on its log while the replicated store does not answer: its end is booked
+    all the same (out of the live set, its lease given back, no error out of the writer's task),
+    and its completed record is written once the store answers."""
+    monkeypatch.setattr(registry_module, "UNAVAILABLE_PAUSE", 0.01)
+    log, runtime = await paused_writer(tmp_path, [])
+    await runtime.append(SessionEnded(status="completed", output="done"))
+    leases = CountedLeases()
+    registry = lease_registry(log, leases)
+    store = StoreAnswersLate()
+    registry.store = cast(Any, store)
+    registry.snapshots = cast(Any, SimpleNamespace(forget=lambda key: None))
+    registry.live[SID] = runtime
+    await registry.end(runtime, Ending("finished"))
+    assert SID not in registry.live and leases.released == 1
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if store.completed:
+            break
+    assert store.completed == [SID]
 
 
 async def test_a_writer_stopped_by_nats_not_answering_during_a_drain_is_handed_over(

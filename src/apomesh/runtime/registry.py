@@ -319,7 +319,10 @@ class SessionRegistry:
 
     async def end(self, runtime: SessionRuntime, ending: Ending) -> None:
         """A writer stops driving its session (its ``on_end``): book it as finished, stranded or
-        lost to another writer, and give its lease back."""
+        lost to another writer, and give its lease back. A finished session whose completed
+        record the store does not take (the replicated bucket out of reach) is booked all the
+        same, the record written again once the store answers: before, the error escaped the
+        session's task (logged as never retrieved) and its lease stayed held."""
         state = runtime.state
         session_id = state.session_id
         if ending.kind == "finished":
@@ -328,6 +331,15 @@ class SessionRegistry:
             assert state.ended is not None
             try:
                 await self.write_completed(state)
+            except StoreUnavailable as exc:
+                # Ended on the log all the same: the record only spares a boot scan a fold.
+                # Written again once the store answers; the lease is given back meanwhile.
+                self.log.warning(
+                    "session %s ended; its completed record waits for the store: %s",
+                    session_id,
+                    exc,
+                )
+                self.spawn(self._write_completed_when_answering(state))
             finally:
                 if self.live.get(session_id) is runtime:
                     del self.live[session_id]
@@ -556,6 +568,18 @@ class SessionRegistry:
 
     async def write_completed(self, state: SessionState) -> None:
         await self.store.put_completed(state.session_id, _completed_record(state))
+
+    async def _write_completed_when_answering(self, state: SessionState) -> None:
+        """``write_completed`` again, every 1 s doubled up to 30 s, while the store does not
+        answer; given up once the daemon winds down (the next boot scan books the session)."""
+        pause = UNAVAILABLE_PAUSE
+        while not self.closing():
+            await asyncio.sleep(pause)
+            try:
+                await self.write_completed(state)
+                return
+            except StoreUnavailable:
+                pause = min(pause * 2, UNAVAILABLE_PAUSE_MAX)
 
     async def write_completed_many(self, states: Sequence[SessionState]) -> None:
         """The completed records of many ended sessions (a boot scan's, by the ten thousand),
