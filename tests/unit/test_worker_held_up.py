@@ -53,3 +53,24 @@ async def test_a_held_up_event_loop_is_said_with_the_agents_running(
     said = [r.getMessage() for r in caplog.records if "no heartbeat" in r.getMessage()]
     assert len(said) == 1, said
     assert "held up" in said[0] and "running: s1/root" in said[0]
+
+
+async def test_a_worker_in_the_daemons_own_process_leaves_its_stalls_to_the_daemon(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An in-process worker (one with a local link to its daemon) shares the daemon's event loop:
+    a boot scan holds both up, and the daemon allows for its own stalls; nothing is said."""
+    nc = QuietNats()
+    worker = Worker(
+        cast(Any, nc), tools={}, providers={}, workspace=tmp_path, heartbeat_interval=0.05
+    )
+    worker.local_links["daemon-a"] = cast(Any, None)
+    await worker.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="apomesh.worker"):
+            await asyncio.sleep(0.1)
+            time.sleep(0.4)
+            await asyncio.sleep(0.1)
+    finally:
+        await worker.aclose()
+    assert "no heartbeat" not in caplog.text

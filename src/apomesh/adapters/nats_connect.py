@@ -273,6 +273,9 @@ async def connect(
         _log.debug("nats connection error: %r", exc)
 
     async def on_disconnected() -> None:
+        if client.is_closed:  # closed on purpose (a shutdown): nothing to reconnect
+            _log.debug("connection to NATS closed (%s)", redact_urls(servers))
+            return
         _log.info("disconnected from NATS (%s); reconnecting", redact_urls(servers))
 
     async def on_reconnected() -> None:
