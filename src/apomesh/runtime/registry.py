@@ -471,6 +471,12 @@ class SessionRegistry:
         if not tasks:
             return 0
         _, pending = await asyncio.wait(tasks, timeout=grace)
+        suspended = sum(r.state.cleanly_suspended for r in runtimes)
+        self.log.info(
+            "drain: %d of %d sessions suspended at a node boundary for the next daemon",
+            suspended,
+            len(tasks),
+        )
         if pending:
             self.log.warning(
                 "%d of %d sessions did not reach a node boundary within %.1f s; cut off",

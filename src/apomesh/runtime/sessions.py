@@ -651,7 +651,10 @@ class SessionRuntime:
             return [suspended], True
 
         if await self.decide(rule):
-            log.info("session %s suspended at a node boundary for the next daemon", self.session_id)
+            # One line each at debug: a drain of thousands says how many in one line (registry).
+            log.debug(
+                "session %s suspended at a node boundary for the next daemon", self.session_id
+            )
         else:
             log.warning(
                 "session %s stopped with a side effect in flight; it is not marked suspended",
