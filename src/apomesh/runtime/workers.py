@@ -63,6 +63,10 @@ class WorkerLost(Exception):
         self.reason = reason
 
 
+ECHO_TRIES = 40
+"""Liveness ticks the daemon sends its echo without any coming back before it gives up on it."""
+
+
 @dataclass
 class WorkerInfo:
     worker_id: str
@@ -143,6 +147,10 @@ class WorkerPool:
         self._was_connected = True
         self._heard_at = time.monotonic()
         """When this daemon's echo last came back (``liveness_forever``)."""
+        self._echo_works = False
+        """Whether an echo ever came back: until one does (a control login not allowed
+        ``apomesh.echo.*``), liveness judges as if it always did, and after ``ECHO_TRIES`` ticks
+        stops sending them."""
 
     # --- registration and beats (handed over by the control plane) -------------------------------
 
@@ -503,6 +511,7 @@ class WorkerPool:
 
         async def heard(_msg: Any) -> None:
             self._heard_at = time.monotonic()
+            self._echo_works = True
 
         echoes = await self.nc.subscribe(echo, cb=heard)
         try:
@@ -521,12 +530,23 @@ class WorkerPool:
         last_tick = time.monotonic()
         deferred_since: float | None = None
         deaf_since: float | None = None  # when the last echo before this deaf spell came back
+        sent = 0
         while True:
             await asyncio.sleep(tick)
             if closing():
                 return  # a daemon shutting down judges nobody
-            with contextlib.suppress(Exception):  # a closed connection: ``connected`` says so
-                await self.nc.publish(echo, b"")
+            if self._echo_works or sent < ECHO_TRIES:
+                sent += 1
+                with contextlib.suppress(Exception):  # a closed connection: ``connected`` says so
+                    await self.nc.publish(echo, b"")
+            elif sent == ECHO_TRIES:
+                sent += 1
+                self.log.warning(
+                    "this daemon's echo on %s never came back (may its control login publish and"
+                    " subscribe to apomesh.echo.*? see conf/nats/accounts.conf): a NATS that"
+                    " delivers nothing is not told from silent workers",
+                    echo,
+                )
             connected = self.nc.is_connected
             now = time.monotonic()
             stalled = now - last_tick - tick
@@ -559,7 +579,7 @@ class WorkerPool:
                 for w in self.workers.values():
                     w.last_seen = now
                 continue
-            if now - self._heard_at > self.interval:
+            if self._echo_works and now - self._heard_at > self.interval:
                 # Connected, yet NATS delivers nothing to us, not even our own echo.
                 if deaf_since is None:
                     deaf_since = self._heard_at
