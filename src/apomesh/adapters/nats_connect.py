@@ -245,9 +245,10 @@ async def connect(
     this connection's reply subjects. The server is pinged every ``ping_interval`` seconds; with
     more than ``max_pings_outstanding`` pings unanswered the connection is stale and another
     server of ``urls`` is tried (nats-py's own default, two minutes between pings, kept a client
-    on a frozen server for minutes while the rest of the cluster served). Raises ``NatsAuthError`` when the server refuses the
-    credentials, ``NatsTlsError`` when the TLS handshake fails, and ``LogUnavailable`` naming the
-    URLs and the last error when no server answers within ``connect_timeout`` seconds.
+    on a frozen server for minutes while the rest of the cluster served). Raises
+    ``NatsAuthError`` when the server refuses the credentials, ``NatsTlsError`` when the TLS
+    handshake fails, and ``LogUnavailable`` naming the URLs and the last error when no server
+    answers within ``connect_timeout`` seconds.
     """
     servers = split_urls(urls)
     # TLS configured means TLS required: never a plain connection to a server that offers none.

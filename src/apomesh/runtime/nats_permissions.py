@@ -6,9 +6,9 @@ writes, the log, and the control, heartbeat and dispatch subjects (its in-proces
 its connection). ``control_permissions`` is the daemon's second, control-plane connection, the
 one that answers workers' registrations and reports and sends them dispatches: only the
 dispatch subjects, the workers' inboxes, the bound control and heartbeat subjects, its own
-inbox (``_INBOX.control``) and the echo it sends itself (``apomesh.echo.<incarnation>``), and never JetStream, the KV buckets or the log, so a bug in a
-responder cannot reach them whatever reply subject a worker asks for. Several daemons may share
-the daemon and control logins: the control login hears every daemon's control subjects
+inbox (``_INBOX.control``) and the echo it sends itself (``apomesh.echo.<incarnation>``), and
+never JetStream, the KV buckets or the log, so a bug in a responder cannot reach them whatever
+reply subject a worker asks for. Several daemons may share the daemon and control logins: the control login hears every daemon's control subjects
 (``apomesh.ctl.<daemon_id>.<verb>.<worker_id>``), and each daemon subscribes to its own.
 ``worker_permissions(worker_id)`` lets a worker publish only its own heartbeat and its own bound
 control subjects (``apomesh.ctl.*.*.<worker_id>``: any daemon's, as itself; its reports and the
@@ -91,9 +91,10 @@ def daemon_permissions() -> Permissions:
 
 def control_permissions() -> Permissions:
     """The daemon's control-plane connection (one login may serve several daemons): it hears
-    workers' bound control subjects (every daemon's) and heartbeats and its own inbox, answers into the workers' inboxes and sends dispatches, and sends itself its echo; the
-    JetStream API, the KV buckets and the log are denied, and it has no ``allow_responses``, so
-    it can answer a request only on a subject it may publish to anyway."""
+    workers' bound control subjects (every daemon's) and heartbeats and its own inbox, answers
+    into the workers' inboxes, sends dispatches and sends itself its echo; the JetStream API, the
+    KV buckets and the log are denied, and it has no ``allow_responses``, so it can answer a
+    request only on a subject it may publish to anyway."""
     return Permissions(
         publish=(f"{DISPATCH_PREFIX}*", f"{WORKER_INBOX_PREFIX}>", f"{ECHO_PREFIX}*"),
         subscribe=(

@@ -507,7 +507,6 @@ class WorkerPool:
         interval)."""
         tick = min(self.interval / 4, 0.25)
         echo = f"{ECHO_PREFIX}{self.incarnation}"
-        self._heard_at = time.monotonic()
 
         async def heard(_msg: Any) -> None:
             self._heard_at = time.monotonic()
