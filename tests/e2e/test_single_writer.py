@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import httpx
+import msgspec
 import pytest
 from tests.e2e.api_support import asker, start, view, wait_status, wait_until
 
@@ -25,6 +26,7 @@ from apomesh.core import envelope
 from apomesh.core.errors import AppendConflict
 from apomesh.core.events import AgentSnapshotted, HitlAnswered, ModelRetrying
 from apomesh.core.state import fold
+from apomesh.runtime.presence import DaemonRecord
 from apomesh.testing import Mesh
 
 ANSWERS = 6
@@ -176,7 +178,8 @@ async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str:
     try:
         js = nc.jetstream()
         kv = await KvBuckets.open(nc)
-        await kv.daemons.put(owner, b"a peer's record")
+        record = DaemonRecord(id=owner, host="elsewhere", url="", incarnation=owner)
+        await kv.daemons.put(owner, msgspec.msgpack.encode(record))  # alive, driving nothing
         bucket = await js.key_value(LEASES_BUCKET)
         entry = await bucket.get(encode_key(session_id))
         assert entry.value and entry.revision
@@ -186,11 +189,27 @@ async def take_the_lease(nats_url: str, session_id: str, owner: str) -> str:
         await nc.close()
 
 
+async def give_the_lease_back(nats_url: str, session_id: str, owner: str) -> None:
+    """Delete the session's lease as ``owner`` releases it (at the revision it holds)."""
+    nc = await connect([nats_url])
+    try:
+        bucket = await nc.jetstream().key_value(LEASES_BUCKET)
+        entry = await bucket.get(encode_key(session_id))
+        assert entry.value == owner.encode()
+        await bucket.delete(encode_key(session_id), last=entry.revision)
+    finally:
+        await nc.close()
+
+
 @pytest.mark.anyio
 async def test_a_lease_held_by_another_owner_stops_this_daemon_driving_the_session(
     mesh: Mesh,
 ) -> None:
-    session_id = start(mesh.url, "list slowly", slow_lister(45, delay=0.8))
+    """The daemon stops driving a session whose lease another owner took, and never takes it
+    back while that owner is alive. When that owner gives the lease back without driving the
+    session (two thawed writers that each stopped on the other's append), the daemon, which was
+    watching it, drives it again to its end: a session is never left with no writer."""
+    session_id = start(mesh.url, "list slowly", slow_lister(30, delay=0.5))
     with anyio.fail_after(60):
         while not any(
             isinstance(e.event, AgentSnapshotted) for e in await read_log(mesh.nats_url, session_id)
@@ -211,3 +230,10 @@ async def test_a_lease_held_by_another_owner_stops_this_daemon_driving_the_sessi
     settled = await read_log(mesh.nats_url, session_id)
     await anyio.sleep(2.0)
     assert len(await read_log(mesh.nats_url, session_id)) == len(settled)
+
+    await give_the_lease_back(mesh.nats_url, session_id, "another-daemon")
+    ended = wait_status(mesh.url, session_id, timeout=90)
+    assert ended["status"] == "completed", ended
+    assert "no daemon drove it" in mesh.daemon.output_tail(200_000)
+    log = await read_log(mesh.nats_url, session_id)
+    assert fold(log).status == "completed"

@@ -116,6 +116,7 @@ class Daemon:
             sessions=lambda: list(self.registry.live),
             stranded=lambda: list(self.registry.stranded),
             load=lambda: sum(len(r.slots) for r in self.registry.live.values()),
+            renew_every=self.renew_every,
             logger=log,
         )
         self.registry.owner_url = self.presence.url_of
@@ -127,8 +128,10 @@ class Daemon:
             presence=self.presence,
             plugins=plugins,
             stopped=self._winding_down,
+            settle=kv.leases.ttl,
             logger=log,
         )
+        self.registry.let_go = self.takeover.let_go
         self.workers = WorkerPool(
             config,
             nc=self.control_nc,
@@ -218,7 +221,7 @@ class Daemon:
         # sessions adopted by a long boot scan are never taken by a peer meanwhile.
         with contextlib.suppress(Exception):
             await self.presence.publish()
-        self._spawn(self.presence.publish_forever(self.renew_every))
+        self._spawn(self.presence.publish_forever())
         self._unwatch_leases = await self.registry.watch_leases()
         with contextlib.suppress(Exception):
             for worker_id in await self.heartbeats.latest():

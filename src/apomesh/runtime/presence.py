@@ -12,6 +12,12 @@ free for a peer to take. A record's ``state`` is ``active``,
 (it drives nothing any more: the sessions it lists were handed over, their leases released, for
 a live peer to adopt at once). ``peers`` answers every live record; a peer's takeover
 (``runtime.recovery.Takeover``) reads it to find the sessions of daemons that are gone.
+
+A missing record proves its daemon gone only to a reader whose own record was renewed all along:
+when NATS itself stood still (every node frozen, say) or this daemon's loop was held up longer
+than a lease TTL, every record aged out at once, the live ones too. ``steady`` says whether this
+daemon's record has been renewed without a gap (``RENEWAL_GAP``) for a while; the takeover adopts
+nothing until it has been for a lease TTL, time for every live peer to write its record again.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ a record listing tens of thousands of sessions takes tens of milliseconds to bui
 a burst of changes would otherwise keep the event loop writing it."""
 
 
+RENEWAL_GAP = 2.0
+"""Renewals of the record further apart than this many renewal intervals (or a failed one) are a
+gap: the records of live peers may have aged out meanwhile as this daemon's own may have."""
+
+
 def rewrite_delay(last_write: float, interval: float) -> float:
     """How long to gather changes before the next write, given the last one took ``last_write``
     seconds: at least 50 ms (a burst of changes is one write), ``REWRITE_SHARE`` times the last
@@ -85,6 +96,7 @@ class Presence:
         sessions: Callable[[], list[str]],
         stranded: Callable[[], list[str]],
         load: Callable[[], int] = lambda: 0,
+        renew_every: float = 5.0,
         logger: logging.Logger | None = None,
     ) -> None:
         self.table = table
@@ -101,6 +113,11 @@ class Presence:
         self._changed = asyncio.Event()
         self.known: dict[str, DaemonRecord] = {}
         """The last records read (``peers``), this daemon's own included."""
+        self.renew_every = renew_every
+        self._renewed_at: float | None = None
+        """When the record was last written (monotonic), None before the first write."""
+        self._steady_since: float | None = float("-inf")
+        """Since when it has been renewed without a gap (monotonic); None after a failed write."""
         self.log = logger or log
 
     def record(self) -> DaemonRecord:
@@ -119,20 +136,48 @@ class Presence:
         )
 
     async def publish(self) -> None:
-        await self.table.put(self.daemon_id, _encoder.encode(self.record()))
+        try:
+            await self.table.put(self.daemon_id, _encoder.encode(self.record()))
+        except BaseException:
+            self._steady_since = None
+            raise
+        now = time.monotonic()
+        last = self._renewed_at
+        if self._steady_since is None or (
+            last is not None and now - last > RENEWAL_GAP * self.renew_every
+        ):
+            if last is not None:
+                self.log.info(
+                    "presence record renewed again after %.1f s: the records of live peers may "
+                    "have aged out meanwhile, so none is taken for gone for a lease TTL",
+                    now - last,
+                )
+            self._steady_since = now
+        self._renewed_at = now
+
+    def steady(self, settle: float) -> bool:
+        """Whether this daemon's record has been renewed without a gap for ``settle`` seconds and
+        is not overdue now: only then does a peer's missing record say that peer is gone."""
+        now = time.monotonic()
+        return (
+            self._steady_since is not None
+            and self._renewed_at is not None
+            and now - self._steady_since >= settle
+            and now - self._renewed_at <= RENEWAL_GAP * self.renew_every
+        )
 
     def nudge(self) -> None:
         """Publish soon: a session was adopted or ended, or the state changed."""
         self._changed.set()
 
-    async def publish_forever(self, interval: float) -> None:
-        """Keep the record alive (every ``interval`` and soon after each ``nudge``)."""
+    async def publish_forever(self) -> None:
+        """Keep the record alive (every ``renew_every`` and soon after each ``nudge``)."""
         last_write = 0.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), interval)
+                await asyncio.wait_for(self._changed.wait(), self.renew_every)
             self._changed.clear()
-            await asyncio.sleep(rewrite_delay(last_write, interval))
+            await asyncio.sleep(rewrite_delay(last_write, self.renew_every))
             began = time.perf_counter()
             try:
                 await self.publish()

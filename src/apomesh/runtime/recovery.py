@@ -20,7 +20,12 @@ then started in waves as the boot scan starts its own), exactly as after a worke
 effects are served from the log, an intent without its result goes through the tool's probe and
 ``on_unknown``. Two peers racing for one
 session are decided by its lease: exactly one adopts it. (The lone-daemon rule of the boot scan
-is untouched: a daemon restarting on its own data dir classifies its own sessions.)
+is untouched: a daemon restarting on its own data dir classifies its own sessions.) Nothing is
+adopted while this daemon's own presence record is not ``steady`` (``Presence.steady``): after
+NATS stood still, every record aged out at once, the live peers' too. A session whose writer
+stopped here after a conflict, leaving it to another writer (``let_go``), is watched until a live
+peer lists it or it ends: when two thawed writers each stopped on the other's append, neither
+driving it, it is adopted here once its lease is free.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ log = logging.getLogger("apomesh.daemon")
 START_WAVE = 256
 """Sessions started at once (``start_in_waves``): the boot scan's once every session is
 classified, a takeover's once they are adopted."""
+
+UNCLAIMED = ""
+"""The owner a takeover names for a session let go here after a conflict (``Takeover.let_go``)."""
 
 WAVE_WAIT = 10.0
 """The longest ``start_in_waves`` waits for a wave of sessions to log their openings."""
@@ -407,6 +415,7 @@ class Takeover:
         presence: Presence,
         plugins: PluginHost,
         stopped: Callable[[], bool],
+        settle: float,
         logger: logging.Logger | None = None,
     ) -> None:
         self.log_adapter = log_adapter
@@ -414,19 +423,32 @@ class Takeover:
         self.presence = presence
         self.plugins = plugins
         self.stopped = stopped
+        self.settle = settle
+        """How long this daemon's record must have been renewed without a gap (the lease TTL)
+        before a peer's missing record counts as that peer gone."""
         self.log = logger or log
+        self.held_off = False
+        """Whether the last sweep adopted nothing because this daemon's record was not steady."""
         self.owned_by: dict[str, str] = {}
         """Session -> the other daemon last seen driving it (or holding its lease)."""
         self.stranded_by: dict[str, str] = {}
         """Session -> the other daemon whose recoverable list it was last seen on."""
         self.settled: set[tuple[str, str]] = set()
         """(session, daemon) pairs resolved here: the session no longer waits for that daemon."""
+        self.unclaimed: set[str] = set()
+        """Sessions whose writer here stopped after a conflict, left to another writer
+        (``let_go``): watched until a live peer lists them or they end."""
         self.adopted = 0
 
     def watch(self, session_id: str, owner: str) -> None:
         """Remember that ``owner`` drives the session (adopted here should it go away)."""
         if owner != self.registry.owner:
             self.owned_by[session_id] = owner
+
+    def let_go(self, session_id: str) -> None:
+        """The writer of ``session_id`` here stopped after a conflict and left it to another
+        writer (the registry's ``let_go``): make sure one drives it."""
+        self.unclaimed.add(session_id)
 
     async def sweep_forever(self, interval: float) -> None:
         while not self.stopped():
@@ -451,6 +473,21 @@ class Takeover:
                 if record.gone and (session_id, record.id) in self.settled:
                     continue  # handed over, and already adopted or ended
                 self.owned_by[session_id] = record.id
+        for record in records.values():
+            if record.id != me and not record.gone:
+                self.unclaimed.difference_update(record.sessions)  # driven there
+                self.unclaimed.difference_update(record.stranded)  # an operator's there
+        if me not in records or not self.presence.steady(self.settle):
+            if not self.held_off:
+                self.log.info(
+                    "takeover held off: this daemon's presence record was not renewed all along, "
+                    "so its peers' records may have aged out while they are alive"
+                )
+            self.held_off = True
+            return 0
+        if self.held_off:
+            self.log.info("takeover looks at its peers' records again: this daemon's is steady")
+        self.held_off = False
         due: list[tuple[str, str]] = []
         for session_id, owner in list(self.owned_by.items()):
             seen = records.get(owner)
@@ -459,13 +496,17 @@ class Takeover:
                     del self.owned_by[session_id]  # it finished or moved: its owner says so
                 continue
             due.append((session_id, owner))
+        due += [(s, UNCLAIMED) for s in sorted(self.unclaimed) if s not in self.owned_by]
         adopted = 0
         for first in range(0, len(due), TAKE_TOGETHER):
             if self.stopped():
                 break
             adopted += await self._take(due[first : first + TAKE_TOGETHER])
         for session_id, owner in due:
-            if self.owned_by.get(session_id) != owner:
+            if owner == UNCLAIMED:
+                if self.registry.writer(session_id) is not None:
+                    self.unclaimed.discard(session_id)
+            elif self.owned_by.get(session_id) != owner:
                 self.settled.add((session_id, owner))
         for session_id, owner in list(self.stranded_by.items()):
             seen = records.get(owner)
@@ -537,12 +578,19 @@ class Takeover:
         for runtime in adopted:
             session_id = runtime.state.session_id
             self.owned_by.pop(session_id, None)
+            if owner_of[session_id] == UNCLAIMED:
+                self.log.warning(
+                    "session %s is driven here: its writers stopped on each other's appends and "
+                    "no daemon drove it",
+                    session_id,
+                )
+                continue
             self.log.info("took over session %s from daemon %s", session_id, owner_of[session_id])
         for state in refused:  # held by a peer that won the race, or not answered for
             self.log.info(
                 "session %s of daemon %s not adopted yet: its lease is not free here",
                 state.session_id,
-                owner_of[state.session_id],
+                owner_of[state.session_id] or "none",
             )
         self.adopted += len(adopted)
         await start_in_waves(adopted, self.stopped)
@@ -568,8 +616,10 @@ class Takeover:
                     "session %s of daemon %s cannot be folded: %s", session_id, owner, exc
                 )
                 self.owned_by.pop(session_id, None)
+                self.unclaimed.discard(session_id)
                 return None
         if state.terminal or state.bootstrap is None:
             self.owned_by.pop(session_id, None)
+            self.unclaimed.discard(session_id)
             return None
         return state

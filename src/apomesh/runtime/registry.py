@@ -5,7 +5,8 @@ leases, their completed records, and the one answer to "what is session X's stat
 daemon: ``adopt`` takes the session's lease, builds its writer, logs the events that open it (a new
 session's ``SessionStarted``, an operator's actions), starts it, and rolls all of it back when any
 step fails; ``end`` is every writer's ``on_end`` callback (finished, stranded for an operator, or
-lost to another writer after an append conflict). ``state(session_id)`` answers from the live
+lost to another writer after an append conflict: a session left to a writer elsewhere is handed
+to ``let_go``, the takeover's watch). ``state(session_id)`` answers from the live
 writer, else the stranded entry, else the fold cache over the log. A lease is taken when a session
 is opened here and given back when this daemon stops driving it; nothing renews it (the daemon's
 presence record, renewed once for all, keeps it alive), and a lease of a live session seen taken
@@ -147,6 +148,9 @@ class SessionRegistry:
         self.log = logger or log
         self.owner = ""
         """The lease owner name: the daemon's stable id (set when the daemon starts)."""
+        self.let_go: Callable[[str], None] = lambda session_id: None
+        """Called with a session whose writer stopped here after a conflict, left to another
+        writer or to none (set by the daemon: its takeover makes sure a live daemon drives it)."""
         self.make_runtime: MakeRuntime | None = None
         """Set by the daemon once the writers' collaborators exist (their ``on_end`` is ``end``)."""
         self.live: dict[str, SessionRuntime] = {}
@@ -384,11 +388,18 @@ class SessionRegistry:
         if ending.kind == "unavailable":
             self.spawn(self._drive_when_answering(session_id))
             return
-        if await self.lease_owner(session_id) == self.owner and await self._drive_again(session_id):
+        if await self.lease_owner(session_id) == self.owner:
+            if await self._drive_again(session_id):
+                return
+            with contextlib.suppress(Exception):
+                await self.leases.release(session_id, self.owner)
             return
-        # Driven by the lease holder elsewhere: read from the log from now on.
+        # Driven by the lease holder elsewhere, or by nobody: the lease holder may be a writer
+        # that stops on this one's append in turn. Read from the log here, and watched until a
+        # live daemon drives it (``let_go``).
         with contextlib.suppress(Exception):
             await self.leases.release(session_id, self.owner)
+        self.let_go(session_id)
 
     async def _drive_when_answering(self, session_id: str) -> None:
         """A session whose writer stopped because NATS did not answer: fold its log and drive
