@@ -118,7 +118,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from apomesh.adapters.nats_connect import connect, redact_urls
     from apomesh.runtime.nats_permissions import credential_identity
-    from apomesh.runtime.node import make_plugin_host, nats_options
+    from apomesh.runtime.node import make_plugin_host, nats_options, tune_collector
     from apomesh.runtime.protocol import check_worker_id, new_worker_id, worker_inbox_prefix
     from apomesh.runtime.worker import Worker
 
@@ -156,6 +156,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        tune_collector()
         plugins = make_plugin_host(config)
         nc = await connect(
             config.nats.urls,

@@ -2,7 +2,8 @@
 
 ``bench.lookup`` is read-only: it answers a fixed-size record for a key. ``bench.append`` is a
 side effect: it appends one fixed-width line to ``bench/<session>.log`` in the workspace with
-``O_APPEND`` and no fsync (the naive floor does the very same write). Its probe answers whether
+``O_APPEND`` and no fsync, the session's file opened once and kept open (the naive floor does
+the very same write, on a file it opens once a session). Its probe answers whether
 a call's line is in the file, so a call cut off between its intent and its result (a kill -9) is
 run again only if its line was never written: recovery then leaves no effect unrun and none twice.
 """
@@ -18,8 +19,10 @@ from apomesh.plugins.api import ProbeResult, Tool, ToolContext
 from apomesh.plugins.hookspecs import hookimpl
 
 LINE_WIDTH = 64
-_made: set[Path] = set()
-"""Folders already made (the floor makes its folder once, not per step)."""
+OPEN_FILES = 256
+_files: dict[tuple[Path, str], int] = {}
+"""Session files kept open for appending, the most recently opened last (at most
+``OPEN_FILES``, the oldest closed first)."""
 
 
 def line_for(session: str, step: int) -> bytes:
@@ -31,16 +34,23 @@ async def lookup(ctx: ToolContext, args: dict[str, Any]) -> str:
     return f"record {args.get('key', '')}: " + "x" * 48
 
 
-async def append(ctx: ToolContext, args: dict[str, Any]) -> str:
-    folder = ctx.workspace / "bench"
-    if folder not in _made:
+def _file(workspace: Path, session: str) -> int:
+    """The session's file, opened for appending once (its folder made then)."""
+    fd = _files.get((workspace, session))
+    if fd is None:
+        folder = workspace / "bench"
         folder.mkdir(exist_ok=True)
-        _made.add(folder)
-    fd = os.open(folder / f"{ctx.session_id}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line_for(ctx.session_id, int(args.get("step", 0))))
-    finally:
-        os.close(fd)
+        fd = os.open(folder / f"{session}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if len(_files) >= OPEN_FILES:
+            os.close(_files.pop(next(iter(_files))))
+        _files[workspace, session] = fd
+    return fd
+
+
+async def append(ctx: ToolContext, args: dict[str, Any]) -> str:
+    os.write(
+        _file(ctx.workspace, ctx.session_id), line_for(ctx.session_id, int(args.get("step", 0)))
+    )
     return "appended"
 
 
