@@ -141,6 +141,8 @@ class DaemonMetrics:
         )
         self._appended_by_kind: dict[type, Any] = {}
         self._tool_calls: dict[tuple[str, str], Any] = {}
+        self._model_calls: dict[tuple[str, str, str], Any] = {}
+        self._model_tokens: dict[tuple[str, str, str], Any] = {}
         """``tool_call_seconds`` children by (tool, outcome), each looked up once."""
         self.append_seconds = Histogram(
             "apomesh_append_seconds",
@@ -228,12 +230,24 @@ class DaemonMetrics:
         outcome: str,
     ) -> None:
         """One model call a worker made: how long it took, the tokens it used, how it ended
-        (``ok``, or the kind of error)."""
-        self.model_call_seconds.labels(provider, model, outcome).observe(seconds)
+        (``ok``, or the kind of error). Each provider, model and outcome's children are looked
+        up once."""
+        key = (provider, model, outcome)
+        child = self._model_calls.get(key)
+        if child is None:
+            child = self._model_calls[key] = self.model_call_seconds.labels(*key)
+        child.observe(seconds)
         if prompt_tokens:
-            self.model_tokens.labels(provider, model, "prompt").inc(prompt_tokens)
+            self._tokens(provider, model, "prompt").inc(prompt_tokens)
         if completion_tokens:
-            self.model_tokens.labels(provider, model, "completion").inc(completion_tokens)
+            self._tokens(provider, model, "completion").inc(completion_tokens)
+
+    def _tokens(self, provider: str, model: str, kind: str) -> Any:
+        key = (provider, model, kind)
+        child = self._model_tokens.get(key)
+        if child is None:
+            child = self._model_tokens[key] = self.model_tokens.labels(*key)
+        return child
 
     def observe_tool_call(self, tool: str, seconds: float, outcome: str) -> None:
         """One tool call a worker ran: how long it took and whether it returned (``ok``) or
