@@ -120,6 +120,25 @@ async def test_a_retry_with_a_stale_position_never_duplicates(
     assert await log.read(session) == events(session, 0, 8)
 
 
+async def test_a_first_append_with_no_lookup_meets_a_subject_that_holds_events(
+    nc: NATS,
+) -> None:
+    """A log that knows nothing of a session sends its index 0 expecting an empty subject (no
+    lookup first): where the subject holds events after all (another process's), the same events
+    are settled as already written and different ones are a conflict."""
+    session = new_session()
+    writer = JetStreamLog(nc)
+    await writer.ensure()
+    await writer.append(session, events(session, 0, 3))
+    await JetStreamLog(nc).append(session, events(session, 0, 2))  # a resend: written once
+    with pytest.raises(AppendConflict):
+        await JetStreamLog(nc).append(session, events(session, 0, 1, tag="other"))
+    assert await writer.read(session) == events(session, 0, 3)
+    fresh = new_session()
+    await JetStreamLog(nc).append(fresh, events(fresh, 0, 2))
+    assert await writer.read(fresh) == events(fresh, 0, 2)
+
+
 async def test_two_writers_racing_for_one_index_leave_one_step_and_a_conflict(
     nats_cluster: Any,
 ) -> None:

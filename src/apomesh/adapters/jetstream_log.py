@@ -279,6 +279,11 @@ class JetStreamLog:
         subject = self.subject(session_id)
         deadline = time.monotonic() + self._timeout
         position = self._positions.get(session_id)
+        if position is None and pending[0].index == 0:
+            # A new session's first append: expect an empty subject rather than ask the stream
+            # first (a round trip a session); a subject that holds events refuses it, and the
+            # refusal is settled like any stale belief.
+            position = _EMPTY
         verified = False
         problem = "no answer"
         backoff = 0.02
