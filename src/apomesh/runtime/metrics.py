@@ -141,9 +141,11 @@ class DaemonMetrics:
         )
         self._appended_by_kind: dict[type, Any] = {}
         self._tool_calls: dict[tuple[str, str], Any] = {}
-        self._model_calls: dict[tuple[str, str, str], Any] = {}
-        self._model_tokens: dict[tuple[str, str, str], Any] = {}
         """``tool_call_seconds`` children by (tool, outcome), each looked up once."""
+        self._model_calls: dict[tuple[str, str, str], Any] = {}
+        """``model_call_seconds`` children by (provider, model, outcome), each looked up once."""
+        self._model_tokens: dict[tuple[str, str, str], Any] = {}
+        """``model_tokens`` children by (provider, model, kind), each looked up once."""
         self.append_seconds = Histogram(
             "apomesh_append_seconds",
             "Seconds one (batched) append to the log took.",
