@@ -173,6 +173,15 @@ def agent_workspace(root: Path, run: Run) -> Path:
     return root / run.session_id
 
 
+async def make_workspace(workspace: Path) -> None:
+    """Make an agent's workspace directory if it is missing, off the event loop. A ``mkdir``
+    writes metadata and can wait on the filesystem while others sync: one held the daemon's
+    loop 0.5 s with 10,000 parked sessions (docs/performance.md, fifteenth round). The ``stat``
+    that finds an existing directory writes nothing."""
+    if not workspace.is_dir():
+        await asyncio.to_thread(workspace.mkdir, parents=True, exist_ok=True)
+
+
 async def _checked(awaitable: Awaitable[Reply]) -> Reply:
     reply = await awaitable
     if reply.status == "fenced":
@@ -506,7 +515,7 @@ async def _agent_steps(
         pending.append(Message(role="user", content=run.prompt))
         prompt = run.prompt
     ctx = LoopContext(run, worker_id, workspace, recorder.send, step=step, trace=trace)
-    ctx.workspace.mkdir(parents=True, exist_ok=True)
+    await make_workspace(ctx.workspace)
     provider = providers.get(run.config.model.provider)
 
     def done(outcome: Any, **kw: Any) -> Done:

@@ -1192,7 +1192,7 @@ class SessionRuntime:
 
     def start_job(self, job: AsyncJobStarted) -> None:
         """Run an async job on the daemon; its completion is appended and wakes the agent."""
-        from apomesh.runtime.agent_loop import LoopContext
+        from apomesh.runtime.agent_loop import LoopContext, make_workspace
 
         key = (job.agent, job.job_id)
 
@@ -1208,7 +1208,7 @@ class SessionRuntime:
                 idempotency_key=idempotency_key(self.session_id, job.agent, job.job_id),
             )
             try:
-                ctx.workspace.mkdir(parents=True, exist_ok=True)
+                await make_workspace(ctx.workspace)
                 result, ok = await tool.run(ctx, job.args), True
             except Exception as exc:
                 result, ok = f"{type(exc).__name__}: {exc}", False
