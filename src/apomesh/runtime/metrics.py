@@ -140,12 +140,8 @@ class DaemonMetrics:
             registry=r,
         )
         self._appended_by_kind: dict[type, Any] = {}
-        self._tool_calls: dict[tuple[str, str], Any] = {}
-        """``tool_call_seconds`` children by (tool, outcome), each looked up once."""
-        self._model_calls: dict[tuple[str, str, str], Any] = {}
-        """``model_call_seconds`` children by (provider, model, outcome), each looked up once."""
-        self._model_tokens: dict[tuple[str, str, str], Any] = {}
-        """``model_tokens`` children by (provider, model, kind), each looked up once."""
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        """Labelled children by (metric, label values), each looked up once (``_child``)."""
         self.append_seconds = Histogram(
             "apomesh_append_seconds",
             "Seconds one (batched) append to the log took.",
@@ -232,33 +228,25 @@ class DaemonMetrics:
         outcome: str,
     ) -> None:
         """One model call a worker made: how long it took, the tokens it used, how it ended
-        (``ok``, or the kind of error). Each provider, model and outcome's children are looked
-        up once."""
-        key = (provider, model, outcome)
-        child = self._model_calls.get(key)
-        if child is None:
-            child = self._model_calls[key] = self.model_call_seconds.labels(*key)
-        child.observe(seconds)
+        (``ok``, or the kind of error)."""
+        self._child(self.model_call_seconds, provider, model, outcome).observe(seconds)
         if prompt_tokens:
-            self._tokens(provider, model, "prompt").inc(prompt_tokens)
+            self._child(self.model_tokens, provider, model, "prompt").inc(prompt_tokens)
         if completion_tokens:
-            self._tokens(provider, model, "completion").inc(completion_tokens)
-
-    def _tokens(self, provider: str, model: str, kind: str) -> Any:
-        key = (provider, model, kind)
-        child = self._model_tokens.get(key)
-        if child is None:
-            child = self._model_tokens[key] = self.model_tokens.labels(*key)
-        return child
+            self._child(self.model_tokens, provider, model, "completion").inc(completion_tokens)
 
     def observe_tool_call(self, tool: str, seconds: float, outcome: str) -> None:
         """One tool call a worker ran: how long it took and whether it returned (``ok``) or
         failed (``error``)."""
-        key = (tool, outcome)
-        child = self._tool_calls.get(key)
+        self._child(self.tool_call_seconds, tool, outcome).observe(seconds)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once (a step reports several of them)."""
+        key = (metric, labels)
+        child = self._children.get(key)
         if child is None:
-            child = self._tool_calls[key] = self.tool_call_seconds.labels(tool, outcome)
-        child.observe(seconds)
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def observe_session_end(self, status: str, seconds: float) -> None:
         """A session this daemon drove ended (``completed``, ``failed``, ``cancelled``) after
