@@ -2,8 +2,9 @@
 reads most.
 
 - A message (``MSG``/``HMSG``) is framed by splitting its control line, not by nats-py's regular
-  expressions (which try ``MSG`` and then ``HMSG`` on every message), and its payload is cut from
-  the buffer once.
+  expressions (which try ``MSG`` and then ``HMSG`` on every message), and its payload is copied
+  out of the buffer once. The messages framed are cut off the buffer's head together, once per
+  read of the socket (or before the client is called), not one by one.
 - A subject can be given a ``sink``: its messages then go straight to that function as (header
   block, payload), with no ``Msg`` built, no headers parsed, no queue and no task switch. A page of
   a batched direct get is read this way (``nats_connect.direct_get_batch``): a boot scan reads a
@@ -47,46 +48,59 @@ class SinkParser(Parser):
 
     async def parse(self, data: bytes = b"") -> None:
         self.buf.extend(data)
-        while True:
-            buf = self.buf
-            if not buf:
-                return
-            if buf.startswith(b"MSG "):
-                headed, skip = False, 4
-            elif buf.startswith(b"HMSG "):
-                headed, skip = True, 5
-            else:
-                if not await self._one_line(buf):
-                    return
-                continue
-            end = buf.find(_CRLF)
-            if end < 0:
-                return  # the control line is still coming
-            fields = buf[skip:end].split()
-            try:
-                size = int(fields[-1])
-                header_size = int(fields[-2]) if headed else 0
-                subject = bytes(fields[0])
-                sid = int(fields[1])
-            except (ValueError, IndexError):
-                raise ProtocolError("nats: malformed MSG") from None
-            start = end + 2
-            stop = start + size
-            if len(buf) < stop + 2:
-                return  # the payload is still coming
-            if headed:
-                headers: bytes | None = bytes(buf[start : start + header_size])
-                payload = bytes(buf[start + header_size : stop])
-            else:
-                headers = None
-                payload = bytes(buf[start:stop])
-            del buf[: stop + 2]
-            sink = self.sinks.get(subject)
-            if sink is not None:
-                sink(headers, payload)
-                continue
-            reply = bytes(fields[2]) if len(fields) == (5 if headed else 4) else b""
-            await self.nc._process_msg(sid, subject, reply, payload, headers)
+        buf = self.buf
+        sinks = self.sinks
+        at = 0  # where the next message starts: the ones before it, framed, are cut off at the end
+        try:
+            while at < len(buf):
+                if buf.startswith(b"MSG ", at):
+                    headed, skip = False, 4
+                elif buf.startswith(b"HMSG ", at):
+                    headed, skip = True, 5
+                else:
+                    del buf[:at]
+                    at = 0
+                    if not await self._one_line(buf):
+                        return
+                    continue
+                end = buf.find(_CRLF, at)
+                if end < 0:
+                    return  # the control line is still coming
+                fields = buf[at + skip : end].split()
+                try:
+                    size = int(fields[-1])
+                    header_size = int(fields[-2]) if headed else 0
+                    subject = bytes(fields[0])
+                except (ValueError, IndexError):
+                    raise ProtocolError("nats: malformed MSG") from None
+                start = end + 2
+                stop = start + size
+                if len(buf) < stop + 2:
+                    return  # the payload is still coming
+                if headed:
+                    headers: bytes | None = bytes(buf[start : start + header_size])
+                    payload = bytes(buf[start + header_size : stop])
+                else:
+                    headers = None
+                    payload = bytes(buf[start:stop])
+                at = stop + 2
+                sink = sinks.get(subject)
+                if sink is not None:
+                    sink(headers, payload)
+                    continue
+                try:
+                    sid = int(fields[1])
+                except (ValueError, IndexError):
+                    raise ProtocolError("nats: malformed MSG") from None
+                reply = bytes(fields[2]) if len(fields) == (5 if headed else 4) else b""
+                del buf[:at]
+                at = 0
+                await self.nc._process_msg(sid, subject, reply, payload, headers)
+                if self.buf is not buf:
+                    return  # the client reset the parser: what was read belongs to the old connection
+        finally:
+            if at:
+                del buf[:at]
 
     async def _one_line(self, buf: bytearray) -> bool:
         """Hand the line at the buffer's head to nats-py's parser; False when it is not whole yet
