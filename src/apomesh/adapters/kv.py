@@ -57,7 +57,11 @@ DAEMONS_BUCKET = "APOMESH_DAEMONS"
 DEFAULT_SKILL_HISTORY = 16
 DEFAULT_LEASE_TTL = 30.0
 LEASE_WINDOW = 1024
-"""How many lease creates ``LeaseTable.acquire_many`` has in flight at once."""
+"""How many lease creates ``LeaseTable.acquire_many`` sends together (one window)."""
+SET_WINDOWS_IN_FLIGHT = 2
+"""How many of those windows ``LeaseTable.acquire_many`` has out at once: the server stores one
+while this daemon reads the answers to the other (one at a time, 50,000 leases took 1.3 s; two,
+1.0 s)."""
 READ_TOGETHER = 64
 """How many lease reads ``LeaseTable.owners`` has in flight at once."""
 
@@ -393,13 +397,15 @@ class LeaseTable:
     ) -> list[str]:
         """Set each lease of ``wanted`` (session, the revision it must be at: 0 for a key with no
         message yet) to ``owner``, by raw conditional publishes sent ``window`` at a time
-        (``request_many``), each window's answers awaited together: those set are added to
-        ``taken``, their revision noted. Answers the sessions whose lease was not at that
-        revision; one NATS could not answer for is in neither."""
+        (``request_many``; ``SET_WINDOWS_IN_FLIGHT`` windows out at once), each window's answers
+        awaited together: those set are added to ``taken``, their revision noted. Answers the
+        sessions whose lease was not at that revision; one NATS could not answer for is in
+        neither."""
         mine = owner.encode()
         contested: list[str] = []
-        for first in range(0, len(wanted), window):
-            chunk = wanted[first : first + window]
+        in_flight = asyncio.Semaphore(SET_WINDOWS_IN_FLIGHT)
+
+        async def one_window(chunk: Sequence[tuple[str, int]]) -> None:
             requests = [
                 (
                     f"$KV.{LEASES_BUCKET}.{encode_key(session_id)}",
@@ -408,11 +414,12 @@ class LeaseTable:
                 )
                 for session_id, revision in chunk
             ]
-            try:
-                answers = await request_many(self._nc, requests, timeout=self._timeout)
-            except LogUnavailable as exc:
-                _log.debug("%d leases not taken yet: %r", len(chunk), exc)
-                continue
+            async with in_flight:
+                try:
+                    answers = await request_many(self._nc, requests, timeout=self._timeout)
+                except LogUnavailable as exc:
+                    _log.debug("%d leases not taken yet: %r", len(chunk), exc)
+                    return
             for (session_id, _), answer in zip(chunk, answers, strict=True):
                 if answer is None:
                     _log.debug("lease %s not taken yet: not answered", session_id)
@@ -427,6 +434,10 @@ class LeaseTable:
                 else:
                     self._taken[session_id, owner] = revision
                     taken.add(session_id)
+
+        await asyncio.gather(
+            *(one_window(wanted[first : first + window]) for first in range(0, len(wanted), window))
+        )
         return contested
 
     async def release(self, session_id: str, owner: str) -> bool:
