@@ -20,7 +20,9 @@ plain publishes were dropped by the server's stream ingest queue when it filled,
 seeding waiting forever for messages that never came). Then an in-process daemon starts on
 that log with a worker that acknowledges every dispatch and runs nothing (``bench_recovery``'s
 ``SinkWorker``); the figure is the daemon's ``start``: list, read, fold and classify every session,
-auto-resume the safe ones and strand the others. That daemon runs in a child process, SIGKILLed
+auto-resume the safe ones and strand the others. That daemon runs in a freshly started child
+process (as ``apomesh serve`` is one; not a fork of this one, whose heap held every seeded
+session: the fork's writes into the memory it shared cost the start 1-2 s more), SIGKILLed
 as its start returns; the second figure is the same daemon's start again on its data dir: the
 leases of its auto-resumed sessions still held by itself, the completed records of the ended
 ones written, and those (ended in 2023) past the default retention, so its sweep purges them
@@ -287,7 +289,7 @@ def measure_scan(count: int, rng: random.Random) -> None:
             events, seeded = asyncio.run(publish_stored(server.url, sessions))
             del sessions
             figures = base / "first-start.json"
-            child = multiprocessing.get_context("fork").Process(
+            child = multiprocessing.get_context("spawn").Process(
                 target=_start_then_die, args=(server.url, base / "daemon", figures)
             )
             child.start()
