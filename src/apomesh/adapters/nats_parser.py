@@ -71,6 +71,7 @@ class SinkParser(Parser):
                     size = int(fields[-1])
                     header_size = int(fields[-2]) if headed else 0
                     subject = bytes(fields[0])
+                    sid = int(fields[1])
                 except (ValueError, IndexError):
                     raise ProtocolError("nats: malformed MSG") from None
                 start = end + 2
@@ -88,10 +89,6 @@ class SinkParser(Parser):
                 if sink is not None:
                     sink(headers, payload)
                     continue
-                try:
-                    sid = int(fields[1])
-                except (ValueError, IndexError):
-                    raise ProtocolError("nats: malformed MSG") from None
                 reply = bytes(fields[2]) if len(fields) == (5 if headed else 4) else b""
                 del buf[:at]
                 at = 0
