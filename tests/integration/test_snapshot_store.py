@@ -136,7 +136,9 @@ async def test_every_earlier_snapshot_loads_its_own_messages_after_compaction(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("logged", [3, 4, 5], ids=["before-compaction", "at-4", "after-4"])
+@pytest.mark.parametrize(
+    "logged", [3, 4, 5, 6], ids=["before-compaction", "at-4", "after-4", "all-logged"]
+)
 async def test_a_dispatch_continues_from_the_logged_snapshot_and_the_unlogged_ones_vanish(
     tmp_path: Path, logged: int
 ) -> None:
@@ -152,6 +154,8 @@ async def test_a_dispatch_continues_from_the_logged_snapshot_and_the_unlogged_on
     assert [m.content for m in memory.messages][-1] == f"wrote file {logged}"
     assert len(memory.messages) == 2 * logged and memory.call_counts == {"k": logged}
     assert [i for i, _ in await restarted.records(AGENT)] == list(range(1, logged + 1))
+    # The tail it keeps from that one read is the one the store now holds.
+    assert restarted._tails[AGENT] == await SnapshotStore(store, compact_every=4)._tail(AGENT)
     # The agent goes on from there: its next nodes hold none of the unlogged ones' messages.
     for step in range(logged + 1, logged + 8):
         await write(restarted, node(step, {"k": 100 + step}), after_id=step - 1)
@@ -170,6 +174,7 @@ async def test_an_agent_with_no_logged_snapshot_starts_afresh(tmp_path: Path) ->
     await write(snapshots, node(1, {}))  # stored, its pointer never logged
     assert await snapshots.load_logged(AGENT, None) is None
     assert await snapshots.records(AGENT) == []
+    assert snapshots._tails[AGENT] == await SnapshotStore(store)._tail(AGENT)
     await store.aclose()
 
 

@@ -1527,8 +1527,10 @@ class SessionRuntime:
                     memory = None
                 else:
                     memory = await self.deps.snapshots.load_logged(agent_key, agent.snapshot_id)
+                # A resumed agent's ``resuming`` goes in one append with its ``dispatched``.
+                opening: list[Event] = []
                 if resume_reason is not None:
-                    await self.append(
+                    opening.append(
                         AgentResuming(
                             ref,
                             reason=resume_reason,
@@ -1537,13 +1539,8 @@ class SessionRuntime:
                             epoch=epoch,
                         )
                     )
-                    tracing.add_event("resuming", {"reason": resume_reason, "apomesh.epoch": epoch})
-                    if _path_label(resume_reason) == "worker_lost":
-                        # Agents re-dispatched by a session's own recovery are counted with it.
-                        self.deps.metrics.resumes.labels("worker_lost").inc()
-                    resuming = True
-                    resume_reason = None
                 await self.append(
+                    *opening,
                     AgentLifecycle(
                         ref,
                         "dispatched",
@@ -1553,8 +1550,15 @@ class SessionRuntime:
                         config=moved_to,
                         ask=ask[0] if ask else None,
                         prompt_digest=ask[1] if ask else None,
-                    )
+                    ),
                 )
+                if resume_reason is not None:
+                    tracing.add_event("resuming", {"reason": resume_reason, "apomesh.epoch": epoch})
+                    if _path_label(resume_reason) == "worker_lost":
+                        # Agents re-dispatched by a session's own recovery are counted with it.
+                        self.deps.metrics.resumes.labels("worker_lost").inc()
+                    resuming = True
+                    resume_reason = None
                 tracing.add_event(
                     "dispatched", {"apomesh.worker_id": worker_id, "apomesh.epoch": epoch}
                 )

@@ -165,7 +165,7 @@ class SnapshotStore:
         if tail is None:
             latest = await self.store.latest_snapshot(agent_key)
             segments = await self.store.scan("segments", agent_key + "\x00")
-            next_seq = int(segments[-1][0].rpartition("\x00")[2], 16) + 1 if segments else 0
+            next_seq = _number(segments[-1][0]) + 1 if segments else 0
             if latest is None:
                 tail = _Tail(next_seq=next_seq, base_seq=next_seq, next_snapshot=1)
             else:
@@ -274,24 +274,8 @@ class SnapshotStore:
                 return None
             raw = got
         record = _record_decoder.decode(raw)
-        messages: list[Message] = []
-        counts = dict(record.call_counts)
-        for key, value in await self.store.scan("segments", agent_key + "\x00"):
-            for seq, part, changed in _parts(int(key.rpartition("\x00")[2], 16), value):
-                if seq > record.last_seq:
-                    continue
-                counts.update(changed)
-                if seq >= record.base_seq:
-                    messages.extend(part)
-        return AgentMemory(
-            messages=messages,
-            model=record.model,
-            budget=record.budget,
-            step=record.step,
-            prompt=record.prompt,
-            call_counts=counts,
-            turn=record.turn,
-        )
+        segments = await self.store.scan("segments", agent_key + "\x00")
+        return _memory(record, [p for k, v in segments for p in _parts(_number(k), v)])
 
     def fresh(self, agent_key: str) -> None:
         """The agent was never dispatched (its log has no ``dispatched``), so the store holds
@@ -303,37 +287,64 @@ class SnapshotStore:
         (``snapshot_id``; None: the agent has none yet), never a newer one. Snapshots and segment
         parts stored after it but never logged (the daemon stopped between storing a node and
         appending its pointer; the worker never heard back, so nothing depended on them) are
-        dropped first, so neither this dispatch nor any later snapshot of the agent holds them."""
-        if snapshot_id is None:
-            raw = None
-        else:
-            raw = await self.store.get_snapshot(agent_key, snapshot_id)
-        last_seq = _record_decoder.decode(raw).last_seq if raw is not None else -1
-        puts: list[tuple[str, str, bytes]] = []
-        deletes: list[tuple[str, str]] = [
-            ("snapshots", key)
-            for key, _ in await self.store.scan("snapshots", agent_key + "\x00")
-            if int(key.rpartition("\x00")[2], 16) > (snapshot_id or 0)
-        ]
-        for key, value in await self.store.scan("segments", agent_key + "\x00"):
-            parts = _parts(int(key.rpartition("\x00")[2], 16), value)
-            kept = [part for part in parts if part[0] <= last_seq]
-            if len(kept) == len(parts):
+        dropped first, so neither this dispatch nor any later snapshot of the agent holds them.
+
+        One read of the store brings the agent's snapshot records and segments (a restart resumes
+        many agents at once, and each trip to a worker thread waits its turn); the memory and the
+        agent's tail come from what it brought, less what is dropped."""
+        prefix = agent_key + "\x00"
+        snapshots, segments = await self.store.scan_many(
+            [("snapshots", prefix), ("segments", prefix)]
+        )
+        logged = snapshot_id or 0
+        raw: bytes | None = None
+        latest: tuple[int, bytes] | None = None
+        deletes: list[tuple[str, str]] = []
+        for key, value in snapshots:
+            number = _number(key)
+            if number > logged:
+                deletes.append(("snapshots", key))
                 continue
+            latest = (number, value)
+            if number == snapshot_id:
+                raw = value
+        record = _record_decoder.decode(raw) if raw is not None else None
+        last_seq = record.last_seq if record is not None else -1
+        puts: list[tuple[str, str, bytes]] = []
+        parts: list[tuple[int, list[Message], dict[str, int]]] = []
+        last_segment: int | None = None
+        for key, value in segments:
+            stored = _parts(_number(key), value)
+            kept = [part for part in stored if part[0] <= last_seq]
+            parts.extend(kept)
             if not kept:
                 deletes.append(("segments", key))
-            else:  # a compacted segment reaching past the snapshot: keep only its own parts
+                continue
+            last_segment = _number(key)
+            if len(kept) < len(stored):  # a compacted segment reaching past the snapshot
                 puts.append(("segments", key, _merged(kept)))
         if puts or deletes:
             await self.store.write_batch(puts, deletes)
-            self._tails.pop(agent_key, None)  # rebuilt from what the store now holds
-        return await self.load(agent_key, snapshot_id) if snapshot_id is not None else None
+        if puts or deletes or agent_key not in self._tails:
+            # What ``_tail`` would read back from the store now.
+            next_seq = last_segment + 1 if last_segment is not None else 0
+            if latest is None:
+                tail = _Tail(next_seq=next_seq, base_seq=next_seq, next_snapshot=1)
+            else:
+                tail = _Tail(
+                    next_seq=next_seq,
+                    base_seq=_record_decoder.decode(latest[1]).base_seq,
+                    next_snapshot=latest[0] + 1,
+                    has_definition=True,
+                )
+            self._tails[agent_key] = tail
+        return _memory(record, parts) if record is not None else None
 
     async def records(self, agent_key: str) -> list[tuple[int, SnapshotRecord]]:
         """Every snapshot record of an agent, oldest first (for verification)."""
         out = []
         for key, value in await self.store.scan("snapshots", agent_key + "\x00"):
-            out.append((int(key.rpartition("\x00")[2], 16), _record_decoder.decode(value)))
+            out.append((_number(key), _record_decoder.decode(value)))
         return out
 
     def forget(self, agent_key: str) -> None:
@@ -358,6 +369,34 @@ def _merged(parts: list[tuple[int, list[Message], dict[str, int]]]) -> bytes:
         part_counts=[cs for _, _, cs in parts],
     )
     return _encoder.encode(merged)
+
+
+def _number(key: str) -> int:
+    """The snapshot id or segment sequence number a ``snapshots`` or ``segments`` key ends with."""
+    return int(key.rpartition("\x00")[2], 16)
+
+
+def _memory(
+    record: SnapshotRecord, parts: list[tuple[int, list[Message], dict[str, int]]]
+) -> AgentMemory:
+    """The working memory of ``record`` over the agent's segment ``parts``, oldest first."""
+    messages: list[Message] = []
+    counts = dict(record.call_counts)
+    for seq, part, changed in parts:
+        if seq > record.last_seq:
+            continue
+        counts.update(changed)
+        if seq >= record.base_seq:
+            messages.extend(part)
+    return AgentMemory(
+        messages=messages,
+        model=record.model,
+        budget=record.budget,
+        step=record.step,
+        prompt=record.prompt,
+        call_counts=counts,
+        turn=record.turn,
+    )
 
 
 def _parts(seq: int, value: bytes) -> list[tuple[int, list[Message], dict[str, int]]]:
