@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
 import logging
@@ -29,18 +30,30 @@ import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from apomesh._version import __version__
 from apomesh.core.errors import ApomeshError
 
-# No markup, no highlighting, no wrapping of lines: what the daemon sends is data, printed as it is.
-console = Console(markup=False, highlight=False, soft_wrap=True)
-err = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+
+@functools.cache
+def out(stderr: bool = False) -> Console:
+    """The console commands print on (stdout, or stderr with ``stderr``), made at its first use:
+    ``serve`` and ``worker`` print their few lines without it, and start without importing rich.
+    No markup, no highlighting, no wrapping of lines: what the daemon sends is data, printed as
+    it is."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, markup=False, highlight=False, soft_wrap=True)
+
+
+def err() -> Console:
+    return out(stderr=True)
+
 
 DEFAULT_URL = "http://127.0.0.1:8750"
 
@@ -67,7 +80,7 @@ def _announce(config: Any, text: str) -> None:
     if config.log.format == "json":
         logging.getLogger("apomesh.cli").info("%s", text)
     else:
-        console.print(text)
+        print(text, flush=True)
 
 
 # --- serve / worker / demo ---------------------------------------------------------------------------
@@ -133,7 +146,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     )
     _observe(config, "apomesh-worker")
     if not config.nats.urls:
-        err.print("a worker needs NATS: --nats URL, [nats] urls or APOMESH_NATS_URLS")
+        err().print("a worker needs NATS: --nats URL, [nats] urls or APOMESH_NATS_URLS")
         return 2
     workspace = Path(args.workspace or "workspace").absolute()
     # The id comes from the credentials unless given: NATS permissions name it, so a worker can
@@ -197,6 +210,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from apomesh.demo import run_demo
 
     logging.basicConfig(level=logging.ERROR)
@@ -230,7 +245,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         definition = _load_definition(args.definition) if args.definition else DEFAULT_AGENT
         session_id = client.start_session(args.goal, definition=definition, idempotency_key=key)
-    console.print(f"session {session_id}")
+    out().print(f"session {session_id}")
     if not args.follow:
         return 0
     return _follow(client, session_id, _answer_options(args))
@@ -275,7 +290,7 @@ def _pause_lines(view: Any, options: str = "") -> list[str]:
 def _follow(client: Any, session_id: str, options: str) -> int:
     """Show the session until it ends: a live tree on a terminal; in a pipe, one line per
     change, each written as it happens."""
-    if console.is_terminal:
+    if out().is_terminal:
         _follow_live(client, session_id, options)
     else:
         printed: set[str] = set()
@@ -303,6 +318,7 @@ def _follow(client: Any, session_id: str, options: str) -> int:
 def _follow_live(client: Any, session_id: str, options: str) -> None:
     from rich.console import Group
     from rich.live import Live
+    from rich.text import Text
     from rich.tree import Tree
 
     def render() -> Group:
@@ -321,15 +337,15 @@ def _follow_live(client: Any, session_id: str, options: str) -> None:
         return Group(tree, *pauses)
 
     # A live region is redrawn in place: its lines wrap at the terminal's width instead.
-    console.soft_wrap = False
+    out().soft_wrap = False
     try:
-        with Live(render(), console=console, refresh_per_second=4) as live:
+        with Live(render(), console=out(), refresh_per_second=4) as live:
             for record in client.events(session_id):
                 live.update(render())
                 if record.kind == "SessionEnded":
                     break
     finally:
-        console.soft_wrap = True
+        out().soft_wrap = True
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
@@ -353,12 +369,12 @@ def cmd_sessions(args: argparse.Namespace) -> int:
                 )
             _print_table(table)
         if page.next_cursor:
-            err.print(f"more sessions: add --cursor {page.next_cursor}")
+            err().print(f"more sessions: add --cursor {page.next_cursor}")
         return 0
     if args.action == "purge" and not args.id:
         return _purge_ended(client, args)
     if not args.id:
-        err.print("a session id is needed")
+        err().print("a session id is needed")
         return 2
     if args.action == "show":
         view = client.get_session(args.id)
@@ -386,15 +402,15 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         return 0 if report.get("ok") else 1
     if args.action == "cancel":
         view = client.get_session(args.id)
-        console.print(f"{view.session_id} {view.status} — {view.goal}")
+        out().print(f"{view.session_id} {view.status} — {view.goal}")
         if (refused := _refused(args, "cancel this session?", "cancel a session")) is not None:
             return refused
         client.cancel(args.id)
-        console.print(f"cancelled {args.id}")
+        out().print(f"cancelled {args.id}")
         return 0
     if args.action == "purge":
         view = client.get_session(args.id)
-        console.print(f"{view.session_id} {view.status} — {view.goal}")
+        out().print(f"{view.session_id} {view.status} — {view.goal}")
         if (
             refused := _refused(
                 args, "purge this session (its events and records, for good)?", "purge a session"
@@ -402,7 +418,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         ) is not None:
             return refused
         client.purge_session(args.id)
-        console.print(f"purged {args.id}")
+        out().print(f"purged {args.id}")
         return 0
     return 2
 
@@ -411,7 +427,7 @@ def _print_conversation(client: Any, args: argparse.Namespace) -> int:
     """``sessions agent ID REF``: the agent's conversation as plain text (or JSON with
     ``--output json``), printed as it is: nothing in it is read as markup."""
     if not args.ref:
-        err.print("an agent ref is needed: apomesh sessions agent ID REF (e.g. root or root/0)")
+        err().print("an agent ref is needed: apomesh sessions agent ID REF (e.g. root or root/0)")
         return 2
     talk = client.agent_conversation(args.id, args.ref)
     if getattr(args, "output", None) == "json":
@@ -462,7 +478,7 @@ def _purge_ended(client: Any, args: argparse.Namespace) -> int:
     from apomesh.runtime.config import parse_duration
 
     if not args.ended_before:
-        err.print("give a session id, or --ended-before DURATION (30d, 12h) to purge by age")
+        err().print("give a session id, or --ended-before DURATION (30d, 12h) to purge by age")
         return 2
     try:
         seconds = parse_duration(args.ended_before)
@@ -477,13 +493,15 @@ def _purge_ended(client: Any, args: argparse.Namespace) -> int:
         _print_json(purged)
     else:
         for session_id in purged:
-            console.print(f"purged {session_id}")
-        console.print(f"{len(purged)} sessions purged")
+            out().print(f"purged {session_id}")
+        out().print(f"{len(purged)} sessions purged")
     return 0
 
 
 def _print_session(view: Any) -> None:
     """``sessions show`` for people: the session, then its agents as a table."""
+    from rich.text import Text
+
     fields: list[tuple[str, str | None]] = [
         ("session", view.session_id),
         ("status", view.status),
@@ -501,20 +519,20 @@ def _print_session(view: Any) -> None:
     ]
     for label, value in fields:
         if value is not None:
-            console.print(f"{label:<13}{value}")
+            out().print(f"{label:<13}{value}")
     table = _table("agent", "role", "phase", "worker", "resumes", "task")
     for a in view.agents:
         phase = f"waiting for {a.waiting_for}" if a.waiting_for else a.phase
         table.add_row(a.ref, a.role or a.name, phase, a.worker or "-", str(a.resumes), a.task or "")
     _print_table(table)
     for u in view.unknown_outcomes:
-        console.print(
+        out().print(
             Text.assemble(
                 ("outcome unknown: ", "yellow"), f"{u.agent} {u.tool} {json.dumps(u.args)}"
             )
         )
     for line in _pause_lines(view):
-        console.print(line)
+        out().print(line)
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
@@ -562,19 +580,19 @@ def cmd_daemons(args: argparse.Namespace) -> int:
         _print_table(table)
         return 0
     if not args.id:
-        err.print("a daemon id is needed")
+        err().print("a daemon id is needed")
         return 2
     client.drain_daemon(args.id)
-    console.print(f"daemon {args.id} drains: its sessions move to the live peers")
+    out().print(f"daemon {args.id} drains: its sessions move to the live peers")
     if args.wait:
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
             row = next((d for d in client.list_daemons() if d.id == args.id), None)
             if row is None or row.state == "drained":
-                console.print(f"daemon {args.id} drained")
+                out().print(f"daemon {args.id} drained")
                 return 0
             time.sleep(0.2)
-        err.print(f"daemon {args.id} did not finish draining within {args.wait:.0f} s")
+        err().print(f"daemon {args.id} did not finish draining within {args.wait:.0f} s")
         return 1
     return 0
 
@@ -585,16 +603,20 @@ FILTER_KEYS = ("category", "reason", "goal")
 def _resume_all(client: Any, args: argparse.Namespace) -> int:
     """``recover resume --all [--filter KEY=VALUE ...]``: show every matching session and what
     resuming it faces, ask once, then resume exactly the sessions shown."""
+    from rich.text import Text
+
     from apomesh.core.views import RecoverableFilter
 
     if args.id or args.migrate_pin:
-        err.print("--all resumes by filter: no session id and no --migrate-pin with it")
+        err().print("--all resumes by filter: no session id and no --migrate-pin with it")
         return 2
     wanted: dict[str, str] = {}
     for item in args.filter or []:
         key, sep, value = item.partition("=")
         if not sep or key.strip() not in FILTER_KEYS or not value.strip():
-            err.print(f"--filter wants one of {', '.join(FILTER_KEYS)} as KEY=VALUE, not {item!r}")
+            err().print(
+                f"--filter wants one of {', '.join(FILTER_KEYS)} as KEY=VALUE, not {item!r}"
+            )
             return 2
         wanted[key.strip()] = value.strip()
     which = RecoverableFilter(
@@ -602,19 +624,19 @@ def _resume_all(client: Any, args: argparse.Namespace) -> int:
     )
     chosen = [r for r in client.list_recoverable() if which.matches(r)]
     if not chosen:
-        console.print("no recoverable session matches")
+        out().print("no recoverable session matches")
         return 0
     for r in chosen:
-        console.print(f"{r.session_id}  {r.goal!r}  {r.category}: {r.reason}")
+        out().print(f"{r.session_id}  {r.goal!r}  {r.category}: {r.reason}")
         for u in r.unknown_outcomes:
-            console.print(
+            out().print(
                 Text.assemble(
                     ("  outcome unknown (not run again): ", "yellow"),
                     f"{u.agent} {u.tool} {json.dumps(u.args)}",
                 )
             )
         for d in r.pin_diff:
-            console.print(
+            out().print(
                 Text.assemble(
                     ("  pin differs: ", "yellow"),
                     f"{d.name}: {d.old} -> {d.new or 'not installed'}",
@@ -634,9 +656,9 @@ def _resume_all(client: Any, args: argparse.Namespace) -> int:
     )
     for o in outcomes:
         if o.outcome == "resumed":
-            console.print(f"resumed {o.session_id}")
+            out().print(f"resumed {o.session_id}")
         else:
-            err.print(f"refused {o.session_id}: {o.error}: {o.message}")
+            err().print(f"refused {o.session_id}: {o.error}: {o.message}")
     return 0 if all(o.outcome == "resumed" for o in outcomes) else 1
 
 
@@ -662,61 +684,59 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if args.all:
         return _resume_all(client, args)
     if args.filter:
-        err.print("--filter goes with --all")
+        err().print("--filter goes with --all")
         return 2
     if not args.id:
-        err.print("a session id is needed (or --all)")
+        err().print("a session id is needed (or --all)")
         return 2
     migrate: dict[str, str] = {}
     for pin in args.migrate_pin or []:
         name, sep, version = pin.partition("=")
         if not sep or not name.strip() or not version.strip():
-            err.print(f"--migrate-pin wants NAME=VERSION, not {pin!r}")
+            err().print(f"--migrate-pin wants NAME=VERSION, not {pin!r}")
             return 2
         migrate[name.strip()] = version.strip()
     preview = client.recovery_preview(args.id, migrate_pins=migrate or None)
-    console.print(f"{preview.session_id}  {preview.goal!r}  {preview.category}: {preview.reason}")
+    out().print(f"{preview.session_id}  {preview.goal!r}  {preview.category}: {preview.reason}")
     if preview.unknown_outcomes:
-        console.print(
+        out().print(
             "side effects whose outcome is unknown (they will not be run again):", style="yellow"
         )
         for u in preview.unknown_outcomes:
-            console.print(f"  {u.agent} {u.tool} {json.dumps(u.args)}")
+            out().print(f"  {u.agent} {u.tool} {json.dumps(u.args)}")
     if preview.pin_diff:
-        console.print("pins that differ from what is installed:", style="yellow")
+        out().print("pins that differ from what is installed:", style="yellow")
         for d in preview.pin_diff:
-            console.print(f"  {d.name}: {d.old} -> {d.new or 'not installed'}")
+            out().print(f"  {d.name}: {d.old} -> {d.new or 'not installed'}")
     agent = preview.agent_diff
     if agent is not None:
-        console.print(f"moving the agent {agent.old} -> {agent.new}:", style="yellow")
-        console.print(f"  definition digest {agent.old_digest[:12]} -> {agent.new_digest[:12]}")
+        out().print(f"moving the agent {agent.old} -> {agent.new}:", style="yellow")
+        out().print(f"  definition digest {agent.old_digest[:12]} -> {agent.new_digest[:12]}")
         for skill in agent.skills:
             old_digest, new_digest = (skill.old or "none")[:12], (skill.new or "none")[:12]
-            console.print(f"  skill {skill.name}: {old_digest} -> {new_digest}")
+            out().print(f"  skill {skill.name}: {old_digest} -> {new_digest}")
         if agent.coordination[0] != agent.coordination[1]:
-            console.print(f"  coordination {agent.coordination[0]} -> {agent.coordination[1]}")
+            out().print(f"  coordination {agent.coordination[0]} -> {agent.coordination[1]}")
         if agent.coordination_params[0] != agent.coordination_params[1]:
             params = [json.dumps(p, sort_keys=True) for p in agent.coordination_params]
-            console.print(f"  coordination params {params[0]} -> {params[1]}")
+            out().print(f"  coordination params {params[0]} -> {params[1]}")
         for change in agent.plugins:
-            console.print(
-                f"  plugin {change.name}: {change.old or 'none'} -> {change.new or 'none'}"
-            )
+            out().print(f"  plugin {change.name}: {change.old or 'none'} -> {change.new or 'none'}")
         if agent.roles:
-            console.print(f"  configs that change: {', '.join(agent.roles)}")
+            out().print(f"  configs that change: {', '.join(agent.roles)}")
         if agent.problem:
-            console.print(f"refused: {agent.problem}", style="red")
+            out().print(f"refused: {agent.problem}", style="red")
             return 1
     for name, version in migrate.items():
         if name == "agent" and agent is not None:
             old = agent.old.partition("@")[2]
         else:
             old = next((d.old for d in preview.pin_diff if d.name == name), "?")
-        console.print(f"migrating pin {name}: {old} -> {version}")
+        out().print(f"migrating pin {name}: {old} -> {version}")
     if (refused := _refused(args, "resume?", "resume a session")) is not None:
         return refused
     client.resume(args.id, migrate_pins=migrate or None, confirm=True)
-    console.print(f"resumed {args.id}")
+    out().print(f"resumed {args.id}")
     return 0
 
 
@@ -732,13 +752,13 @@ def cmd_hitl(args: argparse.Namespace) -> int:
             table.add_row(p.session_id, p.pause_id, p.agent, p.question)
         _print_table(table)
         if pauses:
-            console.print("answer one with: apomesh hitl answer SESSION PAUSE 'ANSWER'")
+            out().print("answer one with: apomesh hitl answer SESSION PAUSE 'ANSWER'")
         return 0
     if not (args.session and args.pause and args.text is not None):
-        err.print("usage: apomesh hitl answer SESSION PAUSE TEXT (see `apomesh hitl list`)")
+        err().print("usage: apomesh hitl answer SESSION PAUSE TEXT (see `apomesh hitl list`)")
         return 2
     client.answer_hitl(args.session, args.pause, args.text)
-    console.print("answered")
+    out().print("answered")
     return 0
 
 
@@ -746,11 +766,11 @@ def cmd_skills(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "put":
         if not args.name or not args.file:
-            err.print("usage: apomesh skills put NAME FILE")
+            err().print("usage: apomesh skills put NAME FILE")
             return 2
         # Decoded from bytes: a text-mode read would turn CRLF into LF and store other bytes.
         view = client.put_skill(args.name, Path(args.file).read_bytes().decode("utf-8"))
-        console.print(f"skill {view.name} revision {view.revision} digest {view.digest[:12]}")
+        out().print(f"skill {view.name} revision {view.revision} digest {view.digest[:12]}")
     elif args.action == "list":
         skills = client.list_skills()
         if args.output == "json":
@@ -761,7 +781,7 @@ def cmd_skills(args: argparse.Namespace) -> int:
             table.add_row(s.name, str(s.revision), s.digest[:12])
         _print_table(table)
     elif not args.name:
-        err.print(f"usage: apomesh skills {args.action} NAME")
+        err().print(f"usage: apomesh skills {args.action} NAME")
         return 2
     elif args.action == "get":
         # The exact body, byte for byte: no markup, no wrapping, no added newline.
@@ -778,20 +798,20 @@ def cmd_skills(args: argparse.Namespace) -> int:
         _print_table(table)
     elif args.action == "rm":
         client.delete_skill(args.name)
-        console.print(f"deleted {args.name}")
+        out().print(f"deleted {args.name}")
     return 0
 
 
 def cmd_agents(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action in ("publish", "show") and not args.target:
-        err.print(
+        err().print(
             f"usage: apomesh agents {args.action} {'FILE' if args.action == 'publish' else 'NAME[@VERSION]'}"
         )
         return 2
     if args.action == "publish":
         created, record = client.publish_agent(_load_definition(args.target))
-        console.print(
+        out().print(
             f"{'published' if created else 'already published (same content)'} {record.name}@{record.version}"
         )
     elif args.action == "list":
@@ -809,11 +829,11 @@ def cmd_agents(args: argparse.Namespace) -> int:
         if args.output == "json":
             _print_json(record)
             return 0
-        console.print(f"agent   {record.name}@{record.version}")
-        console.print(f"digest  {record.digest}")
-        console.print(f"skills  {', '.join(record.skills) or '-'}")
+        out().print(f"agent   {record.name}@{record.version}")
+        out().print(f"digest  {record.digest}")
+        out().print(f"skills  {', '.join(record.skills) or '-'}")
         pins = ", ".join(f"{p.name} {p.version}" for p in record.plugins)
-        console.print(f"plugins {pins or '-'}")
+        out().print(f"plugins {pins or '-'}")
         print(json.dumps(record.definition, indent=2, ensure_ascii=False))
     return 0
 
@@ -854,7 +874,7 @@ def cmd_tokens(args: argparse.Namespace) -> int:
             return 2
         token_id, secret = store.create(args.role, args.name or args.role, expires_in=lifetime)
         until = f", expires {_when(time.time() + lifetime)}" if lifetime else ""
-        console.print(f"token {token_id} ({args.role}{until}); shown once:")
+        out().print(f"token {token_id} ({args.role}{until}); shown once:")
         print(secret)
     elif args.action == "list":
         tokens = store.list()
@@ -871,12 +891,12 @@ def cmd_tokens(args: argparse.Namespace) -> int:
         _print_table(table)
     elif args.action == "revoke":
         if not args.id:
-            err.print("usage: apomesh tokens revoke ID (see `apomesh tokens list`)")
+            err().print("usage: apomesh tokens revoke ID (see `apomesh tokens list`)")
             return 2
         if not store.revoke(args.id):
             _error(f"no token {args.id} in {store.path}")
             return 1
-        console.print(f"revoked {args.id}")
+        out().print(f"revoked {args.id}")
     return 0
 
 
@@ -889,6 +909,8 @@ ID_COLUMNS = ("session", "worker", "daemon", "id", "pause")
 def _table(*columns: str, ids: Sequence[str] = ID_COLUMNS) -> Table:
     """A table whose cells wrap (folding a word longer than the column) but never lose a
     character, and whose id columns never wrap."""
+    from rich.table import Table
+
     table = Table()
     for name in columns:
         table.add_column(name, no_wrap=name in ids, overflow="fold")
@@ -901,6 +923,7 @@ def _print_table(table: Table) -> None:
     width, one row a line whatever ``COLUMNS`` says (rich would take 80)."""
     from rich.measure import Measurement
 
+    console = out()
     size = Measurement.get(console, console.options.update_width(1 << 16), table)
     width = console.width
     console.width = max(width, size.minimum) if console.is_terminal else size.maximum
@@ -922,15 +945,17 @@ def _refused(args: argparse.Namespace, question: str, what: str) -> int | None:
     if args.yes:
         return None
     if not sys.stdin.isatty():
-        err.print(f"refusing to {what} without a terminal to ask: pass --yes to confirm")
+        err().print(f"refusing to {what} without a terminal to ask: pass --yes to confirm")
         return 2
-    answer = console.input(f"{question} [y/N] ").strip().lower()
+    answer = out().input(f"{question} [y/N] ").strip().lower()
     return None if answer in ("y", "yes") else 1
 
 
 def _error(message: str, code: str | None = None) -> None:
+    from rich.text import Text
+
     label = f"error ({code})" if code else "error"
-    err.print(Text.assemble((label, "red"), f": {message}"))
+    err().print(Text.assemble((label, "red"), f": {message}"))
 
 
 def _when(ts: float, *, ago: bool = False) -> str:
@@ -1243,7 +1268,7 @@ def main(argv: list[str] | None = None) -> int:
         if name.endswith("Error") or name == "ServerUnavailable":
             _error(str(exc), name)
             if name == "UnauthorizedError":
-                err.print(
+                err().print(
                     "give a token with --token or APOMESH_TOKEN (`apomesh tokens create`), or"
                     " --data DIR of the daemon, whose first token is in DIR/http.token"
                 )

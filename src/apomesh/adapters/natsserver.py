@@ -101,7 +101,8 @@ CLUSTER_READY_TIMEOUT: Final = 30.0
 """Seconds a cluster gets: its healthz waits for a JetStream meta leader to be elected."""
 STOP_GRACE: Final = 10.0
 """Seconds a server gets to shut down after SIGTERM before it is killed."""
-POLL_INTERVAL: Final = 0.02
+POLL_INTERVAL: Final = 0.005
+"""Seconds between two looks at a server starting or stopping (``/healthz`` is a loopback call)."""
 OUTPUT_TAIL_CHARS: Final = 3000
 
 CONFIG_FILE: Final = "nats-server.conf"
@@ -700,7 +701,11 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 def _is_our_leftover(pid: int, config_file: Path) -> bool:
     """True when ``pid`` is a live nats-server started from ``config_file``."""
-    import psutil  # only when a leftover pid file is found: a start saves its import
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False  # gone (the usual case after a crash), or another user's process
+    import psutil  # only when that pid runs: a start saves its import
 
     try:
         process = psutil.Process(pid)

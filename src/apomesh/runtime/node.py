@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
+
 from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
@@ -446,8 +448,6 @@ class Node:
         # First of all: a second daemon on this data dir must stop before it touches anything
         # (the embedded server's leftover cleanup would stop the first daemon's server).
         self._lock(data, "data dir")
-        # Plugins next: a tool set that cannot be loaded stops the node before anything starts.
-        plugins = make_plugin_host(config, self.extra_plugins)
         local_ids = [f"local-{os.getpid()}-{i}" for i in range(config.daemon.workers)]
         daemon_options = nats_options(config)
         control_options = control_nats_options(config)
@@ -463,7 +463,7 @@ class Node:
             )
             self.server = embedded_server(config, users=self.credentials.users(), port=port)
             try:
-                await asyncio.to_thread(self.server.start)
+                self.server.spawn()
             except PortTaken as exc:
                 source = (
                     "set in [nats] embedded_port"
@@ -477,6 +477,14 @@ class Node:
                     " need the new URL)",
                     port=exc.port,
                 ) from None
+        # Plugins next, while the embedded server starts: a tool set that cannot be loaded stops
+        # the node before it connects to anything (its server, if spawned, is stopped again).
+        plugins = make_plugin_host(config, self.extra_plugins)
+        if self.server is not None:
+            assert self.credentials is not None
+            # In a worker thread of the state store's kind: the first such call loads anyio's
+            # thread machinery, now, while the server is still starting.
+            await anyio.to_thread.run_sync(self.server.wait_ready)
             self.urls = [self.server.url]
             write_private_file(data / PORT_FILE, f"{self.server.spec.port}\n".encode())
             self.worker_credential_files = self.credentials.write_worker_files(
