@@ -18,6 +18,7 @@ one transaction commits share the next, and its fsync). The environment's direct
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import queue
@@ -25,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -55,6 +56,10 @@ _MAX_DBS: Final = 16  # room for later sub-databases without reopening old data 
 _SEPARATOR: Final = "\x00"  # sorts before every printable byte, so "a" keys precede "a2" keys
 
 _T = TypeVar("_T")
+
+READ_THREADS: Final = 40
+"""Threads of an ``AsyncStore`` reading at once (a restart resumes many agents, each with a read
+of its snapshot; a replicated store's reads wait on the network)."""
 
 
 def _check_agent_key(agent_key: str) -> None:
@@ -469,7 +474,8 @@ def _settle(entries: list[_QueuedWrite]) -> None:
 class AsyncStore:
     """Any ``StateStore`` called from async code: each call runs in a worker thread.
 
-    Reads run concurrently on anyio's default thread limiter. Writes are group-committed by one
+    Reads run concurrently on the store's reader threads (``READ_THREADS``, in an executor of
+    asyncio's: a daemon's start loads no other thread machinery for them). Writes are group-committed by one
     writer thread: writes that arrive while it commits a transaction go in the next ones together
     (``write_batches`` when the store has it), at most half of those waiting a group
     (``_GroupWriter``), so a burst of writes from many sessions costs a few fsyncs instead of one
@@ -486,6 +492,15 @@ class AsyncStore:
         self.store = store
         self._write_limiter: anyio.CapacityLimiter | None = None
         self._writer: _GroupWriter | None = None
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def _read(self, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)`` in a reader thread."""
+        if self._readers is None:
+            self._readers = concurrent.futures.ThreadPoolExecutor(
+                READ_THREADS, thread_name_prefix="apomesh-store-reader"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._readers, call, *args)
 
     def _writes(self) -> anyio.CapacityLimiter:
         # Created on first use so the facade can be built outside a running event loop.
@@ -538,10 +553,10 @@ class AsyncStore:
         await self._group_write([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
 
     async def get_snapshot(self, agent_key: str, snapshot_id: int) -> bytes | None:
-        return await anyio.to_thread.run_sync(self.store.get_snapshot, agent_key, snapshot_id)
+        return await self._read(self.store.get_snapshot, agent_key, snapshot_id)
 
     async def latest_snapshot(self, agent_key: str) -> tuple[int, bytes] | None:
-        return await anyio.to_thread.run_sync(self.store.latest_snapshot, agent_key)
+        return await self._read(self.store.latest_snapshot, agent_key)
 
     async def delete_snapshots_before(self, agent_key: str, snapshot_id: int) -> int:
         return await anyio.to_thread.run_sync(
@@ -554,10 +569,10 @@ class AsyncStore:
         await self._group_write(puts, deletes)
 
     async def get(self, db: str, key: str) -> bytes | None:
-        return await anyio.to_thread.run_sync(self.store.get, db, key)
+        return await self._read(self.store.get, db, key)
 
     async def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
-        return await anyio.to_thread.run_sync(self.store.scan, db, prefix)
+        return await self._read(self.store.scan, db, prefix)
 
     async def scan_many(self, wanted: Sequence[tuple[str, str]]) -> list[list[tuple[str, bytes]]]:
         """``scan`` for each (database, prefix) in ``wanted``, in one trip to a worker thread
@@ -566,28 +581,31 @@ class AsyncStore:
         def scan_all() -> list[list[tuple[str, bytes]]]:
             return [self.store.scan(db, prefix) for db, prefix in wanted]
 
-        return await anyio.to_thread.run_sync(scan_all)
+        return await self._read(scan_all)
 
     async def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None:
         await self._group_write([("journal", journal_key(agent_key, call_key), record)])
 
     async def get_journal(self, agent_key: str, call_key: str) -> bytes | None:
-        return await anyio.to_thread.run_sync(self.store.get_journal, agent_key, call_key)
+        return await self._read(self.store.get_journal, agent_key, call_key)
 
     async def put_completed(self, session_id: str, record: bytes) -> None:
         await self._group_write([("completed", session_id, record)])
 
     async def get_completed(self, session_id: str) -> bytes | None:
-        return await anyio.to_thread.run_sync(self.store.get_completed, session_id)
+        return await self._read(self.store.get_completed, session_id)
 
     async def list_completed(self) -> list[tuple[str, bytes]]:
-        return await anyio.to_thread.run_sync(self.store.list_completed)
+        return await self._read(self.store.list_completed)
 
     async def aclose(self) -> None:
         """Close the wrapped store after every queued write has run."""
         writer, self._writer = self._writer, None
         if writer is not None:
             await anyio.to_thread.run_sync(writer.stop)
+        readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=False)
         await anyio.to_thread.run_sync(self.store.close, limiter=self._writes())
 
     async def __aenter__(self) -> AsyncStore:

@@ -49,8 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio.to_thread
-
 from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
@@ -482,9 +480,7 @@ class Node:
         plugins = make_plugin_host(config, self.extra_plugins)
         if self.server is not None:
             assert self.credentials is not None
-            # In a worker thread of the state store's kind: the first such call loads anyio's
-            # thread machinery, now, while the server is still starting.
-            await anyio.to_thread.run_sync(self.server.wait_ready)
+            await asyncio.to_thread(self.server.wait_ready)
             self.urls = [self.server.url]
             write_private_file(data / PORT_FILE, f"{self.server.spec.port}\n".encode())
             self.worker_credential_files = self.credentials.write_worker_files(
