@@ -58,8 +58,11 @@ _SEPARATOR: Final = "\x00"  # sorts before every printable byte, so "a" keys pre
 _T = TypeVar("_T")
 
 READ_THREADS: Final = 40
-"""Threads of an ``AsyncStore`` reading at once (a restart resumes many agents, each with a read
-of its snapshot; a replicated store's reads wait on the network)."""
+"""Threads of an ``AsyncStore`` reading at once from a store whose reads wait on the network (the
+replicated store): a takeover resumes many agents, each with a read of its snapshot."""
+LMDB_READ_THREADS: Final = 4
+"""The same for an ``LmdbStore``, whose reads take microseconds: a few threads serve a burst, and
+a restart does not start a thread for each agent it resumes at once."""
 
 
 def _check_agent_key(agent_key: str) -> None:
@@ -474,8 +477,9 @@ def _settle(entries: list[_QueuedWrite]) -> None:
 class AsyncStore:
     """Any ``StateStore`` called from async code: each call runs in a worker thread.
 
-    Reads run concurrently on the store's reader threads (``READ_THREADS``, in an executor of
-    asyncio's: a daemon's start loads no other thread machinery for them). Writes are group-committed by one
+    Reads run concurrently on the store's reader threads (``LMDB_READ_THREADS`` or
+    ``READ_THREADS``, in an executor of asyncio's: a daemon's start loads no other thread
+    machinery for them). Writes are group-committed by one
     writer thread: writes that arrive while it commits a transaction go in the next ones together
     (``write_batches`` when the store has it), at most half of those waiting a group
     (``_GroupWriter``), so a burst of writes from many sessions costs a few fsyncs instead of one
@@ -493,12 +497,13 @@ class AsyncStore:
         self._write_limiter: anyio.CapacityLimiter | None = None
         self._writer: _GroupWriter | None = None
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._read_threads = LMDB_READ_THREADS if isinstance(store, LmdbStore) else READ_THREADS
 
     async def _read(self, call: Callable[..., _T], *args: Any) -> _T:
         """``call(*args)`` in a reader thread."""
         if self._readers is None:
             self._readers = concurrent.futures.ThreadPoolExecutor(
-                READ_THREADS, thread_name_prefix="apomesh-store-reader"
+                self._read_threads, thread_name_prefix="apomesh-store-reader"
             )
         return await asyncio.get_running_loop().run_in_executor(self._readers, call, *args)
 

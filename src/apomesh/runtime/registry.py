@@ -217,7 +217,9 @@ class SessionRegistry:
                 holder = await self.lease_owner(session_id)
                 raise OwnedElsewhere(session_id, holder or "another daemon", self.owner_url(holder))
             if opening:
-                await runtime.append(*opening)
+                # An operator's resume: its actions and the session's ``recovered`` in one append.
+                recovery = [runtime.recovered_event(recovered)] if recovered and start else []
+                await runtime.append(*opening, *recovery)
         except BaseException:
             if self.live.get(session_id) is runtime:
                 del self.live[session_id]
@@ -230,7 +232,7 @@ class SessionRegistry:
         self.folds.forget(session_id)
         self.changed()
         if start:
-            runtime.start(recovered)
+            runtime.start(recovered, recovery_logged=bool(opening))
         return runtime
 
     async def adopt_many(

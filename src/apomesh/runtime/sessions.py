@@ -1676,25 +1676,36 @@ class SessionRuntime:
 
     # --- the coordinator task ----------------------------------------------------------------------
 
-    def start(self, recovered: Literal["auto", "operator"] | None = None) -> None:
+    def recovered_event(self, recovered: Literal["auto", "operator"]) -> SessionRecovered:
+        """The ``SessionRecovered`` a resumed session opens with (``start`` appends it, unless
+        its opener appended it already: ``recovery_logged``)."""
+        return SessionRecovered(
+            path=recovered,
+            checkpoint_index=self.state.checkpoint_index,
+            incarnation=self.deps.incarnation,
+        )
+
+    def start(
+        self,
+        recovered: Literal["auto", "operator"] | None = None,
+        *,
+        recovery_logged: bool = False,
+    ) -> None:
         self.recovered = recovered
         session = {"apomesh.session_id": self.session_id, "apomesh.recovered": recovered or ""}
         self.task = asyncio.create_task(
-            tracing.traced(self._run(recovered), "apomesh.session", session),
+            tracing.traced(self._run(recovered, recovery_logged), "apomesh.session", session),
             name=f"session-{self.session_id}",
         )
 
-    async def _run(self, recovered: Literal["auto", "operator"] | None) -> None:
+    async def _run(
+        self, recovered: Literal["auto", "operator"] | None, recovery_logged: bool
+    ) -> None:
         shape = self.shape
         try:
             if recovered is not None:
-                await self.append(
-                    SessionRecovered(
-                        path=recovered,
-                        checkpoint_index=self.state.checkpoint_index,
-                        incarnation=self.deps.incarnation,
-                    )
-                )
+                if not recovery_logged:
+                    await self.append(self.recovered_event(recovered))
                 self.deps.metrics.resumes.labels(recovered).inc()
             root = self.state.root
             if root is not None and root not in self.state.agents:
