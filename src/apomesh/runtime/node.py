@@ -392,6 +392,13 @@ async def open_state_store(
     return store
 
 
+def _raise_first(results: Iterable[object]) -> None:
+    """Raise the first exception among ``asyncio.gather(..., return_exceptions=True)`` results."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
 class Node:
     """One ``apomesh serve`` process."""
 
@@ -501,21 +508,26 @@ class Node:
                 config.nats_store_path(),
                 data / CREDENTIALS_DIR,
             )
-        self.nc = await connect(
-            self.urls, name=f"apomesh-daemon-{socket.gethostname()}", **daemon_options
-        )
+        host = socket.gethostname()
         if control_options is None:
             log.warning(
                 "no control-plane identity in [nats] (control_user or control_nkey_seed_file):"
                 " worker requests are answered, and dispatches sent, on the daemon's own"
                 " connection, with its JetStream rights"
             )
+            self.nc = await connect(self.urls, name=f"apomesh-daemon-{host}", **daemon_options)
         else:
-            self.control_nc = await connect(
-                self.urls,
-                name=f"apomesh-control-{socket.gethostname()}",
-                **control_options,
+            # Both connections at once: each handshake mostly waits on the server.
+            connections = await asyncio.gather(
+                connect(self.urls, name=f"apomesh-daemon-{host}", **daemon_options),
+                connect(self.urls, name=f"apomesh-control-{host}", **control_options),
+                return_exceptions=True,
             )
+            # What connected is kept for ``aclose`` to close when the other failed.
+            self.nc, self.control_nc = (
+                None if isinstance(c, BaseException) else c for c in connections
+            )
+            _raise_first(connections)
         replicas = config.nats.replicas
         log_adapter = JetStreamLog(
             self.nc,
@@ -557,13 +569,22 @@ class Node:
             retention=daemon.retention,
             deltas=daemon.deltas,
         )
-        for worker_id in local_ids:
-            user = self.credentials.local_workers[worker_id] if self.credentials else None
-            self.workers.append(
-                await start_local_worker(
-                    self.urls, config, plugins, name=worker_id, workspace=workspace, user=user
+        started = await asyncio.gather(
+            *(
+                start_local_worker(
+                    self.urls,
+                    config,
+                    plugins,
+                    name=worker_id,
+                    workspace=workspace,
+                    user=self.credentials.local_workers[worker_id] if self.credentials else None,
                 )
-            )
+                for worker_id in local_ids
+            ),
+            return_exceptions=True,
+        )
+        self.workers.extend(w for w in started if not isinstance(w, BaseException))
+        _raise_first(started)
         await self.daemon.start()
         for _, worker in self.workers:
             # Reports of the in-process workers to this daemon skip the NATS round trip.
