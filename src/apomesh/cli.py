@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,10 +103,11 @@ def _collector_paused() -> Iterator[None]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # The runtime, imported with the collector paused (under --supervise, once for every daemon
+    # the supervisor forks; ``_serve`` names what it uses).
     with _collector_paused():
-        from apomesh.adapters.nats_connect import redact_urls
-        from apomesh.api.server import serve_api
-        from apomesh.runtime.node import Node
+        import apomesh.api.server
+        import apomesh.runtime.node  # noqa: F401
 
     overrides: dict[str, dict[str, Any]] = {
         "nats": {"urls": args.nats.split(",") if args.nats else None, "replicas": args.replicas},
@@ -116,6 +117,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log": {"format": args.log_format},
     }
     config = _config(args, overrides)
+    if args.supervise:
+        return _supervise(lambda: _serve(config))
+    return _serve(config)
+
+
+def _serve(config: Any) -> int:
+    """Run the daemon until SIGTERM or SIGINT (``serve``'s own work, or its forked child's)."""
+    from apomesh.adapters.nats_connect import redact_urls
+    from apomesh.api.server import serve_api
+    from apomesh.runtime.node import Node
+
     _observe(config, "apomesh-daemon")
 
     async def serve() -> None:
@@ -141,6 +153,64 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         tracing.shutdown()
     return 0
+
+
+SUPERVISED_QUICK_DEATH = 5.0
+"""Seconds: a supervised daemon that dies this soon after its start, twice in a row, is not
+started again (a start that cannot work, not a crash to ride out)."""
+
+
+def _supervise(run: Callable[[], int]) -> int:
+    """``serve --supervise``: this process keeps the runtime it imported and runs the daemon in a
+    forked child. A child that dies of a signal this process did not pass on to it (a SIGKILL, an
+    out-of-memory kill, a crash) is forked again at once: a warm start, with no interpreter to
+    start and nothing to import (a cold start spends about a third of a second there). SIGTERM and
+    SIGINT go to the child, which shuts down as ``serve`` always does, and its exit code is this
+    process's. The child dies with this process (``die_with_parent``)."""
+    from apomesh.adapters.natsserver import die_with_parent
+
+    child = 0
+    stopping = False
+
+    def pass_on(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGINT, pass_on)
+    arm = die_with_parent()  # made here: it checks the child's parent is this process
+    quick_deaths = 0
+    while True:
+        started = time.monotonic()
+        child = os.fork()
+        if child == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if arm is not None:
+                arm()
+            code = 1
+            try:
+                code = run()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        if stopping or not os.WIFSIGNALED(status):
+            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1
+        quick = time.monotonic() - started < SUPERVISED_QUICK_DEATH
+        quick_deaths = quick_deaths + 1 if quick else 0
+        name = signal.Signals(os.WTERMSIG(status)).name
+        if quick_deaths >= 2:
+            err().print(
+                f"the daemon (pid {child}) died of {name} twice within"
+                f" {SUPERVISED_QUICK_DEATH:g} s of its start: not started again"
+            )
+            return 1
+        err().print(f"the daemon (pid {child}) died of {name}; forking a new one")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -1077,6 +1147,11 @@ def build_parser() -> argparse.ArgumentParser:
         " a ToolSet; repeatable; [plugins] tools)",
     )
     p.add_argument("--config", help="config file (see `apomesh config sample`)")
+    p.add_argument(
+        "--supervise",
+        action="store_true",
+        help="run the daemon in a child process, forked again at once (warm) if it is killed",
+    )
     _log_format_option(p)
     p.set_defaults(func=cmd_serve)
 

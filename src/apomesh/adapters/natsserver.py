@@ -672,8 +672,9 @@ class _Spawner:
 _spawner = _Spawner()
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive ``_DEATH_SIGNAL`` when its parent dies."""
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive ``_DEATH_SIGNAL`` when its parent dies (also
+    called in a forked child: ``apomesh serve --supervise``'s daemon). None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -856,7 +857,7 @@ class NatsServer:
                 # Its own session: a Ctrl-C at the terminal is for the daemon, which then stops
                 # its server in order, after its own last writes.
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
 
         try:
