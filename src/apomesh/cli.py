@@ -193,7 +193,7 @@ def _supervise(run: Callable[[], int]) -> int:
                 arm()
             code = 1
             try:
-                code = run()
+                code = _reported(run)
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -1346,8 +1346,14 @@ def main(argv: list[str] | None = None) -> int:
     if not sys.stdout.isatty() and isinstance(sys.stdout, io.TextIOWrapper):
         # In a pipe every line goes out as it is written, not when a block fills.
         sys.stdout.reconfigure(line_buffering=True)
+    return _reported(lambda: int(args.func(args)))
+
+
+def _reported(command: Callable[[], int]) -> int:
+    """Run ``command``; an error it raises is printed as ``error (code): message`` and answered
+    exit status 1 (``main``'s, and a supervised daemon's in its forked child)."""
     try:
-        return int(args.func(args))
+        return command()
     except ApomeshError as exc:
         _error(exc.message, exc.code)
         return 1

@@ -78,3 +78,34 @@ async def test_a_supervised_daemon_killed_is_forked_again_and_its_session_finish
         await anyio.to_thread.run_sync(daemon.stop)
     assert daemon.proc.returncode == 0
     assert not running(second)
+
+
+def test_a_supervised_daemon_that_cannot_start_says_why_and_is_not_forked_again(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    first = DaemonProcess([], tmp_path / "daemon", workers=0)
+    first.start()
+    try:
+        # The data dir is the first daemon's: the second one's child stops with a typed error.
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "apomesh",
+                "serve",
+                "--supervise",
+                "--data",
+                str(first.data_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        first.stop()
+    assert second.returncode == 1
+    assert "error (data_dir_in_use)" in second.stderr
+    assert "forking a new one" not in second.stderr

@@ -211,14 +211,14 @@ class SessionRegistry:
         # resuming it) is refused above, never a second writer.
         self.live[session_id] = runtime
         leased = False
+        # An operator's resume: its actions and the session's ``recovered`` in one append.
+        recovery = [runtime.recovered_event(recovered)] if opening and recovered and start else []
         try:
             leased = await self.leases.acquire(session_id, self.owner)
             if not leased:
                 holder = await self.lease_owner(session_id)
                 raise OwnedElsewhere(session_id, holder or "another daemon", self.owner_url(holder))
             if opening:
-                # An operator's resume: its actions and the session's ``recovered`` in one append.
-                recovery = [runtime.recovered_event(recovered)] if recovered and start else []
                 await runtime.append(*opening, *recovery)
         except BaseException:
             if self.live.get(session_id) is runtime:
@@ -232,7 +232,7 @@ class SessionRegistry:
         self.folds.forget(session_id)
         self.changed()
         if start:
-            runtime.start(recovered, recovery_logged=bool(opening))
+            runtime.start(recovered, recovery_logged=bool(recovery))
         return runtime
 
     async def adopt_many(
