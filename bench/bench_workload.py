@@ -398,9 +398,11 @@ async def main_async(args: argparse.Namespace) -> None:
         )
     if args.kill:
         # Both processes start from bytecode, as from a wheel install (pip compiles at install):
-        # under PYTHONDONTWRITEBYTECODE an editable install compiles apomesh from source at every
-        # start, about 0.4 s, while nats-py and LMDB come compiled.
+        # under PYTHONDONTWRITEBYTECODE an editable install compiles apomesh (and the bench's
+        # tool plugin) from source at every start, about 0.4 s, while nats-py and LMDB come
+        # compiled.
         compileall.compile_dir(Path(apomesh.__file__).parent, quiet=2)
+        compileall.compile_dir(BENCHTOOLS / "src", quiet=2)
         ours, supervised, naive = [], [], []
         for _ in range(args.reps):
             with scratch("apomesh-kill-") as base:

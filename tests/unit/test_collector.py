@@ -30,3 +30,20 @@ def test_a_higher_threshold_the_process_set_is_kept(thresholds: None) -> None:
     gc.set_threshold(YOUNG_COLLECTIONS_AFTER * 4, 5, 7)
     tune_collector()
     assert gc.get_threshold() == (YOUNG_COLLECTIONS_AFTER * 4, 5, 7)
+
+
+def test_what_serve_imports_is_kept_out_of_the_collectors_walks() -> None:
+    """``serve`` and ``worker`` import the runtime with the collector off and freeze what it
+    imported: the collector runs again after, and its first walk does not take in them all."""
+    from apomesh.cli import _runtime_import
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with _runtime_import():
+            assert not gc.isenabled()
+            imported = [[n] for n in range(1000)]  # long-lived containers, as a module's are
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + len(imported)
+    finally:
+        gc.unfreeze()

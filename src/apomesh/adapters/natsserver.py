@@ -868,7 +868,7 @@ class NatsServer:
         self._output = output
         # The server writes this file itself once it is up; writing it now covers a parent that
         # dies in between.
-        write_private_file(spec.pid_file, f"{self._process.pid}\n".encode())
+        write_private_file(spec.pid_file, f"{self._process.pid}\n".encode(), durable=False)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Wait until ``/healthz`` answers ok; raise ``NatsServerError`` with the server's last

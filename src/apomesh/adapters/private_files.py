@@ -99,10 +99,15 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def write_private_file(path: Path, data: bytes) -> None:
+def write_private_file(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data``, mode ``0600``, atomically and without following a symlink
-    at ``path`` (the rename replaces the link itself)."""
+    at ``path`` (the rename replaces the link itself). A private file that already holds ``data``
+    is left as it is (a restart rewrites the same config and port files: no write, no sync).
+    ``durable=False`` skips the sync, for a file that means nothing once the machine restarts (a
+    running process's pid)."""
     path = Path(path)
+    if _holds(path, data):
+        return
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, PRIVATE_FILE_MODE)
@@ -110,12 +115,26 @@ def write_private_file(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as out:
             out.write(data)
             out.flush()
-            os.fsync(out.fileno())
+            if durable:
+                os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether ``path`` is already a private file of ours (not a link) holding exactly ``data``."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != len(data):
+            return False
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != PRIVATE_FILE_MODE:
+            return False
+        return read_private_file(path) == data
+    except OSError:
+        return False
 
 
 def read_private_file(path: Path) -> bytes:
