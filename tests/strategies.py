@@ -11,7 +11,6 @@ coordinator checkpoints, resumes, recoveries and operator actions), optionally c
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -150,7 +149,7 @@ def state_summary(state: SessionState) -> dict[str, Any]:
     here. Tuple keys (the journal's ``(agent, key)``) become their JSON text.
     """
     summary: dict[str, Any] = {}
-    for f in dataclasses.fields(state):
+    for f in msgspec.structs.fields(state):
         value = getattr(state, f.name)
         if isinstance(value, dict):
             value = {

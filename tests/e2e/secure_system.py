@@ -29,11 +29,12 @@ import ssl
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from msgspec.structs import replace
 from tests.e2e.certs import Pki, make_nkey_user, make_pki
 
 from apomesh.adapters.nats_connect import tls_context

@@ -7,10 +7,10 @@ session. The log shows one resume, not a loop of failed dispatches."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from tests.e2e.test_runtime import kinds, log_of, start, view, wait_ended
 
@@ -27,7 +27,9 @@ def small_payload_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
     from apomesh.adapters.natsserver import NatsServer, single_node
 
     base = tmp_path_factory.mktemp("mesh")
-    server = NatsServer(dataclasses.replace(single_node(base, name="nats"), max_payload=2 * MIB))
+    server = NatsServer(
+        msgspec.structs.replace(single_node(base, name="nats"), max_payload=2 * MIB)
+    )
     server.start()
     system = Mesh(server, base)
     try:

@@ -389,7 +389,7 @@ def edge_leaf_node(
 ) -> Any:
     """A leaf node an edge host runs on its own (one local login, no permissions of its own),
     linked to the cluster with the hub's ``leaf`` login and the TLS client certificate given."""
-    from dataclasses import replace as with_fields
+    from msgspec.structs import replace as with_fields
 
     from apomesh.adapters.natsserver import (
         Account,

@@ -468,12 +468,13 @@ async def test_a_dead_server_is_log_unavailable(fresh_nats_server: Any) -> None:
 @pytest.fixture
 def small_payload_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A nats-server whose ``max_payload`` is 64 KiB (the default is 1 MiB)."""
-    import dataclasses
 
     from apomesh.adapters.natsserver import NatsServer, single_node
 
     server = NatsServer(
-        dataclasses.replace(single_node(tmp_path_factory.mktemp("small")), max_payload=64 * 1024)
+        msgspec.structs.replace(
+            single_node(tmp_path_factory.mktemp("small")), max_payload=64 * 1024
+        )
     )
     server.start()
     try:

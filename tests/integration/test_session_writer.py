@@ -5,13 +5,13 @@ duplicate or stale one refused with nothing written; an append conflict ends the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
 import pytest
 from tests.strategies import born, session_started
 from tests.writers import writer_deps
@@ -167,7 +167,7 @@ async def answer_cut_off(
     ended: list[Ending] = []
     log, runtime = await paused_writer(tmp_path, ended)
     lossy = lossy_log(log)
-    runtime.deps = dataclasses.replace(runtime.deps, log=cast(Any, lossy))
+    runtime.deps = msgspec.structs.replace(runtime.deps, log=cast(Any, lossy))
     answering = asyncio.ensure_future(runtime.answer_hitl("p1", "yes", by="alice"))
     await lossy.landed.wait()
     answering.cancel()
@@ -529,7 +529,7 @@ async def test_an_append_given_up_at_shutdown_stops_the_writer_from_appending_mo
     all the same, so the writer no longer knows where its log ends: its next decision is refused
     (it would put other events at the same index), and the log keeps the given-up step."""
     log, runtime = await paused_writer(tmp_path, [])
-    runtime.deps = dataclasses.replace(
+    runtime.deps = msgspec.structs.replace(
         runtime.deps, log=cast(Any, LandsUnanswered(log)), closing=lambda: True
     )
     with pytest.raises(LogUnavailable):

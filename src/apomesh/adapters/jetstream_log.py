@@ -53,7 +53,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import msgspec
@@ -101,8 +101,7 @@ def log_subject(session_id: str, prefix: str = LOG_SUBJECT_PREFIX) -> str:
     return f"{prefix}.{session_id}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Position:
+class _Position(msgspec.Struct, frozen=True):
     """Where a session's log ends: its last index and that event's stream sequence."""
 
     index: int
@@ -112,8 +111,7 @@ class _Position:
 _EMPTY = _Position(-1, 0)
 
 
-@dataclass(frozen=True, slots=True)
-class _StoredRun:
+class _StoredRun(msgspec.Struct, frozen=True):
     """Consecutive stored events of one session: their bytes from index ``first`` on, and the
     stream sequence of the last one (0 when there are none)."""
 

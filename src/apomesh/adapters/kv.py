@@ -32,7 +32,7 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -96,8 +96,7 @@ def decode_key(key: str) -> str:
     return raw.decode("utf-8")
 
 
-@dataclass(frozen=True, slots=True)
-class Revision:
+class Revision(msgspec.Struct, frozen=True):
     """One revision of a key: its number, its value, and whether it was a deletion."""
 
     revision: int
@@ -748,8 +747,7 @@ def _parts_head(value: bytes) -> tuple[str, int, int] | None:
     return generation, count, size
 
 
-@dataclass(frozen=True, slots=True)
-class KvBuckets:
+class KvBuckets(msgspec.Struct, frozen=True):
     """The four buckets the runtime uses."""
 
     agents: AgentRegistry

@@ -17,7 +17,6 @@ read from its bytes (``index_range``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 
@@ -32,8 +31,7 @@ RUN_OVERHEAD = 64
 the first index), rounded up."""
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+class Run(msgspec.Struct, frozen=True):
     """One message on its way to the log: the envelopes from ``first`` to ``last``."""
 
     first: int

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import anyio
+import msgspec
 
 from apomesh.core.envelope import Envelope, decode, encode
 from apomesh.core.errors import (
@@ -31,8 +31,7 @@ from apomesh.core.ports import EventLog
 DEFAULT_MAX_EVENT_BYTES = 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class OutgoingEvent:
+class OutgoingEvent(msgspec.Struct, frozen=True):
     """One envelope on its way to the log: its index, encoded bytes and event id."""
 
     index: int

@@ -48,13 +48,13 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
+import msgspec
 import nats
 import nats.errors
 import nats.js.api
@@ -222,8 +222,7 @@ def free_ports(count: int) -> list[int]:
 # What a server is, and its config file
 
 
-@dataclass(frozen=True)
-class Permissions:
+class Permissions(msgspec.Struct, frozen=True):
     """What one user may publish and subscribe to (nats-server subject patterns).
 
     Empty allow lists mean "everything not denied"; ``allow_responses`` lets the user answer the
@@ -237,8 +236,7 @@ class Permissions:
     allow_responses: bool = False
 
 
-@dataclass(frozen=True)
-class NatsUser:
+class NatsUser(msgspec.Struct, frozen=True):
     """A user of an account, or a login for leaf nodes: ``user`` + ``password``, or ``nkey``
     (a public key ``U...``; the client proves it holds the seed). ``account`` binds a leaf-node
     login to an account and is ignored inside ``Account.users``."""
@@ -250,8 +248,7 @@ class NatsUser:
     account: str = ""
 
 
-@dataclass(frozen=True)
-class Account:
+class Account(msgspec.Struct, frozen=True):
     """An account: its users share one subject space (and its JetStream, when enabled)."""
 
     name: str
@@ -259,8 +256,7 @@ class Account:
     jetstream: bool = True
 
 
-@dataclass(frozen=True)
-class TlsConfig:
+class TlsConfig(msgspec.Struct, frozen=True):
     """TLS of a listener (server side: ``cert``/``key`` it presents, ``ca`` it trusts clients'
     certificates from, ``verify`` to require one, ``verify_and_map`` to require one and take the
     user from it: an email or DNS SAN equal to a user name selects that user, and that user's
@@ -275,8 +271,7 @@ class TlsConfig:
     timeout: float = 2.0
 
 
-@dataclass(frozen=True)
-class LeafRemote:
+class LeafRemote(msgspec.Struct, frozen=True):
     """A hub this server links to as a leaf node, with the login and TLS that link uses, and the
     local account the link carries (every account of a server with accounts needs naming)."""
 
@@ -296,8 +291,7 @@ about 8 s. With the server's defaults (2 minutes, 2 pings) the others kept routi
 minutes, and a share of the direct gets (served by any replica) went unanswered all that time."""
 
 
-@dataclass(frozen=True)
-class ServerSpec:
+class ServerSpec(msgspec.Struct, frozen=True):
     """One nats-server: its listeners, its store dir and the links it makes.
 
     ``store_dir`` holds JetStream's data and the files apomesh keeps beside it (the rendered
@@ -1145,7 +1139,7 @@ def embedded_server(
         port=port or settings.embedded_port or None,
         sync_interval="always" if settings.sync_interval == "always" else None,
     )
-    spec = replace(
+    spec = msgspec.structs.replace(
         spec,
         store_dir=config.nats_store_path(),
         jetstream_domain=settings.jetstream_domain or None,

@@ -44,10 +44,10 @@ import logging
 import threading
 import uuid
 from collections.abc import Awaitable, Coroutine, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
+import msgspec
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 
@@ -136,8 +136,7 @@ def _deleted(headers: dict[str, str] | None) -> bool:
     return (headers or {}).get("KV-Operation") in ("DEL", "PURGE")
 
 
-@dataclass(frozen=True, slots=True)
-class _Message:
+class _Message(msgspec.Struct, frozen=True):
     subject: str
     data: bytes
     headers: dict[str, str] | None = None

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -60,8 +59,7 @@ FOLD_SLICE = 200
 """Messages of a page folded between two turns of the event loop."""
 
 
-@dataclass(frozen=True)
-class ResumePoint:
+class ResumePoint(msgspec.Struct, frozen=True):
     """Where a session's fold may start (a fold checkpoint): its ``state`` at
     ``state.last_index``, valid only if the log's envelope there has ``event_id``; ``seq`` is that
     envelope's stream sequence, when known."""
@@ -71,23 +69,22 @@ class ResumePoint:
     seq: int | None
 
 
-@dataclass
-class StreamFold:
+class StreamFold(msgspec.Struct):
     """What one pass over the log stream folded."""
 
-    states: dict[str, SessionState] = field(default_factory=dict)
-    suspect: set[str] = field(default_factory=set)
-    resumed: set[str] = field(default_factory=set)
+    states: dict[str, SessionState] = msgspec.field(default_factory=dict)
+    suspect: set[str] = msgspec.field(default_factory=set)
+    resumed: set[str] = msgspec.field(default_factory=set)
     """The sessions in ``states`` folded on from their checkpoint."""
-    stale: set[str] = field(default_factory=set)
+    stale: set[str] = msgspec.field(default_factory=set)
     """The sessions whose checkpoint the log contradicts (they are ``suspect`` too)."""
     events: int = 0
     folded: int = 0
     """How many envelopes were folded into a state (not dropped before a checkpoint)."""
     pages: int = 0
-    shapes: dict[str, SessionShape] = field(default_factory=dict)
+    shapes: dict[str, SessionShape] = msgspec.field(default_factory=dict)
     """One shape per definition digest, shared by the sessions whose pinned shape equals it."""
-    ends: dict[str, tuple[int, int]] = field(default_factory=dict)
+    ends: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
     """Session -> (its last index, the stream sequence of the message holding it), where the
     pass could tell (see the module docstring)."""
 

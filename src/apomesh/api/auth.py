@@ -16,7 +16,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+import msgspec
 
 from apomesh.api.tokens import Role, TokenStore, role_allows
 
@@ -26,8 +27,7 @@ ANONYMOUS_OPERATOR = "operator"
 """Who acts when auth is off: the default ``by`` of operator actions."""
 
 
-@dataclass(frozen=True, slots=True)
-class AuthSettings:
+class AuthSettings(msgspec.Struct, frozen=True):
     """Whether the API asks for tokens, where they are kept, and how failures are limited."""
 
     enabled: bool
@@ -44,8 +44,7 @@ class AuthSettings:
         return cls(enabled=False)
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
+class Identity(msgspec.Struct, frozen=True):
     """Who a request acts as: a token's name and role (``operator`` when auth is off)."""
 
     name: str
@@ -65,13 +64,12 @@ class AuthFailure(Exception):
         self.retry_after = retry_after
 
 
-@dataclass
-class Authenticator:
+class Authenticator(msgspec.Struct):
     """Checks requests against the settings and keeps the per-address failure counts."""
 
     settings: AuthSettings
     clock: Callable[[], float] = time.monotonic
-    _failures: dict[str, deque[float]] = field(default_factory=dict)
+    _failures: dict[str, deque[float]] = msgspec.field(default_factory=dict)
 
     def check(self, client: str, authorization: str | None, needed: Role) -> Identity:
         """The identity a request acts as, or ``AuthFailure`` (401, 403 or 429)."""

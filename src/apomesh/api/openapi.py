@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -186,23 +185,20 @@ HealthBody = dict[str, Any]
 # --- the route table --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Media:
+class Media(msgspec.Struct, frozen=True):
     """A non-JSON answer: its content type and what it holds."""
 
     content_type: str
     description: str
 
 
-@dataclass(frozen=True, slots=True)
-class QueryParam:
+class QueryParam(msgspec.Struct, frozen=True):
     name: str
     kind: str  # "string" | "integer" | "boolean"
     description: str
 
 
-@dataclass(frozen=True, slots=True)
-class RouteSpec:
+class RouteSpec(msgspec.Struct, frozen=True):
     """One route: the app registers ``operation`` as its handler and the document describes it."""
 
     method: str
@@ -214,7 +210,7 @@ class RouteSpec:
     request: Any = None
     query: tuple[QueryParam, ...] = ()
     errors: tuple[int, ...] = ()
-    tags: tuple[str, ...] = field(default_factory=tuple)
+    tags: tuple[str, ...] = msgspec.field(default_factory=tuple)
     request_optional: bool = False
     greedy: tuple[str, ...] = ()
     """Path parameters whose value may hold ``/`` (an agent ref such as ``root/0``)."""

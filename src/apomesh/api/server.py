@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from apomesh.api.app import ApiServer, create_app
 from apomesh.api.auth import AuthSettings
@@ -21,8 +22,7 @@ from apomesh.runtime.config import FIRST_TOKEN_FILE, Config
 log = logging.getLogger("apomesh.api")
 
 
-@dataclass
-class HttpEndpoint:
+class HttpEndpoint(msgspec.Struct):
     url: str
     server: ApiServer
     task: asyncio.Task[Any]

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
+
+import msgspec
 
 from apomesh.builtin.openai_model import (
     NO_RESULT,
@@ -279,17 +280,16 @@ class AnthropicModel:
         return message.response(request)
 
 
-@dataclass
-class MessageStream:
+class MessageStream(msgspec.Struct):
     """One Messages API answer being assembled: from its stream's events (``feed``) or, for a
     whole response, from its content blocks (``start_block``)."""
 
     names: dict[str, str]
     secret: str | None = None
-    text: list[str] = field(default_factory=list)
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
-    usage: dict[str, Any] = field(default_factory=dict)
+    text: list[str] = msgspec.field(default_factory=list)
+    calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    blocks: dict[int, dict[str, Any]] = msgspec.field(default_factory=dict)
+    usage: dict[str, Any] = msgspec.field(default_factory=dict)
     stopped: bool = False
 
     def feed(self, event: str, data: str) -> list[ModelDelta]:

@@ -50,11 +50,12 @@ import json
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import httpx
+
+import msgspec
 
 from apomesh.core.definition import ModelSpec, ToolCallSpec
 from apomesh.core.errors import DefinitionError
@@ -111,8 +112,7 @@ RESERVED_ENV_PREFIX = "APOMESH_"
 _ERROR_CODE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-@dataclass(frozen=True)
-class Credential:
+class Credential(msgspec.Struct, frozen=True):
     """One endpoint a worker may call and the environment variable holding its key."""
 
     base_url: str
@@ -649,8 +649,7 @@ def stream_error(error: Any, provider: str, secret: str | None = None) -> ModelE
     )
 
 
-@dataclass
-class ChatStream:
+class ChatStream(msgspec.Struct):
     """One streamed chat completion being assembled from its chunks (``feed``, in order).
 
     Text arrives as ``delta.content`` pieces; a tool call as ``delta.tool_calls`` entries keyed by
@@ -662,9 +661,9 @@ class ChatStream:
 
     names: dict[str, str]
     secret: str | None = None
-    content: list[str] = field(default_factory=list)
-    calls: dict[int, dict[str, str]] = field(default_factory=dict)
-    usage: dict[str, Any] = field(default_factory=dict)
+    content: list[str] = msgspec.field(default_factory=list)
+    calls: dict[int, dict[str, str]] = msgspec.field(default_factory=dict)
+    usage: dict[str, Any] = msgspec.field(default_factory=dict)
     finished: bool = False
 
     def feed(self, data: str) -> list[ModelDelta]:

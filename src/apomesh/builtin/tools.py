@@ -45,12 +45,12 @@ import stat
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from apomesh.core.errors import OutcomeUnknown, ToolError
 from apomesh.plugins.api import ProbeResult, Tool, ToolContext, ToolProbe
@@ -71,8 +71,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_MODE = 0o644
 
 
-@dataclass
-class WorkspacePath:
+class WorkspacePath(msgspec.Struct):
     """A resolved path: ``dir_fd`` is the open directory holding the final component ``name``,
     or, when ``name`` is ``""``, the directory the path names; ``parts`` are the components from
     the workspace root. Valid inside ``open_in_workspace`` only, which closes the descriptors."""
@@ -269,8 +268,7 @@ def _list(workspace: Path, path: str) -> str:
 # --- the effect ledger ----------------------------------------------------------------------------
 
 
-@dataclass
-class Effect:
+class Effect(msgspec.Struct):
     """One file-tool call as its ledger knows it: ``writer`` (``session/agent``) and ``epoch``
     fence it, ``effect_id`` names it across dispatches, ``path`` is the target's workspace path."""
 

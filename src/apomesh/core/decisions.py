@@ -10,8 +10,9 @@ Terminal sessions are never brought back. Recovery classifier plugins may be str
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from apomesh.core.state import SessionState
 
@@ -25,8 +26,7 @@ REASON_TERMINAL = "terminal"
 REASON_DRAINED = "suspended by a graceful shutdown, no side effect in flight"
 
 
-@dataclass(frozen=True, slots=True)
-class Classification:
+class Classification(msgspec.Struct, frozen=True):
     verdict: Verdict
     reason: str
     category: str = ""

@@ -17,8 +17,8 @@ the started one from then on; the ``BootstrapView`` always stays the record of t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import msgspec
@@ -51,8 +51,7 @@ from apomesh.core.events import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class BootstrapView:
+class BootstrapView(msgspec.Struct, frozen=True):
     """What a session was started with: enough to rebuild it with no catalog read."""
 
     session_id: str
@@ -61,8 +60,7 @@ class BootstrapView:
     shape: SessionShape
 
 
-@dataclass(slots=True)
-class AgentView:
+class AgentView(msgspec.Struct):
     """One agent as the log describes it."""
 
     ref: str
@@ -119,8 +117,7 @@ class AgentView:
         return self.migrated_config if self.migrated_config is not None else self.config
 
 
-@dataclass(frozen=True, slots=True)
-class RootAnswer:
+class RootAnswer(msgspec.Struct, frozen=True):
     """The root's answer to one ``ask_root``, by its place in the coordinator loop (``ask``)."""
 
     ask: str
@@ -130,8 +127,7 @@ class RootAnswer:
     final: str | None
 
 
-@dataclass(slots=True)
-class JournalEntry:
+class JournalEntry(msgspec.Struct):
     """A side-effecting call as the log records it; ``outcome`` is None while unmatched."""
 
     agent: str
@@ -146,8 +142,7 @@ class JournalEntry:
     """An async job with a side effect (its ``key`` is the job id), not a tool call."""
 
 
-@dataclass(slots=True)
-class SessionState:
+class SessionState(msgspec.Struct):
     """The folded state of one session. Mutated in place by ``apply``; read it, don't write it."""
 
     session_id: str
@@ -155,30 +150,30 @@ class SessionState:
     last_ts: float = 0.0
     started_ts: float = 0.0
     bootstrap: BootstrapView | None = None
-    agents: dict[str, AgentView] = field(default_factory=dict)
-    children: dict[str, list[str]] = field(default_factory=dict)
+    agents: dict[str, AgentView] = msgspec.field(default_factory=dict)
+    children: dict[str, list[str]] = msgspec.field(default_factory=dict)
     checkpoint: CoordinatorCheckpoint | None = None
     checkpoint_index: int | None = None
-    checkpoints: list[tuple[int, CoordinatorCheckpoint]] = field(default_factory=list)
+    checkpoints: list[tuple[int, CoordinatorCheckpoint]] = msgspec.field(default_factory=list)
     """Every coordinator checkpoint with its index, in log order (a replayed loop re-saving one
     walks back to it instead of logging it again)."""
-    answers: dict[str, RootAnswer] = field(default_factory=dict)
+    answers: dict[str, RootAnswer] = msgspec.field(default_factory=dict)
     """The root's answers by coordinator-loop position (``AgentLifecycle.ask``)."""
-    jobs_in_flight: dict[tuple[str, str], AsyncJobStarted] = field(default_factory=dict)
+    jobs_in_flight: dict[tuple[str, str], AsyncJobStarted] = msgspec.field(default_factory=dict)
     """Started jobs without a finish, by (agent, job id)."""
-    jobs_done: dict[tuple[str, str], AsyncJobFinished] = field(default_factory=dict)
-    hitl_pending: dict[str, HitlPaused] = field(default_factory=dict)
-    hitl_answers: dict[str, str] = field(default_factory=dict)
-    journal: dict[tuple[str, str], JournalEntry] = field(default_factory=dict)
+    jobs_done: dict[tuple[str, str], AsyncJobFinished] = msgspec.field(default_factory=dict)
+    hitl_pending: dict[str, HitlPaused] = msgspec.field(default_factory=dict)
+    hitl_answers: dict[str, str] = msgspec.field(default_factory=dict)
+    journal: dict[tuple[str, str], JournalEntry] = msgspec.field(default_factory=dict)
     side_effects: int = 0
     terminal: bool = False
     ended: SessionEnded | None = None
-    operator_actions: list[OperatorAction] = field(default_factory=list)
-    acknowledged_unknown: set[tuple[str, str]] = field(default_factory=set)
+    operator_actions: list[OperatorAction] = msgspec.field(default_factory=list)
+    acknowledged_unknown: set[tuple[str, str]] = msgspec.field(default_factory=set)
     """(agent, key) of every unknown outcome an operator's resume was shown and resumed past."""
     suspended_index: int | None = None
     """The index of the last ``SessionSuspended`` (a drained daemon's clean stop), if any."""
-    pin_overrides: dict[str, str] = field(default_factory=dict)
+    pin_overrides: dict[str, str] = msgspec.field(default_factory=dict)
     migrated_shape: SessionShape | None = None
     """The pinned shape of the agent version an operator migrated the session to, if any."""
     recoveries: int = 0
@@ -295,19 +290,11 @@ def trial_copy(state: SessionState) -> SessionState:
     return trial
 
 
-def _shallow_copier(cls: type[Any]) -> Callable[[Any], Any]:
-    """A function answering a shallow copy of an instance of the slotted dataclass ``cls``: one
-    attribute assignment per field, written out once here (``dataclasses.replace`` goes through
-    ``__init__`` and costs some twenty times more, on every fold check)."""
-    body = "".join(f"    new.{name} = old.{name}\n" for name in cls.__slots__)
-    namespace: dict[str, Any] = {"make": object.__new__, "cls": cls}
-    exec(f"def copy(old):\n    new = make(cls)\n{body}    return new\n", namespace)
-    return cast(Callable[[Any], Any], namespace["copy"])
-
-
-_copy_state = _shallow_copier(SessionState)
-_copy_agent = _shallow_copier(AgentView)
-_copy_entry = _shallow_copier(JournalEntry)
+# Shallow copies (a Struct copies itself in C; ``dataclasses.replace``-style copies through
+# ``__init__`` cost some twenty times more, on every fold check).
+_copy_state: Callable[[SessionState], SessionState] = copy.copy
+_copy_agent: Callable[[AgentView], AgentView] = copy.copy
+_copy_entry: Callable[[JournalEntry], JournalEntry] = copy.copy
 
 
 K = TypeVar("K")

@@ -6,7 +6,7 @@ it and fold only what follows. It is an accelerator and nothing more: the log st
 of truth, and a reader checks the envelope at ``index`` still carries ``event_id`` before
 trusting it. ``FOLD_FORMAT`` names the fold's semantics and the state's layout; it is bumped
 whenever either changes, and a checkpoint of another format is ignored (folded from the log
-again). The codec is msgpack through msgspec, which round-trips the state's dataclasses, the
+again). The codec is msgpack through msgspec, which round-trips the state's Structs, the
 events they hold and their tuple-keyed maps exactly. Pure: no I/O, no clock.
 """
 

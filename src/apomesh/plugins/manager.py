@@ -14,10 +14,10 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
 
+import msgspec
 import pluggy
 
 from apomesh._version import __version__ as APOMESH_VERSION
@@ -81,8 +81,7 @@ _REQUIRED_METHODS: dict[RegistryKind, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class PluginInfo:
+class PluginInfo(msgspec.Struct, frozen=True):
     """One loaded plugin: its distribution name and version, the hooks it implements and what it
     registered (one line per kind, e.g. ``coordination: solo, fanout``)."""
 
@@ -97,19 +96,17 @@ class PluginInfo:
         return PluginPin(name=self.name, version=self.version)
 
 
-@dataclass(slots=True)
-class _Loaded:
+class _Loaded(msgspec.Struct):
     key: str  # unique pluggy registration name
     plugin: object
     distribution: str
     version: str
     entry_point: str
     builtin: bool
-    registered: dict[RegistryKind, list[str]] = field(default_factory=dict)
+    registered: dict[RegistryKind, list[str]] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
+class _Entry(msgspec.Struct, frozen=True):
     owner: _Loaded
     value: Any
 

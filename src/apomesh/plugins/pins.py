@@ -10,8 +10,9 @@ now. ``diff_pins`` describes what a pin migration would change.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from apomesh.core.errors import DefinitionError, NotFound, PluginPinMismatch
 from apomesh.core.events import PluginPin
@@ -97,8 +98,7 @@ def worker_pin_problem(versions: dict[str, str], pins: Iterable[PluginPin]) -> s
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class PinChange:
+class PinChange(msgspec.Struct, frozen=True):
     """One difference between two pin lists."""
 
     name: str

@@ -31,7 +31,6 @@ import functools
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -94,8 +93,7 @@ class Stall(Exception):
         self.reason = reason
 
 
-@dataclass
-class LoopContext:
+class LoopContext(msgspec.Struct, dict=True):
     """The ``ToolContext`` a tool sees, bound to one dispatch."""
 
     run: Run
@@ -104,14 +102,14 @@ class LoopContext:
     send: Send
     step: int = 0
     explicit_checkpoint: bool = False
-    asked: dict[str, str] = field(default_factory=dict)
+    asked: dict[str, str] = msgspec.field(default_factory=dict)
     idempotency_key: str = ""
     """The key of the journaled call being run (``core.journal.idempotency_key``), else empty."""
     call_key: str = ""
     """The journal key of the side-effecting call running (or being probed) now."""
     trace: DispatchTrace = NO_TRACE
     """This dispatch's spans (``runtime.tracing``): a tool's run is one of its node's."""
-    tool_timings: list[ToolTiming] = field(default_factory=list)
+    tool_timings: list[ToolTiming] = msgspec.field(default_factory=list)
     """The tool runs since the last node report, which carries them to the daemon's metrics."""
 
     def take_tool_timings(self) -> list[ToolTiming]:
@@ -219,8 +217,7 @@ class CallCounts:
                 del self._unsent[base]
 
 
-@dataclass
-class TurnRecorder:
+class TurnRecorder(msgspec.Struct):
     """Orders what the dispatch sends the daemon, so that a model turn is durable before anything
     acts on it and a step costs one report.
 
@@ -247,7 +244,7 @@ class TurnRecorder:
     held: NodeReport | None = None
     """The last node's report, held for the next turn to carry (until ``timer`` fires)."""
     timer: asyncio.TimerHandle | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     """One report at a time: a model call's failure report, or the held node sent when its time
     is up, may race the loop's next report."""
     refusal: Exception | None = None

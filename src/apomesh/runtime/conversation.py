@@ -16,8 +16,9 @@ conversation over) is listed after the messages, with its log index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.core.envelope import Envelope
@@ -46,8 +47,7 @@ HUMAN_TOOL = "ask_human"
 ENDED_PHASES = frozenset({"failed", "cancelled"})
 
 
-@dataclass
-class _LoggedCall:
+class _LoggedCall(msgspec.Struct):
     """A journaled tool call or async job of the agent, as the log tells it."""
 
     tool: str
@@ -62,8 +62,7 @@ class _LoggedCall:
     used: bool = False
 
 
-@dataclass
-class _LoggedPause:
+class _LoggedPause(msgspec.Struct):
     """A human question of the agent and, once given, its answer."""
 
     pause_id: str

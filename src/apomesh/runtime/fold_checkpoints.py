@@ -20,8 +20,9 @@ session is folded from its first event: deleting every checkpoint changes nothin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+import msgspec
 
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import ResumePoint
@@ -60,8 +61,7 @@ class KnowsSequences(Protocol):
     def known_sequence(self, session_id: str, index: int) -> int | None: ...
 
 
-@dataclass
-class CheckpointStats:
+class CheckpointStats(msgspec.Struct):
     """What the folds from checkpoints did, since the daemon started."""
 
     used: int = 0

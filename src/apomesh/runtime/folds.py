@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+
+import msgspec
 
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import NotFound
@@ -34,9 +35,8 @@ for a session with no events), folded by the caller's means (from a fold checkpo
 DEFAULT_CAPACITY = 512
 
 
-@dataclass
-class _Entry:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+class _Entry(msgspec.Struct):
+    lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     state: SessionState | None = None
     view: SessionView | None = None
     view_index: int = -2

@@ -18,9 +18,9 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import anyio
+import msgspec
 
 from apomesh.core.definition import ModelRetry
 from apomesh.plugins.api import Model, ModelError, ModelRequest, ModelResponse
@@ -29,8 +29,7 @@ _JITTER = random.Random()
 """The backoff's jitter (one generator per process: seeding one per call reads the OS's entropy)."""
 
 
-@dataclass(frozen=True)
-class FailedAttempt:
+class FailedAttempt(msgspec.Struct, frozen=True):
     """Attempt ``attempt`` (1-based) failed with ``error`` after ``seconds``; the next one
     starts in ``retry_in`` seconds, or never (None: given up)."""
 
@@ -40,8 +39,7 @@ class FailedAttempt:
     retry_in: float | None
 
 
-@dataclass(frozen=True)
-class ModelAnswer:
+class ModelAnswer(msgspec.Struct, frozen=True):
     """A successful call: the answer, the seconds its last attempt took, how many attempts."""
 
     response: ModelResponse

@@ -45,9 +45,10 @@ import secrets
 import socket
 import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
@@ -181,8 +182,7 @@ def _secret() -> str:
     return secrets.token_urlsafe(32)
 
 
-@dataclass(frozen=True)
-class EmbeddedCredentials:
+class EmbeddedCredentials(msgspec.Struct, frozen=True):
     """The users of one start of the embedded server, passwords fresh from ``secrets``: the
     daemon, its control-plane connection, the in-process workers and the worker processes (both
     keyed by worker id), each with its role's permissions (``apomesh.runtime.nats_permissions``)."""

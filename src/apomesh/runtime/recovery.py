@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import copy
 import gc
 import logging
 import time
@@ -210,7 +210,7 @@ class BootScan:
             "owned_by_peers": 0,
         }
         checkpoints = self.registry.fold_checkpoints
-        before = dataclasses.replace(checkpoints.stats)
+        before = copy.copy(checkpoints.stats)
         pass_result = await self._fold_in_one_pass(completed, session_ids)
         scanned = pass_result.states if pass_result is not None else {}
         # Every lease in one read (not one per session); asked one by one only if that fails.

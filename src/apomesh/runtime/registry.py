@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -76,8 +75,7 @@ def renew_interval(ttl: float) -> float:
     return min(LEASE_RENEW_SECONDS, ttl / 3)
 
 
-@dataclass
-class Recoverable:
+class Recoverable(msgspec.Struct):
     """A session on the recoverable list: stranded, waiting for an operator."""
 
     session_id: str

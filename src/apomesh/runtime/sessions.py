@@ -39,7 +39,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -139,8 +138,7 @@ class Drained(Exception):
     was not dispatched, and the session stops here to be resumed by the next daemon."""
 
 
-@dataclass(frozen=True)
-class Ending:
+class Ending(msgspec.Struct, frozen=True):
     """Why a runtime stops driving its session: it ``finished`` (its log is terminal), it is
     ``stranded`` (held for an operator: ``reason``, ``category``), its append met a
     ``conflict`` (another writer appended to its log), or NATS did not answer what its
@@ -152,8 +150,7 @@ class Ending:
     category: str = ""
 
 
-@dataclass(frozen=True)
-class SessionDeps:
+class SessionDeps(msgspec.Struct, frozen=True, dict=True):
     """What a session's writer is built with; the same for every session of one daemon."""
 
     log: EventLog
@@ -177,7 +174,7 @@ class SessionDeps:
     """Events appended between two of those checkpoints."""
     node_commit_delay: float = 0.05
     """Seconds a node's snapshot waits for its agent's next store write (``DeferredNode``)."""
-    waiting_for_log: Waiting = field(default_factory=Waiting)
+    waiting_for_log: Waiting = msgspec.field(default_factory=Waiting)
     """The sessions whose step waits for the log now (NATS not answering), and their one
     warning every few seconds."""
 
@@ -193,21 +190,20 @@ class SessionDeps:
         return self.log if isinstance(self.log, KnowsSequences) else None
 
 
-@dataclass
-class DispatchSlot:
+class DispatchSlot(msgspec.Struct):
     """The one in-flight dispatch of an agent: the only epoch and worker it accepts reports from."""
 
     agent: str
     epoch: int
     worker_id: str
     dispatch: Dispatch
-    intents: set[str] = field(default_factory=set)
-    probes: set[str] = field(default_factory=set)
+    intents: set[str] = msgspec.field(default_factory=set)
+    probes: set[str] = msgspec.field(default_factory=set)
     """Keys this dispatch was asked to probe (an intent from an earlier one, with no result)."""
     running_logged: bool = False
-    nodes: set[tuple[int, str, bool]] = field(default_factory=set)
+    nodes: set[tuple[int, str, bool]] = msgspec.field(default_factory=set)
     """(step, source, reset) of every node report stored for this dispatch (retries are no-ops)."""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     """Serialises this dispatch's reports, so a retry never races its first copy."""
     memory: bytes = b""
     """The encoded working memory, when it was too large to travel with the dispatch: the worker
@@ -221,8 +217,7 @@ class DispatchSlot:
         return self.dispatch.future
 
 
-@dataclass
-class DeferredNode:
+class DeferredNode(msgspec.Struct):
     """A node whose results are on the log and whose snapshot waits for the agent's next store
     write (``SessionRuntime._store``): the next turn's record, the next node, the dispatch's
     ``Done`` or its end. So a step commits to LMDB once (the node's snapshot travels with the

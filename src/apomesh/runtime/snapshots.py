@@ -33,7 +33,6 @@ committed leaves nothing behind.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -86,8 +85,7 @@ def _segment(messages: list[Message], counts: dict[str, int]) -> bytes:
     return _encoder.encode(CountedSegment(messages, counts) if counts else messages)
 
 
-@dataclass(frozen=True)
-class StagedSnapshot:
+class StagedSnapshot(msgspec.Struct, frozen=True):
     """A snapshot numbered and encoded by ``SnapshotStore.stage``, not stored yet."""
 
     agent_key: str
@@ -101,21 +99,20 @@ class StagedSnapshot:
     """What the store's tail of the agent is once this is committed (the next one's start)."""
 
 
-@dataclass
-class _Tail:
+class _Tail(msgspec.Struct):
     """What the daemon remembers of an agent's recent segments between nodes."""
 
     next_seq: int
     base_seq: int
     next_snapshot: int
-    small: list[tuple[int, list[Message], dict[str, int]]] = field(default_factory=list)
+    small: list[tuple[int, list[Message], dict[str, int]]] = msgspec.field(default_factory=list)
     has_definition: bool = False
     counts: dict[str, int] | None = None
     """The call counts as committed so far by this process (None until it wrote some); a
     report's counts that differ from these (and from ``staged_counts``) go in its segment. Every
     tail of the agent shares this one dict: it grows with the agent's journaled calls, so a
     staged snapshot never copies it."""
-    staged_counts: dict[str, int] = field(default_factory=dict)
+    staged_counts: dict[str, int] = msgspec.field(default_factory=dict)
     """Counts of snapshots staged on this tail and not committed yet (a step's few), laid over
     ``counts``; a commit folds them in."""
 

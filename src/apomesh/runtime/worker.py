@@ -23,7 +23,6 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +105,7 @@ class DaemonGone(Fenced):
     abandoned (whoever owns the session now dispatches it again under a new epoch)."""
 
 
-@dataclass
-class RunningAgent:
+class RunningAgent(msgspec.Struct):
     """One dispatch this worker runs: its epoch, its task and the daemon that sent it."""
 
     epoch: int

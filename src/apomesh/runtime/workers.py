@@ -20,7 +20,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -67,22 +66,21 @@ ECHO_TRIES = 40
 """Liveness ticks the daemon sends its echo without any coming back before it gives up on it."""
 
 
-@dataclass
-class WorkerInfo:
+class WorkerInfo(msgspec.Struct):
     worker_id: str
     name: str
     tools: list[str]
     providers: list[str]
     last_seen: float
     last_beat_wall: float
-    agents: set[str] = field(default_factory=set)
+    agents: set[str] = msgspec.field(default_factory=set)
     """The agents (``session/agent``) its latest beat lists, for every daemon."""
     listed_mine: int = 0
     """How many of ``agents`` this daemon has a dispatch in flight for (kept as dispatches come
     and go, so placement never walks ``agents``)."""
     load: int = 0
     instance: str = ""
-    plugins: dict[str, str] = field(default_factory=dict)
+    plugins: dict[str, str] = msgspec.field(default_factory=dict)
     max_agents: int = DEFAULT_MAX_AGENTS
     full_at: int | None = None
     """The beat it had sent when it refused a dispatch for being full: it counts as full until
@@ -90,8 +88,7 @@ class WorkerInfo:
     beat_seq: int = 0
 
 
-@dataclass(eq=False)
-class Dispatch:
+class Dispatch(msgspec.Struct, eq=False):
     """One run sent to a worker: its outcome arrives on ``future`` (a ``Done``), or ``WorkerLost``."""
 
     worker_id: str
