@@ -287,3 +287,33 @@ def test_the_embedded_server_of_serve_keeps_its_store_under_the_data_dir(tmp_pat
         assert (server.store_dir / "jetstream").is_dir()
         assert "sync_interval: always" in server.spec.config_file.read_text()
     assert not server.running
+
+
+def test_a_leftover_is_recognised_by_its_command_line_and_not_as_a_zombie(tmp_path: Path) -> None:
+    """A pid from the pid file is ours only while it runs a nats-server on this config: a reused
+    pid running something else, a zombie (exited, not reaped yet) and a gone pid are not."""
+    from apomesh.adapters.natsserver import _is_our_leftover, _live_command_line
+
+    config = tmp_path / "nats.conf"
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _live_command_line(other.pid) == ["sleep", "30"]
+        assert not _is_our_leftover(other.pid, config)
+    finally:
+        other.kill()
+    deadline = time.monotonic() + 10
+    while not gone(other.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone(other.pid) and os.path.exists(f"/proc/{other.pid}")  # a zombie
+    assert _live_command_line(other.pid) is None
+    other.wait()
+    assert not _is_our_leftover(other.pid, config)  # gone
+
+    server = NatsServer(single_node(tmp_path / "ours"))
+    server.start()
+    try:
+        assert server.pid is not None
+        assert _is_our_leftover(server.pid, server.spec.config_file)
+        assert not _is_our_leftover(server.pid, config)  # a server, but on another config
+    finally:
+        server.stop()

@@ -700,18 +700,38 @@ def _is_our_leftover(pid: int, config_file: Path) -> bool:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
         return False  # gone (the usual case after a crash), or another user's process
-    import psutil  # only when that pid runs: a start saves its import
+    command = _live_command_line(pid)
+    return (
+        command is not None
+        and any(Path(part).name == BINARY_NAME for part in command[:1])
+        and str(config_file) in command
+    )
+
+
+def _live_command_line(pid: int) -> list[str] | None:
+    """The command line of ``pid``; None when it is gone or a zombie (exited, not yet reaped: the
+    server a killed daemon leaves, until init reaps it). Read from ``/proc`` on Linux (psutil's
+    import alone took 5 ms of a restart), through psutil elsewhere."""
+    proc = Path(f"/proc/{pid}")
+    if proc.is_dir():
+        try:
+            # The state is the field after the command name, which is in parentheses.
+            state = (proc / "stat").read_bytes().rpartition(b")")[2].split()[0]
+            command = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            return None
+        if state == b"Z":
+            return None
+        return [part.decode(errors="replace") for part in command.split(b"\0") if part]
+    import psutil
 
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
-            return False
-        command = process.cmdline()
+            return None
+        return list(process.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-    return (
-        any(Path(part).name == BINARY_NAME for part in command[:1]) and str(config_file) in command
-    )
+        return None
 
 
 def _stop_leftover(spec: ServerSpec, grace: float) -> None:

@@ -14,8 +14,6 @@ import logging
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from opentelemetry import trace
-
 from apomesh.runtime import tracing
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -39,6 +37,8 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             entry["stack"] = self.formatStack(record.stack_info)
         if tracing.enabled():
+            from opentelemetry import trace
+
             span = trace.get_current_span().get_span_context()
             if span.is_valid:
                 entry["trace_id"] = format(span.trace_id, "032x")

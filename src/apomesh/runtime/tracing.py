@@ -28,17 +28,18 @@ from collections.abc import Awaitable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-
 from apomesh._version import __version__
 from apomesh.core.definition import ModelSpec
 from apomesh.core.errors import DefinitionError
 from apomesh.plugins.api import Model, ModelRequest, ModelResponse
 
 if TYPE_CHECKING:
+    # The OpenTelemetry API is imported where a span is made, and only then: tracing is off by
+    # default, and a daemon's start saves the import (about 5 ms).
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
     from apomesh.runtime.config import TracingConfig
 
 log = logging.getLogger("apomesh.tracing")
@@ -63,6 +64,8 @@ def configure(config: TracingConfig, *, service: str) -> None:
     if config.exporter == "off":
         return
     if config.exporter == "global":
+        from opentelemetry import trace
+
         _tracer = trace.get_tracer("apomesh", __version__)
         return
     try:
@@ -121,6 +124,8 @@ async def traced(
     tracer = _tracer
     if tracer is None:
         return await awaitable
+    from opentelemetry.trace import Status, StatusCode
+
     with tracer.start_as_current_span(
         name, attributes=dict(attributes), record_exception=False, set_status_on_exception=False
     ) as span:
@@ -139,12 +144,16 @@ async def traced(
 def add_event(name: str, attributes: Mapping[str, str | int]) -> None:
     """Mark the current span (the agent span: ``dispatched``, ``resuming``)."""
     if _tracer is not None:
+        from opentelemetry import trace
+
         trace.get_current_span().add_event(name, dict(attributes))
 
 
 def set_attributes(attributes: Mapping[str, str | int | bool]) -> None:
     """Set attributes of the current span (a session's final status)."""
     if _tracer is not None:
+        from opentelemetry import trace
+
         trace.get_current_span().set_attributes(dict(attributes))
 
 
@@ -152,6 +161,8 @@ def headers() -> dict[str, str] | None:
     """The current trace context as NATS message headers; None while tracing is off."""
     if _tracer is None:
         return None
+    from opentelemetry import propagate
+
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return carrier or None
@@ -169,6 +180,10 @@ class TracedDispatch:
     def __init__(
         self, tracer: trace.Tracer, parent: Context | None, attributes: dict[str, Any]
     ) -> None:
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
         self._tracer = tracer
         self._attributes = attributes
         self._dispatch = tracer.start_span(
@@ -176,6 +191,7 @@ class TracedDispatch:
         )
         self._dispatch_context = trace.set_span_in_context(self._dispatch)
         self._token = otel_context.attach(self._dispatch_context)
+        self._set_span_in_context = trace.set_span_in_context
         self._node: Span | None = None
         self._node_context: Context | None = None
 
@@ -185,7 +201,7 @@ class TracedDispatch:
         self._node = self._tracer.start_span(
             "apomesh.node", context=self._dispatch_context, attributes=self._attributes
         )
-        self._node_context = trace.set_span_in_context(self._node)
+        self._node_context = self._set_span_in_context(self._node)
 
     def end_node(self, step: int | None = None) -> None:
         """The node is stored (``step`` is its number)."""
@@ -197,6 +213,9 @@ class TracedDispatch:
 
     def close(self, outcome: str) -> None:
         """The dispatch ended with ``outcome`` (or was cut short: ``error``)."""
+        from opentelemetry import context as otel_context
+        from opentelemetry.trace import Status, StatusCode
+
         self.end_node()
         self._dispatch.set_attribute("apomesh.outcome", outcome)
         if outcome in ("failed", "error"):
@@ -209,6 +228,9 @@ class TracedDispatch:
 
     @contextmanager
     def model_call(self, spec: ModelSpec) -> Iterator[_ModelCall]:
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
         name = f"chat {spec.model}" if spec.model else "chat"
         attributes = {
             "gen_ai.operation.name": "chat",
@@ -226,6 +248,8 @@ class TracedDispatch:
 
     @contextmanager
     def tool_call(self, tool: str) -> Iterator[ToolCall]:
+        from opentelemetry import trace
+
         span = self._tracer.start_span(
             f"execute_tool {tool}",
             context=self._node_context or self._dispatch_context,
@@ -246,6 +270,8 @@ class ToolCall:
         if self._span is not None:
             self._span.set_attribute("apomesh.outcome", outcome)
             if outcome == "error":
+                from opentelemetry.trace import Status, StatusCode
+
                 self._span.set_status(Status(StatusCode.ERROR, "the tool raised"))
 
 
@@ -310,5 +336,7 @@ def dispatch_trace(
     tracer = _tracer
     if tracer is None:
         return NO_TRACE
+    from opentelemetry import propagate
+
     parent = propagate.extract(dict(message_headers)) if message_headers else None
     return TracedDispatch(tracer, parent, attributes)
