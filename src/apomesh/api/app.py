@@ -12,6 +12,7 @@ writes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import socket
@@ -608,8 +609,19 @@ class ApiServer(uvicorn.Server):
     ) -> None:
         options.setdefault("timeout_graceful_shutdown", 5)
         options.setdefault("lifespan", "off")
+        # httptools' C parser: uvicorn's h11 protocol compiled some forty regular expressions as
+        # it was imported at every start (8 ms of a restart); no websockets are served.
+        options.setdefault("http", "httptools")
+        options.setdefault("ws", "none")
         super().__init__(uvicorn.Config(app, host=host, port=port, **options))
         self.api_app = app
+        self.listening = asyncio.Event()
+        """Set once the server listens (``startup`` done)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.listening.set()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         close_event_streams(self.api_app)

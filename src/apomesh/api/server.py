@@ -78,11 +78,12 @@ async def serve_api(service: DaemonService, config: Config) -> HttpEndpoint:
         options.update(ssl_certfile=http.tls_cert, ssl_keyfile=http.tls_key)
     server = ApiServer(app, host=host, port=port, **options)
     task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-            raise RuntimeError(f"the HTTP API could not listen on {http.listen}")
-        await asyncio.sleep(0.02)
+    listening = asyncio.create_task(server.listening.wait())
+    await asyncio.wait((task, listening), return_when=asyncio.FIRST_COMPLETED)
+    if not server.listening.is_set():
+        listening.cancel()
+        task.result()
+        raise RuntimeError(f"the HTTP API could not listen on {http.listen}")
     bound = port
     with contextlib.suppress(Exception):
         bound = server.servers[0].sockets[0].getsockname()[1]
