@@ -553,3 +553,38 @@ async def part_generations(client: NATS) -> set[str]:
         if entry.value:
             found.add(key.split(".part.")[1].split(".")[0])
     return found
+
+
+async def test_a_lease_read_as_its_own_is_taken_back_in_one_compare_and_set(
+    buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted daemon's stranded sessions: ``holders`` read their leases as its own, and an
+    operator's resume takes each back at the revision read; one that moved since the read (a
+    peer took it over meanwhile) is decided as ever, and a live peer keeps it."""
+    leases = buckets.leases
+    me, peer = unique("daemon-me"), unique("daemon-peer")
+    await buckets.daemons.put(me, b"record")
+    await buckets.daemons.put(peer, b"record")
+    kept, released, taken_over = unique("kept"), unique("released"), unique("taken-over")
+    for session in (kept, released, taken_over):
+        assert await leases.acquire(session, me)
+    assert await leases.release(released, me)
+    await leases.holders()
+    assert await leases.release(taken_over, me)
+    assert await leases.acquire(taken_over, peer)  # after the read
+    creates: list[str] = []
+    create = leases._kv.create
+
+    async def counted(key: str, value: bytes) -> int:
+        creates.append(key)
+        return await create(key, value)
+
+    monkeypatch.setattr(leases._kv, "create", counted)
+    assert await leases.acquire(kept, me)
+    assert await leases.acquire(released, me)
+    assert creates == []  # each in one compare-and-set
+    assert not await leases.acquire(taken_over, me)  # the compare-and-set failed; peer alive
+    holders = await leases.holders()
+    assert holders[kept] == me and holders[released] == me and holders[taken_over] == peer
+    assert await leases.release(kept, me)  # at the revision the compare-and-set answered
+    assert await leases.owner(kept) is None

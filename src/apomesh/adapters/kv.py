@@ -332,6 +332,17 @@ class LeaseTable:
         key = encode_key(session_id)
         mine = owner.encode()
         with unavailable_as_log_error(f"acquire lease {session_id}"):
+            read = self._last_read.get(session_id)
+            if read is not None and read[0] in (mine, b""):
+                # Ours or released when ``holders`` last read it (a restarted daemon's own
+                # stranded sessions, resumed by an operator): one compare-and-set at the
+                # revision read, not a refused create and a read. Moved since, it is decided
+                # below.
+                del self._last_read[session_id]
+                revision = await self._swap(key, mine, read[1])
+                if revision is not None:
+                    self._taken[session_id, owner] = revision
+                    return True
             for _ in range(3):
                 try:
                     self._taken[session_id, owner] = await self._kv.create(key, mine)
