@@ -62,6 +62,10 @@ class NatsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     control_tls_cert: str = ""
     control_tls_key: str = ""
     connect_timeout: PositiveSeconds = 5.0
+    jetstream_ready_timeout: PositiveSeconds = 60.0
+    """Seconds ``serve`` waits at start for a connected server's JetStream to answer (a cluster
+    elects its leaders after a restart or a pause of its nodes) before it stops with
+    ``log_unavailable``."""
     reconnect_wait: Annotated[float, msgspec.Meta(ge=0)] = 2.0
     ping_interval: PositiveSeconds = 5.0
     """Seconds between two pings of a connection's server."""

@@ -46,7 +46,7 @@ import socket
 import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -68,7 +68,7 @@ from apomesh.builtin.anthropic_model import PROVIDER_NAME as ANTHROPIC_PROVIDER
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
-from apomesh.core.errors import DefinitionError, StoreError
+from apomesh.core.errors import DefinitionError, LogUnavailable, StoreError
 from apomesh.core.ports import StateStore
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
@@ -392,6 +392,37 @@ async def open_state_store(
     return store
 
 
+_T = TypeVar("_T")
+
+JETSTREAM_RETRY_PAUSE = 1.0
+"""Seconds between two attempts of a start that found JetStream unavailable."""
+
+
+async def when_jetstream_answers(open_: Callable[[], Awaitable[_T]], within: float) -> _T:
+    """``open_()`` once JetStream answers it: a connected server whose JetStream is unavailable
+    (a cluster electing its leaders after a restart, or after its nodes were paused) is tried
+    again every ``JETSTREAM_RETRY_PAUSE`` seconds, with one warning, for ``within`` seconds; then
+    the last ``LogUnavailable`` is raised. ``open_`` must be safe to run again."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    warned = False
+    while True:
+        try:
+            return await open_()
+        except LogUnavailable as exc:
+            if loop.time() + JETSTREAM_RETRY_PAUSE > deadline:
+                raise
+            if not warned:
+                log.warning(
+                    "JetStream does not answer yet (%s); trying again for up to %.0f s"
+                    " ([nats] jetstream_ready_timeout)",
+                    exc,
+                    within,
+                )
+                warned = True
+        await asyncio.sleep(JETSTREAM_RETRY_PAUSE)
+
+
 def _raise_first(results: Iterable[object]) -> None:
     """Raise the first exception among ``asyncio.gather(..., return_exceptions=True)`` results."""
     for result in results:
@@ -536,7 +567,11 @@ class Node:
             max_event_bytes=config.limits.max_event_bytes,
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
-        kv = await KvBuckets.open(self.nc, replicas, lease_ttl=config.daemon.lease_ttl)
+        nc = self.nc
+        kv = await when_jetstream_answers(
+            lambda: KvBuckets.open(nc, replicas, lease_ttl=config.daemon.lease_ttl),
+            config.nats.jetstream_ready_timeout,
+        )
         self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
