@@ -106,12 +106,21 @@ def _runtime_import() -> Iterator[None]:
             gc.enable()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    # The runtime, imported with the collector paused (under --supervise, once for every daemon
-    # the supervisor forks; ``_serve`` names what it uses).
+def _http_layer() -> Any:
+    """The HTTP layer's starter (``Node`` imports it by this while its embedded server starts)."""
     with _runtime_import():
-        import apomesh.api.server
-        import apomesh.runtime.node  # noqa: F401
+        from apomesh.api.server import serve_api
+    return serve_api
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    # The runtime, imported with the collector paused (under --supervise, with the HTTP layer,
+    # once for every daemon the supervisor forks; ``_serve`` names what it uses).
+    with _runtime_import():
+        import apomesh.runtime.node
+
+        if args.supervise:
+            import apomesh.api.server  # noqa: F401
 
     overrides: dict[str, dict[str, Any]] = {
         "nats": {"urls": args.nats.split(",") if args.nats else None, "replicas": args.replicas},
@@ -129,7 +138,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve(config: Any) -> int:
     """Run the daemon until SIGTERM or SIGINT (``serve``'s own work, or its forked child's)."""
     from apomesh.adapters.nats_connect import redact_urls
-    from apomesh.api.server import serve_api
     from apomesh.runtime.node import Node
 
     _observe(config, "apomesh-daemon")
@@ -139,7 +147,7 @@ def _serve(config: Any) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with Node(config, http=serve_api) as node:
+        async with Node(config, http=_http_layer) as node:
             assert node.daemon is not None
             _announce(
                 config,
