@@ -559,8 +559,9 @@ async def test_a_lease_read_as_its_own_is_taken_back_in_one_compare_and_set(
     buckets: KvBuckets, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A restarted daemon's stranded sessions: ``holders`` read their leases as its own, and an
-    operator's resume takes each back at the revision read; one that moved since the read (a
-    peer took it over meanwhile) is decided as ever, and a live peer keeps it."""
+    operator's resume takes each back at the revision read, also after the boot scan's
+    ``acquire_many`` of other sessions; one that moved since the read (a peer took it over
+    meanwhile) is decided as ever, and a live peer keeps it."""
     leases = buckets.leases
     me, peer = unique("daemon-me"), unique("daemon-peer")
     await buckets.daemons.put(me, b"record")
@@ -570,6 +571,9 @@ async def test_a_lease_read_as_its_own_is_taken_back_in_one_compare_and_set(
         assert await leases.acquire(session, me)
     assert await leases.release(released, me)
     await leases.holders()
+    # The boot scan takes the leases of the auto-resumable sessions (here none) together after
+    # the read: that must not lose what was read of the others.
+    assert await leases.acquire_many([], me) == set()
     assert await leases.release(taken_over, me)
     assert await leases.acquire(taken_over, peer)  # after the read
     creates: list[str] = []
