@@ -198,8 +198,11 @@ class BootScan:
 
     async def _scan(self) -> dict[str, Any]:
         started = time.perf_counter()
-        completed = {sid for sid, _ in await self.store.list_completed()}
-        session_ids = [s for s in await self.log_adapter.list_sessions() if s not in completed]
+        stored_completed, listed = await asyncio.gather(
+            self.store.list_completed(), self.log_adapter.list_sessions()
+        )
+        completed = {sid for sid, _ in stored_completed}
+        session_ids = [s for s in listed if s not in completed]
         gate = asyncio.Semaphore(32)
         counts: dict[str, Any] = {
             "completed_skipped": len(completed),
@@ -211,10 +214,13 @@ class BootScan:
         }
         checkpoints = self.registry.fold_checkpoints
         before = copy.copy(checkpoints.stats)
-        pass_result = await self._fold_in_one_pass(completed, session_ids)
+        # Every lease in one read (not one per session; asked one by one only if that fails),
+        # while the log is read: a lease that moves meanwhile is met by the compare-and-set that
+        # takes it, as one that moves after the read.
+        pass_result, holders = await asyncio.gather(
+            self._fold_in_one_pass(completed, session_ids), self.registry.lease_holders()
+        )
         scanned = pass_result.states if pass_result is not None else {}
-        # Every lease in one read (not one per session); asked one by one only if that fails.
-        holders = await self.registry.lease_holders()
         verdict_of = Classifier(self.plugins)
         ended: list[SessionState] = []
         auto: list[SessionState] = []
