@@ -342,6 +342,8 @@ async def test_a_session_waiting_for_an_operator_on_a_lost_daemon_waits_on_its_p
     async with Client(a.url) as on_a:
         await wait_side_effects(on_a, [session_id], 1)
     # A crashes and restarts: a side effect is logged, so the session waits for an operator on A.
+    # A's presence record names it by the time A answers (A's boot writes it before A is up), so
+    # A may die again the moment it lists it.
     a.kill()
     a.start(timeout=60.0)
     async with Client(a.url) as on_a, Client(b.url) as on_b:

@@ -232,7 +232,13 @@ class Daemon:
             self.boot_report = {**await self.boot.run(), "purged": purged}
             if self.config.retention.ended_after_seconds is not None:
                 self._spawn(self._sweep_retention_forever())
-        self.presence.nudge()
+        # Written before the start returns, not only nudged (a nudged write waits 50 ms or more
+        # to gather changes): the record names every session the scan stranded as soon as this
+        # daemon is up, so one that dies right after still leaves them to a peer's operator.
+        try:
+            await self.presence.publish()
+        except Exception:
+            self.presence.nudge()  # the renewal loop tries again
         if recover:
             # A peer that is gone is noticed within a lease TTL: a few looks per renewal.
             self._spawn(self.takeover.sweep_forever(max(0.2, self.renew_every / 2)))
