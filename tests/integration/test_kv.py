@@ -567,13 +567,16 @@ async def test_a_lease_read_as_its_own_is_taken_back_in_one_compare_and_set(
     await buckets.daemons.put(me, b"record")
     await buckets.daemons.put(peer, b"record")
     kept, released, taken_over = unique("kept"), unique("released"), unique("taken-over")
-    for session in (kept, released, taken_over):
+    ended = unique("ended")
+    for session in (kept, released, taken_over, ended):
         assert await leases.acquire(session, me)
     assert await leases.release(released, me)
     await leases.holders()
     # The boot scan takes the leases of the auto-resumable sessions (here none) together after
-    # the read: that must not lose what was read of the others.
+    # the read: that must not lose what was read of the others. Then it keeps the reads of the
+    # sessions it stranded only.
     assert await leases.acquire_many([], me) == set()
+    leases.keep_reads([kept, released, taken_over])
     assert await leases.release(taken_over, me)
     assert await leases.acquire(taken_over, peer)  # after the read
     creates: list[str] = []
@@ -587,6 +590,8 @@ async def test_a_lease_read_as_its_own_is_taken_back_in_one_compare_and_set(
     assert await leases.acquire(kept, me)
     assert await leases.acquire(released, me)
     assert creates == []  # each in one compare-and-set
+    assert await leases.acquire(ended, me)  # its read not kept: a refused create, then a read
+    assert creates == [encode_key(ended)]
     assert not await leases.acquire(taken_over, me)  # the compare-and-set failed; peer alive
     holders = await leases.holders()
     assert holders[kept] == me and holders[released] == me and holders[taken_over] == peer

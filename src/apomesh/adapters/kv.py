@@ -31,7 +31,7 @@ import contextlib
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -363,6 +363,13 @@ class LeaseTable:
                 self._taken[session_id, owner] = revision
                 return True
         return False
+
+    def keep_reads(self, session_ids: Collection[str]) -> None:
+        """Keep what ``holders`` and ``owners`` read of these sessions' leases only (a boot scan
+        keeps its stranded sessions', for an operator's resume; the others' would only take
+        memory)."""
+        read = self._last_read
+        self._last_read = {s: r for s in session_ids if (r := read.get(s)) is not None}
 
     async def acquire_many(
         self, session_ids: Sequence[str], owner: str, *, window: int = LEASE_WINDOW

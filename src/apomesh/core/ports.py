@@ -6,7 +6,7 @@ implement them for fast unit tests. One contract test suite runs against both.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
 from apomesh.core.envelope import Envelope
@@ -66,6 +66,10 @@ class SessionLeases(Protocol):
 
     async def holders(self) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, read in one pass."""
+
+    def keep_reads(self, session_ids: Collection[str]) -> None:
+        """Of what ``holders`` and ``owners`` read (each lease's value and revision, which a later
+        ``acquire`` of the session sets the lease at), keep only these sessions'."""
 
     async def watch(
         self, on_change: Callable[[str, str | None], None]

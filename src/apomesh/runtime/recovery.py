@@ -288,6 +288,7 @@ class BootScan:
             await asyncio.gather(*(one(s) for s in alone))
             await self.registry.write_completed_many(ended)
             adopted, refused = await self.registry.adopt_many(auto, fresh_children=fresh_children)
+            self.registry.keep_stranded_lease_reads()
             if refused:
                 self.log.warning(
                     "%d auto-resumable sessions not resumed yet (their lease is held or NATS did"

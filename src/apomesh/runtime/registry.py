@@ -286,6 +286,11 @@ class SessionRegistry:
             return await self.leases.owners(session_ids)
         return None
 
+    def keep_stranded_lease_reads(self) -> None:
+        """After a boot scan: of its one read of every lease, keep the stranded sessions' only (an
+        operator's resume takes each back at the revision read, in one compare-and-set)."""
+        self.leases.keep_reads(self.stranded.keys())
+
     async def lease_holders(self) -> dict[str, str] | None:
         """Every held lease (session -> holder) in one read, or None when NATS cannot say."""
         with contextlib.suppress(ApomeshError):
