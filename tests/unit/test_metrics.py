@@ -1,9 +1,11 @@
-"""The daemon's metrics on prometheus-client: names, labels and what one model call, tool call or
-session end adds."""
+"""The daemon's metrics: names, labels and what one model call, tool call or session end adds,
+as prometheus-client renders them (imported at the first scrape, not at a daemon's start)."""
 
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,3 +71,34 @@ def test_every_metric_is_an_apomesh_name_and_two_daemons_do_not_share_values() -
     assert "_created" not in text
     assert first.value("apomesh_resumes_total", path="worker_lost") == 1
     assert second.value("apomesh_resumes_total", path="worker_lost") == 0
+
+
+def test_a_daemon_starts_without_importing_prometheus_client() -> None:
+    # ~9 ms of every restart: the metrics are plain numbers until /metrics is first scraped.
+    probe = (
+        "import sys, apomesh.runtime.node, apomesh.api.server;"
+        "from apomesh.runtime.metrics import DaemonMetrics;"
+        "m = DaemonMetrics(); m.resumes.labels('auto').inc(); m.append_seconds.observe(0.1);"
+        "assert 'prometheus_client' not in sys.modules, 'imported';"
+        "m.render(); assert 'prometheus_client' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_a_bucket_counts_what_does_not_exceed_its_bound() -> None:
+    metrics = DaemonMetrics()
+    for seconds in (0.001, 0.0011, 5.0, 11.0):
+        metrics.append_seconds.observe(seconds)
+    bucket = "apomesh_append_seconds_bucket"
+    assert metrics.value(bucket, le="0.0005") == 0
+    assert metrics.value(bucket, le="0.001") == 1
+    assert metrics.value(bucket, le="0.0025") == 2
+    assert metrics.value(bucket, le="5.0") == 3
+    assert metrics.value(bucket, le="10.0") == 3
+    assert metrics.value(bucket, le="+Inf") == 4
+    assert metrics.value("apomesh_append_seconds_count") == 4
+    assert found_sum(metrics) == 0.001 + 0.0011 + 5.0 + 11.0
+
+
+def found_sum(metrics: DaemonMetrics) -> float:
+    return samples(metrics)[("apomesh_append_seconds_sum", ())]
