@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import http.client
 import json
 import os
 import queue
@@ -43,9 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -760,23 +759,24 @@ def _stop_leftover(spec: ServerSpec, grace: float) -> None:
     )
 
 
-def _no_proxy_opener() -> urllib.request.OpenerDirector:
-    # The monitoring endpoint is on loopback: an http_proxy in the environment must not be used.
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-_opener = _no_proxy_opener()
-
-
 def _get_json(url: str, timeout: float = 1.0) -> dict[str, object] | None:
-    """The JSON body of a 200 answer from ``url``; ``None`` for any other answer or none."""
+    """The JSON body of a 200 answer from ``url`` (the monitoring endpoint, plain HTTP on
+    loopback, asked directly: no ``http_proxy`` of the environment applies); ``None`` for any
+    other answer or none."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(
+        parts.hostname or "127.0.0.1", parts.port, timeout=timeout
+    )
     try:
-        with _opener.open(url, timeout=timeout) as answer:
-            if answer.status != 200:
-                return None
-            body = json.loads(answer.read() or b"{}")
-    except (OSError, ValueError):  # URLError and HTTPError are OSErrors
+        connection.request("GET", f"{parts.path or '/'}{'?' + parts.query if parts.query else ''}")
+        answer = connection.getresponse()
+        if answer.status != 200:
+            return None
+        body = json.loads(answer.read() or b"{}")
+    except (OSError, ValueError, http.client.HTTPException):
         return None
+    finally:
+        connection.close()
     return body if isinstance(body, dict) else None
 
 
