@@ -192,6 +192,47 @@ async def test_in_process_workers_report_over_the_local_link_with_the_same_check
 
 
 @pytest.mark.anyio
+async def test_dispatches_to_in_process_workers_skip_nats(tmp_path: Path) -> None:
+    """A daemon hands its dispatches to its in-process workers directly
+    (``Worker.take_dispatch``, the handler of a dispatch over NATS too): a session completes
+    with no request on a dispatch subject."""
+    from apomesh.runtime.protocol import DISPATCH_DECODER, DISPATCH_PREFIX, Run
+
+    config = one_worker_config(tmp_path)
+    async with Node(config, http=False) as node:
+        assert node.daemon is not None and node.service is not None
+        ((_, worker),) = node.workers
+        await worker.wait_registered()
+        pool = node.daemon.workers
+        assert set(pool.local_workers) == {worker.worker_id}
+        over_nats: list[str] = []
+        request = pool.nc.request
+
+        async def counted(subject: str, *args: Any, **kwargs: Any) -> Any:
+            over_nats.append(subject)
+            return await request(subject, *args, **kwargs)
+
+        pool.nc.request = counted  # type: ignore[method-assign]
+        taken: list[Any] = []
+        take = pool.local_workers[worker.worker_id]
+
+        def seen(data: bytes, headers: Any) -> Any:
+            taken.append(DISPATCH_DECODER.decode(data))
+            return take(data, headers)
+
+        pool.local_workers[worker.worker_id] = seen
+        session_id = await node.service.create_session(
+            "write", agent=None, definition=writer([[write("a.txt", "one")]]), by="t"
+        )
+        runtime = node.daemon.registry.live[session_id]
+        assert runtime.task is not None
+        await runtime.task
+    assert runtime.state.status == "completed"
+    assert [(r.session_id, r.agent) for r in taken if isinstance(r, Run)] == [(session_id, "root")]
+    assert not [s for s in over_nats if s.startswith(DISPATCH_PREFIX)], over_nats
+
+
+@pytest.mark.anyio
 async def test_a_report_carries_only_the_call_counts_that_changed(tmp_path: Path) -> None:
     """An agent making twelve different side-effecting calls, one a node: each report carries
     the counts its node changed (one, or none), not every count so far, and the stored memory

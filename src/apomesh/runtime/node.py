@@ -627,9 +627,12 @@ class Node:
         )
         self.workers.extend(w for w in started if not isinstance(w, BaseException))
         _raise_first(started)
+        for _, worker in self.workers:
+            # Dispatches to the in-process workers skip the NATS round trip (from the boot
+            # scan's resumes on), and so do their reports to this daemon (once it has its id).
+            self.daemon.workers.local_workers[worker.worker_id] = worker.take_dispatch
         await self.daemon.start()
         for _, worker in self.workers:
-            # Reports of the in-process workers to this daemon skip the NATS round trip.
             link = self.daemon.control.local_link(worker.worker_id)
             worker.local_links[self.daemon.daemon_id] = link
         if http is not None:

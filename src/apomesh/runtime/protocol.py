@@ -43,6 +43,7 @@ sent to that worker under that epoch, to the session's live event streams.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -483,6 +484,11 @@ class DispatchAck(msgspec.Struct):
     beat_seq: int = 0
     """The worker's latest beat when it took the dispatch: a later beat not listing the agent
     means the worker no longer runs it."""
+
+
+LocalDispatch = Callable[[bytes, "dict[str, str] | None"], DispatchAck]
+"""How a daemon hands an encoded dispatch (and its trace headers) to a worker in its own process
+and event loop (``Worker.take_dispatch``): the worker's answer at once, no NATS round trip."""
 
 
 class TurnDelta(msgspec.Struct, tag=True):

@@ -320,38 +320,43 @@ class Worker:
     # --- dispatch --------------------------------------------------------------------------------
 
     async def _on_dispatch(self, msg: Msg) -> None:
+        ack = self.take_dispatch(msg.data, msg.headers)
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await msg.respond(ENCODER.encode(ack))
+
+    def take_dispatch(self, data: bytes, headers: dict[str, str] | None) -> DispatchAck:
+        """Take one encoded dispatch (a ``Run``, ``Cancel`` or ``Reregister``, with the daemon's
+        trace headers): start, cancel or register as it asks, and answer whether it was taken.
+        Sent on ``apomesh.dispatch.<worker_id>``, or handed over directly by a daemon in this
+        process (``WorkerPool.local_workers``)."""
         try:
-            message = DISPATCH_DECODER.decode(msg.data)
+            message = DISPATCH_DECODER.decode(data)
         except Exception as exc:
-            await _respond(msg, DispatchAck(False, f"undecodable dispatch: {exc}"))
-            return
+            return DispatchAck(False, f"undecodable dispatch: {exc}")
         if isinstance(message, Reregister):
-            await _respond(msg, DispatchAck(True))
             # Also from an incarnation we know: it asks when it no longer lists us (it declared
             # us lost during a silence), and only a new registration puts us back on its list.
             if message.daemon:
                 self._spawn(self.register(message.daemon))
-            return
+            return DispatchAck(True)
         if isinstance(message, Cancel):
             key = (message.session_id, message.agent)
             current = self.running.get(key)
             if current and current.epoch <= message.epoch:
                 current.task.cancel()
                 self.running.pop(key, None)
-            await _respond(msg, DispatchAck(True))
-            return
+            return DispatchAck(True)
         assert isinstance(message, Run)
         if not message.daemon:
-            await _respond(msg, DispatchAck(False, "a dispatch must name its daemon"))
-            return
+            return DispatchAck(False, "a dispatch must name its daemon")
         if self.daemons.get(message.daemon) != message.incarnation:
             # A dispatch from a daemon we have not registered with yet: take it, then register.
             self._spawn(self.register(message.daemon))
         key = (message.session_id, message.agent)
         old = self.running.get(key)
         if old is not None and old.epoch >= message.epoch:
-            await _respond(msg, DispatchAck(False, f"epoch {message.epoch} is stale"))
-            return
+            return DispatchAck(False, f"epoch {message.epoch} is stale")
         if old is None and len(self.running) >= self.max_agents:
             log.warning(
                 "worker %s refused %s/%s from daemon %s: full (%d of %d agents running)",
@@ -363,12 +368,11 @@ class Worker:
                 self.max_agents,
             )
             reason = f"full: {len(self.running)} of {self.max_agents} agents running"
-            await _respond(msg, DispatchAck(False, reason, full=True, beat_seq=self._seq))
-            return
+            return DispatchAck(False, reason, full=True, beat_seq=self._seq)
         if old is not None:
             old.task.cancel()
         task = asyncio.create_task(
-            self._run(message, msg.headers), name=f"agent-{message.session_id}-{message.agent}"
+            self._run(message, headers), name=f"agent-{message.session_id}-{message.agent}"
         )
         self.running[key] = RunningAgent(message.epoch, task, message.daemon, message.incarnation)
         log.info(
@@ -381,7 +385,7 @@ class Worker:
             len(self.running),
             self.max_agents,
         )
-        await _respond(msg, DispatchAck(True, beat_seq=self._seq))
+        return DispatchAck(True, beat_seq=self._seq)
 
     async def _run(self, run: Run, headers: dict[str, str] | None = None) -> None:
         """Run one dispatch; ``headers`` are its NATS message's (the daemon's trace context)."""
@@ -495,12 +499,6 @@ class Worker:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-async def _respond(msg: Msg, ack: DispatchAck) -> None:
-    if msg.reply:
-        with contextlib.suppress(Exception):
-            await msg.respond(ENCODER.encode(ack))
 
 
 def _safe(name: str) -> str:

@@ -40,6 +40,7 @@ from apomesh.runtime.protocol import (
     ENCODER,
     Beat,
     Cancel,
+    LocalDispatch,
     Register,
     RegisterReply,
     Reregister,
@@ -141,6 +142,9 @@ class WorkerPool:
         self._reconnected_at = time.monotonic()
         self.waiting_for_room = Waiting()
         """Agents waiting in ``pick`` for room on a capable worker now, and their one warning."""
+        self.local_workers: dict[str, LocalDispatch] = {}
+        """Workers in this very process (``Worker.take_dispatch``), by id: dispatches and cancels
+        to them skip the NATS round trip (a resumed agent's dispatch carries its whole memory)."""
         self._was_connected = True
         self._heard_at = time.monotonic()
         """When this daemon's echo last came back (``liveness_forever``)."""
@@ -447,12 +451,16 @@ class WorkerPool:
         limit = int(self.nc.max_payload)
         if len(data) > limit:
             raise PayloadTooLarge(f"the dispatch of {run.session_id}/{run.agent}", len(data), limit)
+        local = self.local_workers.get(worker_id)
         try:
             # The agent span's context rides along: the worker's spans join the session's trace.
-            msg = await self.nc.request(
-                dispatch_subject(worker_id), data, timeout=5.0, headers=tracing.headers()
-            )
-            ack = DISPATCH_ACK_DECODER.decode(msg.data)
+            if local is not None:
+                ack = local(data, tracing.headers())
+            else:
+                msg = await self.nc.request(
+                    dispatch_subject(worker_id), data, timeout=5.0, headers=tracing.headers()
+                )
+                ack = DISPATCH_ACK_DECODER.decode(msg.data)
         except Exception as exc:  # an RPC failure is never proof of death; liveness decides that
             self.log.warning(
                 "dispatch of %s/%s to %s not acknowledged: %r",
@@ -487,9 +495,12 @@ class WorkerPool:
     async def send_cancel(
         self, worker_id: str, session_id: str, agent: str, epoch: int, reason: str
     ) -> None:
-        await self.nc.publish(
-            dispatch_subject(worker_id), ENCODER.encode(Cancel(session_id, agent, epoch, reason))
-        )
+        data = ENCODER.encode(Cancel(session_id, agent, epoch, reason))
+        local = self.local_workers.get(worker_id)
+        if local is not None:
+            local(data, None)
+            return
+        await self.nc.publish(dispatch_subject(worker_id), data)
 
     # --- liveness ----------------------------------------------------------------------------------
 
