@@ -27,9 +27,9 @@ import itertools
 import json
 import logging
 import ssl
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -406,6 +406,46 @@ def unavailable_as_log_error(what: str) -> Iterator[None]:
         yield
     except UNAVAILABLE_ERRORS as exc:
         raise LogUnavailable(f"{what}: NATS is unavailable ({type(exc).__name__}: {exc})") from None
+
+
+_T = TypeVar("_T")
+
+JETSTREAM_RETRY_PAUSE = 1.0
+"""Seconds between two attempts of a start that found JetStream unavailable."""
+
+
+class JetStreamWait:
+    """How a start opens what it keeps on JetStream (the KV buckets, the state store's bucket,
+    the log and heartbeat streams) while JetStream may not answer yet: a cluster electing its
+    leaders after a restart, or after its nodes were paused. Each opening is tried again every
+    ``JETSTREAM_RETRY_PAUSE`` seconds; the whole start warns once and gives up ``within``
+    seconds after its first attempt, raising the last ``LogUnavailable``."""
+
+    def __init__(self, within: float) -> None:
+        self.within = within
+        self._deadline: float | None = None
+        self._warned = False
+
+    async def answered(self, open_: Callable[[], Awaitable[_T]]) -> _T:
+        """``open_()`` once JetStream answers it; ``open_`` must be safe to run again."""
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + self.within
+        while True:
+            try:
+                return await open_()
+            except LogUnavailable as exc:
+                if loop.time() + JETSTREAM_RETRY_PAUSE > self._deadline:
+                    raise
+                if not self._warned:
+                    _log.warning(
+                        "JetStream does not answer yet (%s); trying again for up to %.0f s"
+                        " ([nats] jetstream_ready_timeout)",
+                        exc,
+                        self.within,
+                    )
+                    self._warned = True
+            await asyncio.sleep(JETSTREAM_RETRY_PAUSE)
 
 
 async def api_request(

@@ -33,6 +33,7 @@ from nats.aio.client import Client as NATS
 from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore
+from apomesh.adapters.nats_connect import JetStreamWait
 from apomesh.adapters.private_files import read_private_file, write_private_file
 from apomesh.core.errors import ApomeshError, LogUnavailable
 from apomesh.core.ports import EventLog
@@ -73,9 +74,13 @@ class Daemon:
         store: AsyncStore,
         plugins: PluginHost,
         workspace: Path,
+        jetstream: JetStreamWait | None = None,
     ) -> None:
         self.config = config
         self.nc = nc
+        self.jetstream = jetstream or JetStreamWait(config.nats.jetstream_ready_timeout)
+        """How ``start`` waits for JetStream to answer its streams (``Node`` passes the wait its
+        own opening of the KV buckets began: one deadline and one warning for the start)."""
         # Worker requests are answered, heartbeats heard and dispatches sent on the control-plane
         # connection (a login without JetStream, KV or log rights) when there is one.
         self.control_nc = control_nc or nc
@@ -209,8 +214,7 @@ class Daemon:
         self.presence.daemon_id = self.daemon_id
         self._started = True
         self.workers.daemon_id = self.daemon_id  # names it on dispatches and control subjects
-        await self.log.ensure()
-        await self.heartbeats.ensure()
+        await self.jetstream.answered(self._ensure_streams)
         await self.control.start()
         self._spawn(
             self.workers.liveness_forever(
@@ -245,6 +249,10 @@ class Daemon:
         self._drain_sub = await self.nc.subscribe(
             DRAIN_SUBJECT_PREFIX + self.daemon_id, cb=self._on_drain_request
         )
+
+    async def _ensure_streams(self) -> None:
+        await self.log.ensure()
+        await self.heartbeats.ensure()
 
     async def _sweep_retention(self) -> int:
         """Purge the sessions that ended longer ago than ``[retention] ended_after``."""

@@ -46,7 +46,7 @@ import socket
 import tomllib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -54,7 +54,7 @@ from apomesh.adapters.heartbeats import HeartbeatStream
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.adapters.kv import KvBuckets
 from apomesh.adapters.lmdb_store import AsyncStore, LmdbStore
-from apomesh.adapters.nats_connect import connect, redact_url, tls_context
+from apomesh.adapters.nats_connect import JetStreamWait, connect, redact_url, tls_context
 from apomesh.adapters.natsserver import NatsUser, PortTaken, embedded_server
 from apomesh.adapters.private_files import (
     DirLock,
@@ -68,7 +68,7 @@ from apomesh.builtin.anthropic_model import PROVIDER_NAME as ANTHROPIC_PROVIDER
 from apomesh.builtin.openai_model import PROVIDER_NAME as OPENAI_PROVIDER
 from apomesh.builtin.openai_model import Credential, OpenAIProvider
 from apomesh.builtin.skills import DirectorySkillResolver
-from apomesh.core.errors import DefinitionError, LogUnavailable, StoreError
+from apomesh.core.errors import DefinitionError, StoreError
 from apomesh.core.ports import StateStore
 from apomesh.plugins.api import SkillResolver
 from apomesh.plugins.manager import PluginHost
@@ -397,37 +397,6 @@ async def open_state_store(
     return store
 
 
-_T = TypeVar("_T")
-
-JETSTREAM_RETRY_PAUSE = 1.0
-"""Seconds between two attempts of a start that found JetStream unavailable."""
-
-
-async def when_jetstream_answers(open_: Callable[[], Awaitable[_T]], within: float) -> _T:
-    """``open_()`` once JetStream answers it: a connected server whose JetStream is unavailable
-    (a cluster electing its leaders after a restart, or after its nodes were paused) is tried
-    again every ``JETSTREAM_RETRY_PAUSE`` seconds, with one warning, for ``within`` seconds; then
-    the last ``LogUnavailable`` is raised. ``open_`` must be safe to run again."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    warned = False
-    while True:
-        try:
-            return await open_()
-        except LogUnavailable as exc:
-            if loop.time() + JETSTREAM_RETRY_PAUSE > deadline:
-                raise
-            if not warned:
-                log.warning(
-                    "JetStream does not answer yet (%s); trying again for up to %.0f s"
-                    " ([nats] jetstream_ready_timeout)",
-                    exc,
-                    within,
-                )
-                warned = True
-        await asyncio.sleep(JETSTREAM_RETRY_PAUSE)
-
-
 def _raise_first(results: Iterable[object]) -> None:
     """Raise the first exception among ``asyncio.gather(..., return_exceptions=True)`` results."""
     for result in results:
@@ -575,11 +544,16 @@ class Node:
         )
         heartbeats = HeartbeatStream(self.nc, replicas=replicas)
         nc = self.nc
-        kv = await when_jetstream_answers(
-            lambda: KvBuckets.open(nc, replicas, lease_ttl=config.daemon.lease_ttl),
-            config.nats.jetstream_ready_timeout,
+        # One wait for all the start keeps on JetStream (the daemon's streams too).
+        jetstream = JetStreamWait(config.nats.jetstream_ready_timeout)
+        kv = await jetstream.answered(
+            lambda: KvBuckets.open(nc, replicas, lease_ttl=config.daemon.lease_ttl)
         )
-        self.store = AsyncStore(await open_state_store(config, data, self.urls, daemon_options))
+        self.store = AsyncStore(
+            await jetstream.answered(
+                lambda: open_state_store(config, data, self.urls, daemon_options)
+            )
+        )
         workspace = config.daemon.workspace_path()
         workspace.mkdir(parents=True, exist_ok=True)
         self.daemon = Daemon(
@@ -592,6 +566,7 @@ class Node:
             store=self.store,
             plugins=plugins,
             workspace=workspace,
+            jetstream=jetstream,
         )
         daemon = self.daemon
         self.service = Service(
