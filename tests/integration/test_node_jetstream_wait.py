@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.integration.test_node_reports import one_worker_config
 
 from apomesh.adapters.jetstream_log import JetStreamLog
 from apomesh.core.errors import LogUnavailable
-from apomesh.runtime.config import load_config
 from apomesh.runtime.node import Node
 
 pytestmark = pytest.mark.anyio
@@ -25,15 +25,7 @@ WARNING = "JetStream does not answer yet"
 
 
 def config_for(tmp_path: Path, **nats: Any) -> Any:
-    return load_config(
-        None,
-        env={},
-        overrides={
-            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
-            "plugins": {"allow": ["apomesh"]},
-            "nats": nats,
-        },
-    )
+    return one_worker_config(tmp_path, nats=nats)
 
 
 def failing_ensure(monkeypatch: pytest.MonkeyPatch, failures: int | None) -> list[float]:

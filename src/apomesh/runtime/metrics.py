@@ -186,124 +186,150 @@ class DaemonMetrics:
         self.build = {"version": __version__, "python": platform.python_version()}
         """The labels of ``apomesh_build_info`` (the version and Python this daemon runs)."""
         self.sessions = self._add(
-            "gauge", "apomesh_sessions", "Sessions the daemon holds, by status.", ["state"]
+            Metric("gauge", "apomesh_sessions", "Sessions the daemon holds, by status.", ["state"])
         )
         self.agents = self._add(
-            "gauge", "apomesh_agents", "Agents of live sessions, by phase.", ["phase"]
+            Metric("gauge", "apomesh_agents", "Agents of live sessions, by phase.", ["phase"])
         )
         self.session_seconds = self._add(
-            "histogram",
-            "apomesh_session_seconds",
-            "Seconds from a session's start to its end, by how it ended (completed, failed,"
-            " cancelled); its count is the sessions ended.",
-            ["status"],
-            buckets=SESSION_BUCKETS,
+            Metric(
+                "histogram",
+                "apomesh_session_seconds",
+                "Seconds from a session's start to its end, by how it ended (completed, failed,"
+                " cancelled); its count is the sessions ended.",
+                ["status"],
+                buckets=SESSION_BUCKETS,
+            )
         )
         self.model_call_seconds = self._add(
-            "histogram",
-            "apomesh_model_call_seconds",
-            "Seconds one model call took, by provider, model and outcome; its count is the calls.",
-            ["provider", "model", "outcome"],
-            buckets=MODEL_CALL_BUCKETS,
+            Metric(
+                "histogram",
+                "apomesh_model_call_seconds",
+                "Seconds one model call took, by provider, model and outcome; its"
+                " count is the calls.",
+                ["provider", "model", "outcome"],
+                buckets=MODEL_CALL_BUCKETS,
+            )
         )
         self.model_tokens = self._add(
-            "counter",
-            "apomesh_model_tokens_total",
-            "Tokens of model calls, by provider, model and kind (prompt, completion).",
-            ["provider", "model", "kind"],
+            Metric(
+                "counter",
+                "apomesh_model_tokens_total",
+                "Tokens of model calls, by provider, model and kind (prompt, completion).",
+                ["provider", "model", "kind"],
+            )
         )
         self.tool_call_seconds = self._add(
-            "histogram",
-            "apomesh_tool_call_seconds",
-            "Seconds one tool call ran on its worker, by tool and outcome (ok, error); its count"
-            " is the calls.",
-            ["tool", "outcome"],
-            buckets=TOOL_CALL_BUCKETS,
+            Metric(
+                "histogram",
+                "apomesh_tool_call_seconds",
+                "Seconds one tool call ran on its worker, by tool and outcome (ok,"
+                " error); its count"
+                " is the calls.",
+                ["tool", "outcome"],
+                buckets=TOOL_CALL_BUCKETS,
+            )
         )
         self.events_appended = self._add(
-            "counter",
-            "apomesh_events_appended_total",
-            "Events appended to the log, by kind.",
-            ["kind"],
+            Metric(
+                "counter",
+                "apomesh_events_appended_total",
+                "Events appended to the log, by kind.",
+                ["kind"],
+            )
         )
         self._appended_by_kind: dict[type, Any] = {}
         self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         """Labelled children by (metric, label values), each looked up once (``_child``)."""
         self.append_seconds = self._add(
-            "histogram",
-            "apomesh_append_seconds",
-            "Seconds one (batched) append to the log took.",
-            buckets=APPEND_BUCKETS,
+            Metric(
+                "histogram",
+                "apomesh_append_seconds",
+                "Seconds one (batched) append to the log took.",
+                buckets=APPEND_BUCKETS,
+            )
         )
         self.heartbeats_received = self._add(
-            "counter", "apomesh_heartbeats_received_total", "Worker heartbeats received."
+            Metric("counter", "apomesh_heartbeats_received_total", "Worker heartbeats received.")
         )
         self.workers_alive = self._add(
-            "gauge", "apomesh_workers_alive", "Workers currently considered alive."
+            Metric("gauge", "apomesh_workers_alive", "Workers currently considered alive.")
         )
         self.workers_lost = self._add(
-            "counter",
-            "apomesh_workers_lost_total",
-            "Workers declared lost after missed heartbeats.",
+            Metric(
+                "counter",
+                "apomesh_workers_lost_total",
+                "Workers declared lost after missed heartbeats.",
+            )
         )
         self.resumes = self._add(
-            "counter",
-            "apomesh_resumes_total",
-            "Agent and session resumes, by path (worker_lost, auto, operator).",
-            ["path"],
+            Metric(
+                "counter",
+                "apomesh_resumes_total",
+                "Agent and session resumes, by path (worker_lost, auto, operator).",
+                ["path"],
+            )
         )
         self.journal_hits = self._add(
-            "counter",
-            "apomesh_journal_hits_total",
-            "Side-effecting tool calls served from the journal.",
+            Metric(
+                "counter",
+                "apomesh_journal_hits_total",
+                "Side-effecting tool calls served from the journal.",
+            )
         )
         self.recoverable_sessions = self._add(
-            "gauge", "apomesh_recoverable_sessions", "Sessions on the recoverable list."
+            Metric("gauge", "apomesh_recoverable_sessions", "Sessions on the recoverable list.")
         )
         self.fenced_reports = self._add(
-            "counter",
-            "apomesh_fenced_reports_total",
-            "Worker reports rejected for a stale epoch or identity.",
+            Metric(
+                "counter",
+                "apomesh_fenced_reports_total",
+                "Worker reports rejected for a stale epoch or identity.",
+            )
         )
         self.snapshot_bytes = self._add(
-            "counter",
-            "apomesh_snapshot_bytes_total",
-            "Bytes of snapshot records written to LMDB.",
+            Metric(
+                "counter",
+                "apomesh_snapshot_bytes_total",
+                "Bytes of snapshot records written to LMDB.",
+            )
         )
         self.dropped_requests = self._add(
-            "counter",
-            "apomesh_control_requests_dropped_total",
-            "Control requests dropped unanswered: not on a worker's bound subject, or with a reply"
-            " subject outside that worker's own inbox.",
+            Metric(
+                "counter",
+                "apomesh_control_requests_dropped_total",
+                "Control requests dropped unanswered: not on a worker's bound subject,"
+                " or with a reply"
+                " subject outside that worker's own inbox.",
+            )
         )
         self.dispatches_refused = self._add(
-            "counter",
-            "apomesh_dispatches_refused_total",
-            "Dispatches a worker did not take, by reason: full (it ran as many agents as it may),"
-            " refused (a stale epoch, an undecodable dispatch) or unanswered.",
-            ["reason"],
+            Metric(
+                "counter",
+                "apomesh_dispatches_refused_total",
+                "Dispatches a worker did not take, by reason: full (it ran as many"
+                " agents as it may),"
+                " refused (a stale epoch, an undecodable dispatch) or unanswered.",
+                ["reason"],
+            )
         )
         self.placement_waits = self._add(
-            "counter",
-            "apomesh_placement_waits_total",
-            "Agents that waited for room because every worker able to run them was full.",
+            Metric(
+                "counter",
+                "apomesh_placement_waits_total",
+                "Agents that waited for room because every worker able to run them was full.",
+            )
         )
         self.append_conflicts = self._add(
-            "counter",
-            "apomesh_append_conflicts_total",
-            "Sessions this daemon stopped driving because another writer appended to their log.",
+            Metric(
+                "counter",
+                "apomesh_append_conflicts_total",
+                "Sessions this daemon stopped driving because another writer appended"
+                " to their log.",
+            )
         )
 
-    def _add(
-        self,
-        kind: str,
-        name: str,
-        documentation: str,
-        labels: Iterable[str] = (),
-        *,
-        buckets: tuple[float, ...] = (),
-    ) -> Metric:
-        metric = Metric(kind, name, documentation, labels, buckets=buckets)
+    def _add(self, metric: Metric) -> Metric:
         self.metrics.append(metric)
         return metric
 
