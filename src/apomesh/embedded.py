@@ -218,7 +218,8 @@ class LocalMesh:
             while not view.terminal:
                 _check_not_stuck(view)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), STATUS_CHECK)
+                    async with asyncio.timeout(STATUS_CHECK):
+                        await changed.wait()
                 changed.clear()
                 view = await service.get_session(session_id)
         finally:

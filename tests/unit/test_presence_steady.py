@@ -73,3 +73,18 @@ async def test_writes_further_apart_than_the_gap_start_steadiness_again(
     assert record.steady(0.0)
     assert not record.steady(3600.0)
     assert "presence record renewed again after" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_the_renewal_loop_ends_when_cancelled_in_the_tick_of_a_nudge() -> None:
+    # A shutdown cancels the loop right after the last sessions ended, and each end nudges the
+    # record: a cancellation that arrives in the same tick as the nudge must still end the loop
+    # (asyncio.wait_for on Python 3.11 returned the finished wait instead and the loop went on,
+    # holding the daemon's shutdown for ever).
+    record = presence(Table(), renew_every=60.0)
+    renewing = asyncio.create_task(record.publish_forever())
+    await asyncio.sleep(0.01)  # waiting for a change
+    record.nudge()
+    renewing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(renewing, 5.0)

@@ -303,10 +303,12 @@ class Daemon:
         # A NATS going away must not hold the shutdown: each presence call is bounded.
         self.presence.state = "draining"
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.presence.publish(), PRESENCE_CALL_SECONDS)
+            async with asyncio.timeout(PRESENCE_CALL_SECONDS):
+                await self.presence.publish()
         await self.registry.drain(self.config.daemon.shutdown_timeout)
         try:
-            peers = await asyncio.wait_for(self.presence.live_peers(), PRESENCE_CALL_SECONDS)
+            async with asyncio.timeout(PRESENCE_CALL_SECONDS):
+                peers = await self.presence.live_peers()
         except Exception as exc:
             log.warning("drain: the live peers cannot be listed (%s); leases kept", exc)
             peers = []
@@ -317,7 +319,8 @@ class Daemon:
             log.info("drain: %d sessions handed over to %d live peers", len(handed), len(peers))
         self.presence.state = "drained"
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.presence.publish(), PRESENCE_CALL_SECONDS)
+            async with asyncio.timeout(PRESENCE_CALL_SECONDS):
+                await self.presence.publish()
         return handed
 
     async def _stable_id(self) -> str:

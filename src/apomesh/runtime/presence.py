@@ -174,8 +174,12 @@ class Presence:
         """Keep the record alive (every ``renew_every`` and soon after each ``nudge``)."""
         last_write = 0.0
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for answers a wait that ended in
+            # the very tick it was cancelled (a nudge from the shutdown's last session ending)
+            # and drops the cancellation, and this loop would hold the shutdown for ever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.renew_every)
+                async with asyncio.timeout(self.renew_every):
+                    await self._changed.wait()
             self._changed.clear()
             await asyncio.sleep(rewrite_delay(last_write, self.renew_every))
             began = time.perf_counter()

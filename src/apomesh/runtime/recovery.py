@@ -146,10 +146,9 @@ async def start_in_waves(
             if closing():
                 return
             runtime.start("auto")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(runtime.opened.wait() for runtime in wave)), WAVE_WAIT
-            )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(WAVE_WAIT):
+                await asyncio.gather(*(runtime.opened.wait() for runtime in wave))
     progress.finish(len(adopted))
 
 

@@ -524,8 +524,8 @@ class SessionRuntime:
         if self._changed is None:
             self._changed = asyncio.Condition()
         changed = self._changed
-        async with changed:
-            await asyncio.wait_for(changed.wait_for(predicate), timeout)
+        async with changed, asyncio.timeout(timeout):
+            await changed.wait_for(predicate)
 
     async def poke(self) -> None:
         """Wake whoever waits in ``wait_for`` to look at the state again."""

@@ -186,7 +186,8 @@ class Worker:
 
     async def wait_registered(self, timeout: float = 30.0) -> None:
         """Until a first daemon accepted this worker's registration."""
-        await asyncio.wait_for(self._registered.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await self._registered.wait()
 
     async def aclose(self) -> None:
         self._closing = True
@@ -290,7 +291,8 @@ class Worker:
             # then, or the daemon's first silence window could close before the next beat.
             waited = self.heartbeat_interval
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), waited)
+                async with asyncio.timeout(waited):  # not wait_for: see Presence.publish_forever
+                    await self._beat_now.wait()
             self._beat_now.clear()
 
     def _say_held_up(self, gap: float, due: float) -> None:
