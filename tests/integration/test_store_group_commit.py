@@ -1,7 +1,6 @@
 """The async store facade's group commit on real LMDB: writes that queue while a transaction is
-being committed go in the next ones together, half of those waiting at a time, each caller's batch
-stays all-or-nothing and durable when its call returns, and one bad batch fails only its own
-caller."""
+being committed go in the next one together, each caller's batch stays all-or-nothing and durable
+when its call returns, and one bad batch fails only its own caller."""
 
 from __future__ import annotations
 
@@ -67,7 +66,9 @@ async def test_a_bad_batch_in_a_group_fails_only_its_caller(tmp_path: Path) -> N
     async def write(i: int) -> None:
         database = "no-such-db" if i == 7 else "segments"
         try:
-            await facade.write_batch([(database, f"k{i:02d}", b"v"), ("segments", f"x{i:02d}", b"v")])
+            await facade.write_batch(
+                [(database, f"k{i:02d}", b"v"), ("segments", f"x{i:02d}", b"v")]
+            )
             outcomes[i] = "ok"
         except StoreError as exc:
             outcomes[i] = str(exc)
@@ -135,9 +136,9 @@ async def test_closing_commits_what_is_queued_first(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_burst_of_waiting_writes_is_committed_half_a_group_at_a_time() -> None:
-    """Writes that queued while a commit ran are cut in two: a group takes at most half of what
-    waits (at least one), so the first half's callers go on while the rest commit."""
+async def test_a_burst_of_waiting_writes_is_committed_in_one_group() -> None:
+    """Writes that queued while a commit ran all go in the next commit: one fsync for the burst,
+    taken while the event loop waits for it."""
     import asyncio
 
     from apomesh.adapters.lmdb_store import _GroupWriter, _QueuedWrite
@@ -163,4 +164,4 @@ async def test_a_burst_of_waiting_writes_is_committed_half_a_group_at_a_time() -
     release.set()
     await asyncio.wait_for(asyncio.gather(*(e.future for e in entries)), 10)
     await anyio.to_thread.run_sync(writer.stop)
-    assert sizes == [1, 5, 3, 1, 1], sizes
+    assert sizes == [1, 10], sizes

@@ -410,13 +410,16 @@ class _GroupWriter:
     the next, which it starts at once (never waiting for the event loop to come round), and it
     wakes each group's callers with one call into their loop.
 
-    A group takes at most half of the writes waiting when it starts (at least one); the rest
-    start the next group at once. Sessions that all waited for one commit would otherwise step in
-    lockstep: all of them answered together, all of their log appends sent together, all of
-    their next writes back together. Cut in two, one half appends to the log and runs on while
-    the other commits (measured: 0.81-0.89x of the naive loop's steps/s instead of 0.74-0.80x at
-    JetStream's ``sync_interval: always``, where every append waits for the server's fsync; no
-    change at the default sync; ``docs/performance.md``)."""
+    A group takes every write waiting when it starts. py-lmdb lets go of the GIL around every
+    put and around the fsync, so a commit that runs while the event loop runs other sessions'
+    steps waits for the GIL once per record; one that takes them all runs while the loop waits
+    for it. Measured on the standard workload (``docs/performance.md``): groups of half of what
+    waited, which kept the sessions out of lockstep, left this thread busy 85 % of the time,
+    committing a group of six in 2.0-2.4 ms where a group of twenty now takes 1.1-1.6 ms (1.35-1.41x
+    the naive loop's steps/s instead of 1.12-1.20x at JetStream's default sync; 0.92-1.00x
+    instead of 1.00-1.09x at ``sync_interval: always``, where a step waits on the server's fsync
+    of each append).
+    """
 
     def __init__(self, commit: Callable[[list[_QueuedWrite]], None]) -> None:
         self._commit = commit
@@ -437,14 +440,11 @@ class _GroupWriter:
         while not stopping:
             group: list[_QueuedWrite] = []
             item = self._queue.get()
-            room = max(1, (self._queue.qsize() + 2) // 2)  # half of what waits, rounded up
             while True:
                 if item is None:
                     stopping = True
                 elif not item.abandoned:
                     group.append(item)
-                if len(group) >= room and not stopping:
-                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -481,7 +481,7 @@ class AsyncStore:
     ``READ_THREADS``, in an executor of asyncio's: a daemon's start loads no other thread
     machinery for them). Writes are group-committed by one
     writer thread: writes that arrive while it commits a transaction go in the next ones together
-    (``write_batches`` when the store has it), at most half of those waiting a group
+    (``write_batches`` when the store has it), all of those waiting a group
     (``_GroupWriter``), so a burst of writes from many sessions costs a few fsyncs instead of one
     per write, and never parks a thread per write on LMDB's write lock. Each caller's batch is still all-or-nothing and durable when its call
     returns; if a group's transaction fails, its batches are retried one by one so one bad batch
