@@ -9,9 +9,10 @@ takes ``--parked`` (10,000) sessions created through the service the REST API us
 held by the daemon. The figures: the process's resident set (after a garbage collection) before
 and after, per parked session; the messages a second the daemon's NATS connection sends while
 they sit parked and nothing else runs (what holding them costs); and the S = 20 workload again with
-all of them parked, against its unloaded figure (median of ``--reps`` runs each). The part runs
-in a freshly started child process, as ``apomesh serve`` is one, so the heap the other parts leave
-in this process is not the daemon's.
+all of them parked, against its unloaded figure (median of ``--reps``, 7, runs each: a run is
+about 0.4 s, and three left the median to one run's luck). The part runs in a freshly started
+child process, as ``apomesh serve`` is one, so the heap the other parts leave in this process is
+not the daemon's.
 
 **Boot scan.** ``--stored`` (10,000 and 100,000) stored sessions of 20 events each (the sessions
 of ``bench_recovery.py``: half auto-resumable, three in ten with a logged side effect, two in ten
@@ -585,7 +586,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument("--parked", type=int, default=10_000)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--reps", type=int, default=7, help="S = 20 runs each, unloaded and beside the parked"
+    )
     parser.add_argument("--stored", default="10000,100000", help="stored session counts")
     parser.add_argument("--long-events", type=int, default=100_000)
     parser.add_argument(
