@@ -2,17 +2,20 @@
 one very long session, and worker loss to all sessions done.
 
 **Parked sessions.** A ``Node`` (what ``apomesh serve`` runs: embedded nats-server, the daemon,
-LMDB, two in-process workers, the ``apomesh-benchtools`` plugin) first runs the standard workload
-of ``bench_workload.py`` (S = 20 sessions x N = 50 steps, its ``apomesh_run``) unloaded, then
-takes ``--parked`` (10,000) sessions created through the service the REST API uses, each a
-``solo`` agent whose first call is ``ask_human``: every one ends up ``paused``, its pause open,
-held by the daemon. The figures: the process's resident set (after a garbage collection) before
-and after, per parked session; the messages a second the daemon's NATS connection sends while
-they sit parked and nothing else runs (what holding them costs); and the S = 20 workload again with
-all of them parked, against its unloaded figure (median of ``--reps``, 7, runs each: a run is
-about 0.4 s, and three left the median to one run's luck). The part runs in a freshly started
-child process, as ``apomesh serve`` is one, so the heap the other parts leave in this process is
-not the daemon's.
+LMDB, two in-process workers, the ``apomesh-benchtools`` plugin), in a freshly started child
+process as ``apomesh serve`` is one, first runs the standard workload of ``bench_workload.py`` (S
+= 20 sessions x N = 50 steps, its ``apomesh_run``) unloaded, then takes ``--parked`` (10,000)
+sessions created through the service the REST API uses, each a ``solo`` agent whose first call
+is ``ask_human``: every one ends up ``paused``, its pause open, held by the daemon. The figures:
+the process's resident set (after a garbage collection) before and after, per parked session;
+the messages a second the daemon's NATS connection sends while they sit parked and nothing else
+runs (what holding them costs); and the S = 20 workload with all of them parked against an
+unloaded twin (the same ``Node`` in a second child process, holding nothing), ``--reps`` (7)
+pairs of runs in turn, the order alternating, the median of the pairs' ratios: the machine
+moving between one run and the next moves both figures of a pair alike (measured before as this
+daemon's own runs before it parked against its runs after, some 40 s later, one figure moved
+from 0.63x to 1.21x between runs of the same code). The parked daemon's own runs before it parked
+are printed too.
 
 **Boot scan.** ``--stored`` (10,000 and 100,000) stored sessions of 20 events each (the sessions
 of ``bench_recovery.py``: half auto-resumable, three in ten with a logged side effect, two in ten
@@ -171,43 +174,96 @@ async def idle_messages(node: Node) -> float:
     return (stats["out_msgs"] - first) / IDLE_SECONDS
 
 
-async def measure_parked(parked: int, reps: int, sessions: int, steps: int) -> None:
+SESSIONS, STEPS = 20, 50
+"""The S = 20 x N = 50 workload run beside the parked sessions and on the unloaded twin."""
+
+
+async def _daemon_for_runs(conn: Any, parked: int, reps: int) -> None:
+    """A child process's daemon (a ``Node``): it parks ``parked`` sessions (none for the
+    unloaded twin), says what that took, then runs the workload each time it is asked."""
     with scratch("apomesh-scale-parked-") as base:
         config = _with_benchtools(make_config(base, workers=2, sync_always=False))
         async with Node(config, http=False) as node:
             for _, worker in node.workers:
                 await worker.wait_registered()
             await apomesh_run(node, 2, 3)  # warm up
-            unloaded = [(await apomesh_run(node, sessions, steps)).rate for _ in range(reps)]
-            before = rss()
-            ids, seconds = await park(node, parked)
-            after = rss()
-            idle_rate = await idle_messages(node)
-            loaded = [(await apomesh_run(node, sessions, steps)).rate for _ in range(reps)]
-            still = sum(1 for sid in ids if sid in node.daemon.registry.live)  # type: ignore[union-attr]
-    per = (after - before) / parked
+            figures: dict[str, Any] = {}
+            if parked:
+                figures["own_unloaded"] = [
+                    (await apomesh_run(node, SESSIONS, STEPS)).rate for _ in range(reps)
+                ]
+                figures["before"] = rss()
+                ids, figures["seconds"] = await park(node, parked)
+                figures["after"] = rss()
+                figures["idle_rate"] = await idle_messages(node)
+            conn.send(figures)
+            while await asyncio.to_thread(conn.recv) == "run":
+                conn.send((await apomesh_run(node, SESSIONS, STEPS)).rate)
+            if parked:
+                live = node.daemon.registry.live  # type: ignore[union-attr]
+                conn.send(sum(1 for sid in ids if sid in live))
+
+
+def _daemon_child(conn: Any, parked: int, reps: int) -> None:
+    asyncio.run(_daemon_for_runs(conn, parked, reps))
+
+
+def measure_parked(parked: int, reps: int) -> None:
+    """Two daemons, each in a freshly started child process as ``apomesh serve`` is one: one
+    holding ``parked`` sessions, its unloaded twin holding none; the workload runs on them in
+    turn (``reps`` pairs, the order alternating), so a machine that speeds up or slows down
+    meanwhile moves both figures of a pair alike. The figure is the median of the pairs'
+    ratios; the parked daemon's own runs before it parked are printed too."""
+    spawn = multiprocessing.get_context("spawn")
+    loaded_end, loaded_child = spawn.Pipe()
+    twin_end, twin_child = spawn.Pipe()
+    loaded_proc = spawn.Process(target=_daemon_child, args=(loaded_child, parked, reps))
+    loaded_proc.start()
+    figures = loaded_end.recv()
+    twin_proc = spawn.Process(target=_daemon_child, args=(twin_child, 0, reps))
+    twin_proc.start()
+    twin_end.recv()
+    pairs: list[tuple[float, float]] = []
+    for rep in range(reps):
+        order = (twin_end, loaded_end) if rep % 2 == 0 else (loaded_end, twin_end)
+        rates = {}
+        for end in order:
+            end.send("run")
+            rates[end] = end.recv()
+        pairs.append((rates[twin_end], rates[loaded_end]))
+    twin_end.send("stop")
+    loaded_end.send("stop")
+    still = loaded_end.recv()
+    twin_proc.join()
+    loaded_proc.join()
+    before, after, seconds = figures["before"], figures["after"], figures["seconds"]
     print(
         f"  {parked:,} sessions parked on a HITL pause in {seconds:.1f} s "
         f"({parked / seconds:,.0f}/s); {still:,} still held after the loaded runs"
     )
     print(
         f"    process RSS {before / 2**20:,.0f} MiB before, {after / 2**20:,.0f} MiB after: "
-        f"**{per / 1024:,.1f} KiB per parked session**"
+        f"**{(after - before) / parked / 1024:,.1f} KiB per parked session**"
     )
     print(
         f"    the daemon's NATS connection, {IDLE_SECONDS:.0f} s with all of them parked and nothing"
-        f" else running: {idle_rate:,.1f} messages sent a second"
+        f" else running: {figures['idle_rate']:,.1f} messages sent a second"
     )
-    u, lo = statistics.median(unloaded), statistics.median(loaded)
+    ratios = [loaded / twin for twin, loaded in pairs]
+    loaded_rate = statistics.median(loaded for _, loaded in pairs)
+    twin_rate = statistics.median(twin for twin, _ in pairs)
     print(
-        f"    S={sessions} x N={steps}: unloaded {u:,.0f} steps/s "
-        f"({', '.join(f'{r:,.0f}' for r in unloaded)}), with the parked sessions {lo:,.0f} "
-        f"steps/s ({', '.join(f'{r:,.0f}' for r in loaded)}): **{lo / u:.2f}x** (aim >= 0.80x)"
+        f"    S={SESSIONS} x N={STEPS} beside the parked sessions against the unloaded twin, "
+        f"{reps} pairs: {loaded_rate:,.0f} against {twin_rate:,.0f} steps/s, ratios "
+        f"{', '.join(f'{r:.2f}' for r in ratios)}: **{statistics.median(ratios):.2f}x** "
+        f"(aim >= 0.80x)"
     )
-
-
-def _park_in_child(parked: int, reps: int) -> None:
-    asyncio.run(measure_parked(parked, reps, 20, 50))
+    own = statistics.median(figures["own_unloaded"])
+    print(
+        f"    the parked daemon's own runs before it parked: {own:,.0f} steps/s "
+        f"({', '.join(f'{r:,.0f}' for r in figures['own_unloaded'])}); beside the parked "
+        f"sessions {loaded_rate / own:.2f}x of that"
+    )
 
 
 # --- stored sessions, published straight to the log ----------------------------------------------
@@ -629,14 +685,7 @@ def main() -> int:
     if "parked" in parts:
         install_plugin_package(BENCHTOOLS)
         print("parked sessions (one daemon, in-process workers)", flush=True)
-        # In a freshly started child process, as ``apomesh serve`` is one: the parts before it
-        # leave this process's heap at some 170 MiB (the seeded sessions' leftovers), which the
-        # collector then walks with the daemon's own.
-        child = multiprocessing.get_context("spawn").Process(
-            target=_park_in_child, args=(args.parked, args.reps)
-        )
-        child.start()
-        child.join()
+        measure_parked(args.parked, args.reps)
     if "takeover" in parts:
         print("takeover of a killed daemon's sessions by its running peer", flush=True)
         measure_takeover(args.takeover_sessions)
