@@ -643,7 +643,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument("--parked", type=int, default=10_000)
     parser.add_argument(
-        "--reps", type=int, default=7, help="S = 20 runs each, unloaded and beside the parked"
+        "--reps", type=int, default=7, help="pairs of S = 20 runs, parked daemon and its twin"
     )
     parser.add_argument("--stored", default="10000,100000", help="stored session counts")
     parser.add_argument("--long-events", type=int, default=100_000)
@@ -684,7 +684,7 @@ def main() -> int:
         measure_long(args.long_events, min(args.long_tail, args.long_events - 1))
     if "parked" in parts:
         install_plugin_package(BENCHTOOLS)
-        print("parked sessions (one daemon, in-process workers)", flush=True)
+        print("parked sessions (a daemon holding them and an unloaded twin)", flush=True)
         measure_parked(args.parked, args.reps)
     if "takeover" in parts:
         print("takeover of a killed daemon's sessions by its running peer", flush=True)
