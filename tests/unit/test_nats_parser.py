@@ -112,6 +112,52 @@ async def test_a_sink_takes_its_subject_in_order_and_the_rest_goes_on() -> None:
     assert ours.calls == [c for c in everything.calls if c not in to_sink]
 
 
+def page_protocol(rng: random.Random, count: int) -> bytes:
+    """A batched direct get's answer as the server sends it (runs of messages to one subject and
+    sid, no reply, no headers) with other traffic between the runs: the same subject with
+    another sid, a reply or headers, subjects and sids that share its first characters."""
+    out = bytearray()
+    for n in range(count):
+        kind = rng.random()
+        payload = rng.randbytes(rng.randint(0, 200)).replace(b"\r\n", b"\n\r")
+        if kind < 0.75:
+            line = f"MSG page.in 1 {len(payload)}"
+        elif kind < 0.8:
+            line = f"MSG page.in 12 {len(payload)}"
+        elif kind < 0.85:
+            line = f"MSG page.in 1 _INBOX.r{n} {len(payload)}"
+        elif kind < 0.9:
+            line = f"MSG page.inner 1 {len(payload)}"
+        elif kind < 0.95:
+            headers = b"NATS/1.0\r\nNats-Sequence: %d\r\n\r\n" % n
+            total = len(headers) + len(payload)
+            out += f"HMSG page.in 1 {len(headers)} {total}\r\n".encode() + headers
+            out += payload + b"\r\n"
+            continue
+        else:
+            out += b"PING\r\n"
+            continue
+        out += line.encode() + b"\r\n" + payload + b"\r\n"
+    return bytes(out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_run_of_page_messages_goes_to_its_sink_whole_and_in_order(seed: int) -> None:
+    data = page_protocol(random.Random(seed), 800)
+    everything = Recorder()
+    await feed(Parser(everything), data, random.Random(seed + 1))
+    ours = Recorder()
+    parser = SinkParser(ours)
+    sunk: list[tuple[bytes | None, bytes]] = []
+    parser.sinks[b"page.in"] = lambda headers, payload: sunk.append((headers, payload))
+    await feed(parser, data, random.Random(seed + 2))
+    to_sink = [c for c in everything.calls if c[0] == "msg" and c[2] == b"page.in"]
+    assert sunk == [(c[5], c[4]) for c in to_sink]
+    assert len(to_sink) > 500
+    assert ours.calls == [c for c in everything.calls if c not in to_sink]
+    assert not parser.buf
+
+
 async def test_a_reset_while_a_line_is_handled_drops_what_came_after_it() -> None:
     client = Recorder()
     parser = SinkParser(client)
