@@ -420,6 +420,78 @@ async def test_every_lease_change_is_seen_by_a_watcher(buckets: KvBuckets) -> No
         await stop()
 
 
+async def watched(
+    buckets: KvBuckets, seen: list[tuple[str, str | None]], since: int, me: str
+) -> Any:
+    return await buckets.leases.watch(
+        lambda session, owner: seen.append((session, owner)), since=since, owner=me
+    )
+
+
+async def until_seen(seen: list[tuple[str, str | None]], wanted: tuple[str, str | None]) -> None:
+    with anyio.fail_after(10):
+        while wanted not in seen:
+            await anyio.sleep(0.02)
+
+
+async def test_a_watch_from_a_position_leaves_out_a_run_of_its_own_takes(
+    buckets: KvBuckets,
+) -> None:
+    """A boot scan's: the position read, 300 leases taken together (more than one window), then
+    the watch from that position: none of the 300 comes back, a change after them does."""
+    leases = buckets.leases
+    me, peer = unique("daemon-me"), unique("daemon-peer")
+    await buckets.daemons.put(me, b"record")
+    await buckets.daemons.put(peer, b"record")
+    since = await leases.position()
+    sessions = [unique(f"mine-{n}") for n in range(300)]
+    assert await leases.acquire_many(sessions, me, window=64) == set(sessions)
+    seen: list[tuple[str, str | None]] = []
+    stop = await watched(buckets, seen, since, me)
+    try:
+        later = unique("later")
+        assert await leases.acquire(later, peer)
+        await until_seen(seen, (later, peer))
+        assert seen == [(later, peer)]
+    finally:
+        await stop()
+
+
+@pytest.mark.parametrize("meanwhile", ["another-owner-took-one", "one-taken-was-released"])
+async def test_a_watch_from_a_position_gives_every_change_after_it_unless_all_were_its_own(
+    buckets: KvBuckets, meanwhile: str
+) -> None:
+    """The same, with another owner's lease taken among the 300 (a peer's boot scan at the same
+    time), or one of the 300 released again (its take no longer known): every change after the
+    position comes, the 300 included, so another owner's change to a lease taken here is never
+    passed over."""
+    leases = buckets.leases
+    me, peer = unique("daemon-me"), unique("daemon-peer")
+    await buckets.daemons.put(me, b"record")
+    await buckets.daemons.put(peer, b"record")
+    since = await leases.position()
+    sessions = [unique(f"mine-{n}") for n in range(300)]
+    assert await leases.acquire_many(sessions[:150], me, window=64) == set(sessions[:150])
+    other = unique("other")
+    if meanwhile == "another-owner-took-one":
+        assert await leases.acquire(other, peer)
+    else:
+        assert await leases.release(sessions[0], me)
+    assert await leases.acquire_many(sessions[150:], me, window=64) == set(sessions[150:])
+    seen: list[tuple[str, str | None]] = []
+    stop = await watched(buckets, seen, since, me)
+    try:
+        await until_seen(seen, (sessions[-1], me))
+        if meanwhile == "another-owner-took-one":
+            assert {(session, me) for session in sessions} <= set(seen)
+            assert (other, peer) in seen
+        else:  # the bucket keeps a key's last message only: its take is gone, its release is not
+            assert {(session, me) for session in sessions[1:]} <= set(seen)
+            assert (sessions[0], None) in seen
+    finally:
+        await stop()
+
+
 async def test_a_daemons_presence_record_is_listed_until_withdrawn_or_aged_out(
     fresh_nats_server: Any,
 ) -> None:

@@ -251,7 +251,10 @@ class SlowLeases:
     async def holders(self) -> dict[str, str]:
         return {}
 
-    async def watch(self, on_change: Any) -> Any:
+    async def position(self) -> int:
+        raise NotImplementedError
+
+    async def watch(self, on_change: Any, **_: Any) -> Any:
         raise NotImplementedError
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, KeyValueConfig, StorageType
+from nats.js.api import ConsumerConfig, DeliverPolicy, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from apomesh.adapters.nats_connect import (
@@ -554,12 +554,40 @@ class LeaseTable:
         self._last_read = read
         return {session: owner for session, owner in named.items() if owner in alive}
 
+    async def position(self) -> int:
+        """Where the leases' stream is now (its last sequence): a later ``watch`` can start there."""
+        with unavailable_as_log_error("read the leases' position"):
+            return int((await self._js.stream_info(f"KV_{LEASES_BUCKET}")).state.last_seq)
+
     async def watch(
-        self, on_change: Callable[[str, str | None], None]
+        self,
+        on_change: Callable[[str, str | None], None],
+        *,
+        since: int | None = None,
+        owner: str | None = None,
     ) -> Callable[[], Awaitable[None]]:
         """Call ``on_change(session_id, owner)`` for every lease taken, taken over (``owner``) or
-        released (None) from now on; answers the function that stops watching."""
+        released (None) from now on, or with ``since`` (a ``position``) every change after it;
+        answers the function that stops watching.
+
+        When every change after ``since`` is one this table made for ``owner`` (a boot scan's
+        tens of thousands of lease creates, say: the stream's sequences are consecutive, so
+        that many revisions taken among them leave no room for anyone else's), none is delivered
+        again and the watch starts after them: each would cost the daemon a message through the
+        client's consumer machinery to say what it knows (about 0.45 s of a boot scan that
+        takes 50,000 leases). Any other change among them, or a revision of them no longer
+        known here (a lease taken and released again), and every change after ``since`` is
+        delivered."""
         prefix = f"$KV.{LEASES_BUCKET}."
+        start: int | None = None
+        if since is not None:
+            last = await self.position()
+            mine = sum(
+                1
+                for (_, taker), revision in self._taken.items()
+                if taker == owner and since < revision <= last
+            )
+            start = last + 1 if mine == last - since else since + 1
 
         async def changed(msg: Any) -> None:
             if not msg.subject.startswith(prefix):
@@ -574,7 +602,10 @@ class LeaseTable:
                 stream=f"KV_{LEASES_BUCKET}",
                 cb=changed,
                 ordered_consumer=True,
-                deliver_policy=DeliverPolicy.NEW,
+                deliver_policy=DeliverPolicy.NEW
+                if start is None
+                else DeliverPolicy.BY_START_SEQUENCE,
+                config=None if start is None else ConsumerConfig(opt_start_seq=start),
             )
         return subscription.unsubscribe
 

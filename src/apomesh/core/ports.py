@@ -71,11 +71,19 @@ class SessionLeases(Protocol):
         """Of what ``holders`` and ``owners`` read (each lease's value and revision, which a later
         ``acquire`` of the session sets the lease at), keep only these sessions'."""
 
+    async def position(self) -> int:
+        """Where the leases are now, for a ``watch`` that starts from there."""
+
     async def watch(
-        self, on_change: Callable[[str, str | None], None]
+        self,
+        on_change: Callable[[str, str | None], None],
+        *,
+        since: int | None = None,
+        owner: str | None = None,
     ) -> Callable[[], Awaitable[None]]:
-        """Call ``on_change(session_id, owner or None)`` for every lease change from now on;
-        answers the function that stops watching."""
+        """Call ``on_change(session_id, owner or None)`` for every lease change from now on, or
+        after ``since`` (a ``position``), less a run of ``owner``'s own takes this table made
+        that every change since was; answers the function that stops watching."""
 
 
 class StateStore(Protocol):

@@ -226,7 +226,14 @@ class Daemon:
         with contextlib.suppress(Exception):
             await self.presence.publish()
         self._spawn(self.presence.publish_forever())
-        self._unwatch_leases = await self.registry.watch_leases()
+        # The lease watch matters for sessions driven here, and none is before the boot scan
+        # adopts its own: it follows every change after this position, from the scan's end, less
+        # the scan's own lease takes when nobody else changed a lease meanwhile (each would come
+        # back through the client's consumer to say what this daemon knows). Where the position
+        # cannot be read, the watch starts now, as before any adoption.
+        leases_at = await self.registry.lease_position()
+        if leases_at is None:
+            self._unwatch_leases = await self.registry.watch_leases()
         with contextlib.suppress(Exception):
             for worker_id in await self.heartbeats.latest():
                 await self.workers.ask_reregister(worker_id, force=True)
@@ -236,6 +243,8 @@ class Daemon:
             self.boot_report = {**await self.boot.run(), "purged": purged}
             if self.config.retention.ended_after_seconds is not None:
                 self._spawn(self._sweep_retention_forever())
+        if self._unwatch_leases is None:
+            self._unwatch_leases = await self.registry.watch_leases(since=leases_at)
         # Written before the start returns, not only nudged (a nudged write waits 50 ms or more
         # to gather changes): the record names every session the scan stranded as soon as this
         # daemon is up, so one that dies right after still leaves them to a peer's operator.

@@ -554,10 +554,19 @@ class SessionRegistry:
 
     # --- leases ----------------------------------------------------------------------------------
 
-    async def watch_leases(self) -> Callable[[], Awaitable[None]]:
+    async def lease_position(self) -> int | None:
+        """Where the leases are now (``watch_leases`` can follow from there), or None when NATS
+        cannot say."""
+        with contextlib.suppress(ApomeshError):
+            return await self.leases.position()
+        return None
+
+    async def watch_leases(self, since: int | None = None) -> Callable[[], Awaitable[None]]:
         """Follow every lease change (nothing is renewed per session: the daemon's presence record
-        keeps all its leases alive); answers the function that stops following."""
-        return await self.leases.watch(self._lease_changed)
+        keeps all its leases alive) from now on, or after ``since`` (a ``lease_position`` read
+        before any session was adopted here), the run of this daemon's own takes since left out
+        when nobody else changed a lease meanwhile; answers the function that stops following."""
+        return await self.leases.watch(self._lease_changed, since=since, owner=self.owner)
 
     def _lease_changed(self, session_id: str, owner: str | None) -> None:
         runtime = self.live.get(session_id)
