@@ -591,7 +591,7 @@ async def test_a_presence_record_over_max_payload_is_put_in_parts_and_read_whole
             await presence.publish()
             peers = await peer.peers()
             assert sorted(peers["daemon-big"].sessions) == sorted(sessions)
-            assert peers["daemon-big"].stranded == sorted(sessions[:100])
+            assert sorted(peers["daemon-big"].stranded) == sorted(sessions[:100])
         assert await buckets.leases.acquire("s-1", "daemon-big")
         assert not await buckets.leases.acquire("s-1", "daemon-other")  # its owner is alive
         parts = await part_generations(client)
@@ -600,7 +600,7 @@ async def test_a_presence_record_over_max_payload_is_put_in_parts_and_read_whole
         sessions[:] = sessions[:10]  # the record fits in one message again: no parts are left
         await presence.publish()
         assert await part_generations(client) == set()
-        assert (await peer.peers())["daemon-big"].sessions == sorted(sessions)
+        assert sorted((await peer.peers())["daemon-big"].sessions) == sorted(sessions)
         await presence.withdraw()
         assert "daemon-big" not in await peer.peers()
     finally:

@@ -120,7 +120,7 @@ class Daemon:
             url=f"{scheme}://{config.http.listen}",
             sessions=lambda: list(self.registry.live),
             stranded=lambda: list(self.registry.stranded),
-            load=lambda: sum(len(r.slots) for r in self.registry.live.values()),
+            load=lambda: sum(w.load for w in self.workers.workers.values()),
             renew_every=self.renew_every,
             logger=log,
         )
