@@ -420,6 +420,14 @@ async def test_every_lease_change_is_seen_by_a_watcher(buckets: KvBuckets) -> No
         await stop()
 
 
+async def present(buckets: KvBuckets, *names: str) -> list[str]:
+    """Owners with a presence record (alive), one for each name, made unique."""
+    owners = [unique(name) for name in names]
+    for owner in owners:
+        await buckets.daemons.put(owner, b"record")
+    return owners
+
+
 async def watched(
     buckets: KvBuckets, seen: list[tuple[str, str | None]], since: int, me: str
 ) -> Any:
@@ -440,11 +448,8 @@ async def test_a_watch_from_a_position_leaves_out_a_run_of_its_own_takes(
     """A boot scan's: the position read, 300 leases taken together (more than one window), then
     the watch from that position: none of the 300 comes back, a change after them does."""
     leases = buckets.leases
-    me, peer = unique("daemon-me"), unique("daemon-peer")
-    await buckets.daemons.put(me, b"record")
-    await buckets.daemons.put(peer, b"record")
-    since = await leases.position()
-    sessions = [unique(f"mine-{n}") for n in range(300)]
+    me, peer = await present(buckets, "daemon-me", "daemon-peer")
+    since, sessions = await leases.position(), [unique(f"mine-{n}") for n in range(300)]
     assert await leases.acquire_many(sessions, me, window=64) == set(sessions)
     seen: list[tuple[str, str | None]] = []
     stop = await watched(buckets, seen, since, me)
@@ -466,11 +471,8 @@ async def test_a_watch_from_a_position_gives_every_change_after_it_unless_all_we
     position comes, the 300 included, so another owner's change to a lease taken here is never
     passed over."""
     leases = buckets.leases
-    me, peer = unique("daemon-me"), unique("daemon-peer")
-    await buckets.daemons.put(me, b"record")
-    await buckets.daemons.put(peer, b"record")
-    since = await leases.position()
-    sessions = [unique(f"mine-{n}") for n in range(300)]
+    me, peer = await present(buckets, "daemon-me", "daemon-peer")
+    since, sessions = await leases.position(), [unique(f"mine-{n}") for n in range(300)]
     assert await leases.acquire_many(sessions[:150], me, window=64) == set(sessions[:150])
     other = unique("other")
     if meanwhile == "another-owner-took-one":
