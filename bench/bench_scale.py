@@ -9,13 +9,18 @@ sessions created through the service the REST API uses, each a ``solo`` agent wh
 is ``ask_human``: every one ends up ``paused``, its pause open, held by the daemon. The figures:
 the process's resident set (after a garbage collection) before and after, per parked session;
 the messages a second the daemon's NATS connection sends while they sit parked and nothing else
-runs (what holding them costs); and the S = 20 workload with all of them parked against an
-unloaded twin (the same ``Node`` in a second child process, holding nothing), ``--reps`` (7)
-pairs of runs in turn, the order alternating, the median of the pairs' ratios: the machine
-moving between one run and the next moves both figures of a pair alike (measured before as this
-daemon's own runs before it parked against its runs after, some 40 s later, one figure moved
-from 0.63x to 1.21x between runs of the same code). The parked daemon's own runs before it parked
-are printed too.
+runs (what holding them costs); and the S = 20 workload with all of them parked against
+unloaded twins (the same ``Node`` in other child processes, holding nothing). ``--daemons`` (2)
+daemons hold parked sessions and as many twins hold none: two processes of the very same daemon
+run at different speeds for their whole lives (two twins with nothing parked came out 0.92x and
+1.11x of each other), so one of each would measure the two processes as much as the parked
+sessions. Every daemon first runs the workload ``--reps`` (7) times on its own; then it runs on
+all of them in turn, ``--reps`` rounds, the order alternating, and a round's ratio is the
+geometric mean of the loaded daemons' rates over the twins': the machine moving between one run
+and the next moves every figure of a round alike (measured before as one daemon's own runs
+before it parked against its runs after, some 40 s later, one figure moved from 0.63x to 1.21x
+between runs of the same code). The figure is the median of the rounds' ratios, printed with
+the spread between processes of the same kind and the daemons' own runs before the parking.
 
 **Boot scan.** ``--stored`` (10,000 and 100,000) stored sessions of 20 events each (the sessions
 of ``bench_recovery.py``: half auto-resumable, three in ten with a logged side effect, two in ten
@@ -179,90 +184,119 @@ SESSIONS, STEPS = 20, 50
 
 
 async def _daemon_for_runs(conn: Any, parked: int, reps: int) -> None:
-    """A child process's daemon (a ``Node``): it parks ``parked`` sessions (none for the
-    unloaded twin), says what that took, then runs the workload each time it is asked."""
+    """A child process's daemon (a ``Node``): it runs the workload ``reps`` times, parks
+    ``parked`` sessions (none for the unloaded twin), says what that took, then runs the workload
+    each time it is asked. Parked daemons and twins go through the same runs and the same
+    collections before the rounds: they differ in the parked sessions only."""
     with scratch("apomesh-scale-parked-") as base:
         config = _with_benchtools(make_config(base, workers=2, sync_always=False))
         async with Node(config, http=False) as node:
             for _, worker in node.workers:
                 await worker.wait_registered()
             await apomesh_run(node, 2, 3)  # warm up
-            figures: dict[str, Any] = {}
-            if parked:
-                figures["own_unloaded"] = [
+            figures: dict[str, Any] = {
+                "own_unloaded": [
                     (await apomesh_run(node, SESSIONS, STEPS)).rate for _ in range(reps)
-                ]
-                figures["before"] = rss()
+                ],
+                "before": rss(),
+            }
+            ids: list[str] = []
+            if parked:
                 ids, figures["seconds"] = await park(node, parked)
-                figures["after"] = rss()
+            figures["after"] = rss()
+            if parked:
                 figures["idle_rate"] = await idle_messages(node)
             conn.send(figures)
             while await asyncio.to_thread(conn.recv) == "run":
                 conn.send((await apomesh_run(node, SESSIONS, STEPS)).rate)
-            if parked:
-                live = node.daemon.registry.live  # type: ignore[union-attr]
-                conn.send(sum(1 for sid in ids if sid in live))
+            live = node.daemon.registry.live  # type: ignore[union-attr]
+            conn.send(sum(1 for sid in ids if sid in live))
 
 
 def _daemon_child(conn: Any, parked: int, reps: int) -> None:
     asyncio.run(_daemon_for_runs(conn, parked, reps))
 
 
-def measure_parked(parked: int, reps: int) -> None:
-    """Two daemons, each in a freshly started child process as ``apomesh serve`` is one: one
-    holding ``parked`` sessions, its unloaded twin holding none; the workload runs on them in
-    turn (``reps`` pairs, the order alternating), so a machine that speeds up or slows down
-    meanwhile moves both figures of a pair alike. The figure is the median of the pairs'
-    ratios; the parked daemon's own runs before it parked are printed too."""
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def measure_parked(parked: int, reps: int, daemons: int) -> None:
+    """``daemons`` daemons holding ``parked`` sessions each and as many unloaded twins holding
+    none, each in a freshly started child process as ``apomesh serve`` is one. Two processes
+    of the very same daemon run at different speeds, each its own way for its whole life (its
+    memory layout, its hash seed: two twins with nothing parked came out 0.92x and 1.11x of
+    each other in seven pairs), so one daemon of each kind would measure the two processes as
+    much as the parked sessions; several of each average that out. The workload runs on all of
+    them in turn, ``reps`` rounds, the order alternating, so a machine that speeds up or slows
+    down meanwhile moves every figure of a round alike. A round's ratio is the geometric mean
+    of the loaded daemons' rates over the twins'; the figure is the median of the rounds'
+    ratios. The spread between processes of the same kind is printed beside it, and the
+    daemons' own runs before the parking."""
     spawn = multiprocessing.get_context("spawn")
-    loaded_end, loaded_child = spawn.Pipe()
-    twin_end, twin_child = spawn.Pipe()
-    loaded_proc = spawn.Process(target=_daemon_child, args=(loaded_child, parked, reps))
-    loaded_proc.start()
-    figures = loaded_end.recv()
-    twin_proc = spawn.Process(target=_daemon_child, args=(twin_child, 0, reps))
-    twin_proc.start()
-    twin_end.recv()
-    pairs: list[tuple[float, float]] = []
+    loaded: list[Any] = []
+    twins: list[Any] = []
+    procs: list[Any] = []
+    figures: list[dict[str, Any]] = []
+    for count, ends in [(parked, loaded)] * daemons + [(0, twins)] * daemons:
+        end, child = spawn.Pipe()
+        proc = spawn.Process(target=_daemon_child, args=(child, count, reps))
+        proc.start()
+        procs.append(proc)
+        ends.append(end)
+        figures.append(end.recv())
+    rates: dict[Any, list[float]] = {end: [] for end in loaded + twins}
     for rep in range(reps):
-        order = (twin_end, loaded_end) if rep % 2 == 0 else (loaded_end, twin_end)
-        rates = {}
+        order = twins + loaded if rep % 2 == 0 else loaded + twins
         for end in order:
             end.send("run")
-            rates[end] = end.recv()
-        pairs.append((rates[twin_end], rates[loaded_end]))
-    twin_end.send("stop")
-    loaded_end.send("stop")
-    still = loaded_end.recv()
-    twin_proc.join()
-    loaded_proc.join()
-    before, after, seconds = figures["before"], figures["after"], figures["seconds"]
+            rates[end].append(end.recv())
+    for end in loaded + twins:
+        end.send("stop")
+    still = [end.recv() for end in loaded]
+    for end in twins:
+        end.recv()
+    for proc in procs:
+        proc.join()
+    held = figures[:daemons]
+    for n, figs in enumerate(held):
+        before, after, seconds = figs["before"], figs["after"], figs["seconds"]
+        print(
+            f"  daemon {n + 1}: {parked:,} sessions parked on a HITL pause in {seconds:.1f} s "
+            f"({parked / seconds:,.0f}/s), {still[n]:,} still held after the runs; process RSS "
+            f"{before / 2**20:,.0f} MiB before, {after / 2**20:,.0f} MiB after: "
+            f"**{(after - before) / parked / 1024:,.1f} KiB per parked session**"
+        )
     print(
-        f"  {parked:,} sessions parked on a HITL pause in {seconds:.1f} s "
-        f"({parked / seconds:,.0f}/s); {still:,} still held after the loaded runs"
+        f"    the first one's NATS connection, {IDLE_SECONDS:.0f} s with all of them parked and "
+        f"nothing else running: {held[0]['idle_rate']:,.1f} messages sent a second"
     )
+    ratios = [
+        _geomean([rates[end][rep] for end in loaded]) / _geomean([rates[end][rep] for end in twins])
+        for rep in range(reps)
+    ]
+    loaded_rate = statistics.median(r for end in loaded for r in rates[end])
+    twin_rate = statistics.median(r for end in twins for r in rates[end])
     print(
-        f"    process RSS {before / 2**20:,.0f} MiB before, {after / 2**20:,.0f} MiB after: "
-        f"**{(after - before) / parked / 1024:,.1f} KiB per parked session**"
+        f"    S={SESSIONS} x N={STEPS} beside the parked sessions against the unloaded twins, "
+        f"{daemons} + {daemons} daemons, {reps} rounds: {loaded_rate:,.0f} against "
+        f"{twin_rate:,.0f} steps/s, ratios {', '.join(f'{r:.2f}' for r in ratios)}: "
+        f"**{statistics.median(ratios):.2f}x** (aim >= 0.80x)"
     )
+
+    def spread(ends: list[Any]) -> str:
+        medians = [statistics.median(rates[end]) for end in ends]
+        return f"{max(medians) / min(medians):.2f}x" if len(medians) > 1 else "-"
+
     print(
-        f"    the daemon's NATS connection, {IDLE_SECONDS:.0f} s with all of them parked and nothing"
-        f" else running: {figures['idle_rate']:,.1f} messages sent a second"
+        "    between processes of the same kind (the fastest's median over the slowest's): "
+        f"parked {spread(loaded)}, twins {spread(twins)}"
     )
-    ratios = [loaded / twin for twin, loaded in pairs]
-    loaded_rate = statistics.median(loaded for _, loaded in pairs)
-    twin_rate = statistics.median(twin for twin, _ in pairs)
+    own = statistics.median(r for figs in held for r in figs["own_unloaded"])
+    twin_own = statistics.median(r for figs in figures[daemons:] for r in figs["own_unloaded"])
     print(
-        f"    S={SESSIONS} x N={STEPS} beside the parked sessions against the unloaded twin, "
-        f"{reps} pairs: {loaded_rate:,.0f} against {twin_rate:,.0f} steps/s, ratios "
-        f"{', '.join(f'{r:.2f}' for r in ratios)}: **{statistics.median(ratios):.2f}x** "
-        f"(aim >= 0.80x)"
-    )
-    own = statistics.median(figures["own_unloaded"])
-    print(
-        f"    the parked daemon's own runs before it parked: {own:,.0f} steps/s "
-        f"({', '.join(f'{r:,.0f}' for r in figures['own_unloaded'])}); beside the parked "
-        f"sessions {loaded_rate / own:.2f}x of that"
+        f"    their own runs before the parking: {own:,.0f} steps/s (the twins' {twin_own:,.0f}); "
+        f"beside the parked sessions {loaded_rate / own:.2f}x of that"
     )
 
 
@@ -643,7 +677,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument("--parked", type=int, default=10_000)
     parser.add_argument(
-        "--reps", type=int, default=7, help="pairs of S = 20 runs, parked daemon and its twin"
+        "--reps", type=int, default=7, help="rounds of S = 20 runs on the parked daemons and twins"
+    )
+    parser.add_argument(
+        "--daemons", type=int, default=2, help="daemons holding parked sessions, and as many twins"
     )
     parser.add_argument("--stored", default="10000,100000", help="stored session counts")
     parser.add_argument("--long-events", type=int, default=100_000)
@@ -671,7 +708,7 @@ def main() -> int:
             20_000,
             2,
         )
-        args.takeover_sessions = 2_000
+        args.takeover_sessions, args.daemons = 2_000, 1
     parts = set(args.only.split(","))
     print(f"scale: load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     if "scan" in parts:
@@ -685,7 +722,7 @@ def main() -> int:
     if "parked" in parts:
         install_plugin_package(BENCHTOOLS)
         print("parked sessions (a daemon holding them and an unloaded twin)", flush=True)
-        measure_parked(args.parked, args.reps)
+        measure_parked(args.parked, args.reps, args.daemons)
     if "takeover" in parts:
         print("takeover of a killed daemon's sessions by its running peer", flush=True)
         measure_takeover(args.takeover_sessions)
