@@ -748,7 +748,7 @@ def main() -> int:
         measure_long(args.long_events, min(args.long_tail, args.long_events - 1))
     if "parked" in parts:
         install_plugin_package(BENCHTOOLS)
-        print("parked sessions (a daemon holding them and an unloaded twin)", flush=True)
+        print("parked sessions (daemons holding them and unloaded twins)", flush=True)
         measure_parked(args.parked, args.reps, args.daemons)
     if "takeover" in parts:
         print("takeover of a killed daemon's sessions by its running peer", flush=True)
