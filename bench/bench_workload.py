@@ -35,9 +35,9 @@ nats-server (``floor_child.py``, importing only nats-py and LMDB), SIGKILLed at 
 and restarted: each session replays the events after
 its snapshot and goes on. For both: effects duplicated (a step's line twice), effects never run
 (a step with no line) and sessions lost. The three kill runs are interleaved too, ``--kill-reps``
-times (7: a restart, a third of a second or so, varies more from run to run on a shared machine
-than the other figures; the median ratio and the range are printed). apomesh's modules are byte-compiled first, as a wheel
-install leaves them.
+times (11: a restart, a third of a second or so, varies more from run to run on a shared machine
+than the other figures, each run in new processes; the median ratio and the range are printed).
+apomesh's modules are byte-compiled first, as a wheel install leaves them.
 
 Durability as measured: LMDB synced on every commit for both; JetStream as configured (default:
 an acknowledged event is in the server's files and fsynced within two minutes; ``always``:
@@ -454,8 +454,8 @@ def main() -> None:
     parser.add_argument(
         "--kill-reps",
         type=int,
-        default=7,
-        help="repetitions of the kill -9 runs (7: a restart's time varies the most)",
+        default=11,
+        help="repetitions of the kill -9 runs (11: a restart's time varies the most)",
     )
     parser.add_argument("--quick", action="store_true", help="S=5, N=10, one repetition")
     parser.add_argument("--no-kill", dest="kill", action="store_false", help="skip kill -9")
