@@ -54,7 +54,11 @@ a step; once all run, the worker running the first one's agent is SIGKILLed (a f
 replaces it), and for each agent it ran the figures are, from the events' own timestamps, kill to
 the agent re-dispatched to a live worker and kill to its first node done there (the session
 running again), p50 and p99 over ``--rounds`` (5) kills, against the heartbeat threshold + one
-beat at the default heartbeat (1 s beats, lost after 3 missed: 4 s).
+beat at the default heartbeat (1 s beats, lost after 3 missed: 4 s). After each of those kills
+the standard workload (S = 20 x N = 50, ``bench_workload.py``'s sessions and side effect) runs on
+the two worker processes, and at half its effects the worker running the first session's agent
+is SIGKILLed: the figure is the kill to every session ended, with the effects duplicated, never
+run and the sessions lost.
 
 **Takeover.** ``--takeover-sessions`` (10,000) stored auto-resumable sessions; daemon A (a child
 process, lease TTL 3 s) adopts them all and is SIGKILLed once its peer B (in this process, the
@@ -92,7 +96,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_recovery import boot, sink_daemon
 from bench_runtime import RssSampler, percentile, scratch
-from bench_workload import BENCHTOOLS, _with_benchtools, apomesh_run, make_config
+from bench_workload import (
+    BENCHTOOLS,
+    _with_benchtools,
+    apomesh_run,
+    audit_lines,
+    make_config,
+    workload_definition,
+)
 from tests.e2e.chaos_kit import shape_of, stored_session, thinker
 
 from apomesh.adapters.jetstream_log import JetStreamLog
@@ -104,6 +115,8 @@ from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core import envelope
 from apomesh.core.state import fold
 from apomesh.core.state_codec import FoldCheckpoint, decode_checkpoint, make_checkpoint
+from apomesh.core.views import TERMINAL_STATUSES
+from apomesh.plugins.manager import BUILTIN_DISTRIBUTION, ENV_ALLOW
 from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, CHECKPOINT_EVERY, FoldCheckpoints
 from apomesh.runtime.node import Node
 from apomesh.sdk.client import ApiError, Client
@@ -658,12 +671,60 @@ async def loss_round(mesh: Mesh, client: Client, sessions: int) -> list[tuple[fl
     return samples
 
 
+def session_lines(folder: Path, sessions: list[str]) -> int:
+    """The side-effect lines these sessions' files hold."""
+    paths = (folder / f"{sid}.log" for sid in sessions)
+    return sum(len(p.read_bytes().splitlines()) for p in paths if p.exists())
+
+
+async def workload_loss_round(mesh: Mesh, client: Client, n: int) -> tuple[float, int, int, int]:
+    """The standard workload (S = 20 x N = 50) on the worker processes; at half its effects the
+    worker running the first session's agent is SIGKILLed (a fresh one replaces it). Answers
+    seconds from the kill to every session ended, and effects duplicated, never run, sessions
+    lost."""
+    folder = mesh.daemon.workspace / "bench"
+    definition = workload_definition(WORKLOAD_STEPS)
+    ids = [
+        await client.start_session(f"wl{n}-{k}", definition=definition)
+        for k in range(WORKLOAD_SESSIONS)
+    ]
+    victim = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if victim is None:
+            agents = (await client.get_session(ids[0])).agents
+            root = next((a for a in agents if a.ref == "root"), None)
+            victim = root.worker if root is not None and root.phase == "running" else None
+        if victim and session_lines(folder, ids) >= WORKLOAD_SESSIONS * WORKLOAD_STEPS // 2:
+            break
+        await asyncio.sleep(0.005)
+    assert victim, "the first session's agent never ran"
+    process = next(w for w in mesh.workers if w.name == victim.rsplit("-", 1)[0])
+    os.kill(process.pid, signal.SIGKILL)
+    killed = time.perf_counter()
+    process.proc.wait(10)
+    mesh.worker(f"w{len(mesh.workers)}")
+    while time.perf_counter() - killed < 120:
+        rows = {row.session_id: row.status for row in await client.list_sessions()}
+        if all(rows.get(sid) in TERMINAL_STATUSES for sid in ids):
+            break
+        await asyncio.sleep(0.02)
+    seconds = time.perf_counter() - killed
+    completed = {sid for sid in ids if rows.get(sid) == "completed"}
+    audit = audit_lines(folder, ids, WORKLOAD_STEPS, completed)
+    return seconds, audit.duplicates, audit.never_run, audit.lost
+
+
+WORKLOAD_SESSIONS, WORKLOAD_STEPS = 20, 50
+"""The standard workload a worker is killed under."""
+
+
 def measure_loss(rounds: int, sessions: int) -> None:
     interval = 1.0  # the default heartbeat: a beat a second, lost after 3 missed
     with scratch("apomesh-scale-loss-") as base:
         server = NatsServer(single_node(base, name="nats"))
         server.start()
-        mesh = Mesh(server, base)
+        mesh = Mesh(server, base, env={ENV_ALLOW: f"{BUILTIN_DISTRIBUTION},apomesh-benchtools"})
         # The test mesh beats every 0.3 s; these figures are for the default heartbeat.
         mesh.daemon.env["APOMESH_LIVENESS_HEARTBEAT_INTERVAL"] = str(interval)
         mesh.daemon.env["APOMESH_LIVENESS_MISSED_BEATS"] = "3"
@@ -673,15 +734,18 @@ def measure_loss(rounds: int, sessions: int) -> None:
             mesh.worker()
             mesh.wait_workers(2)
 
-            async def run() -> list[tuple[float, float]]:
+            async def run() -> tuple[list[tuple[float, float]], list[tuple[float, int, int, int]]]:
                 samples: list[tuple[float, float]] = []
+                ended: list[tuple[float, int, int, int]] = []
                 async with Client(mesh.url) as client:
-                    for _ in range(rounds):
+                    for n in range(rounds):
                         samples += await loss_round(mesh, client, sessions)
                         await asyncio.to_thread(mesh.wait_workers, 2)
-                return samples
+                        ended.append(await workload_loss_round(mesh, client, n))
+                        await asyncio.to_thread(mesh.wait_workers, 2)
+                return samples, ended
 
-            samples = asyncio.run(run())
+            samples, ended = asyncio.run(run())
         finally:
             mesh.close()
             server.stop()
@@ -695,6 +759,17 @@ def measure_loss(rounds: int, sessions: int) -> None:
             f"p99 **{percentile(values, 0.99):.3f} s**   ({percentile(values, 0.99) - bound:+.3f} s "
             "against the bound)"
         )
+    done = [e[0] for e in ended]
+    print(
+        f"  the standard workload (S = {WORKLOAD_SESSIONS} x N = {WORKLOAD_STEPS}) on the worker "
+        f"processes, a worker SIGKILLed at half its effects, {len(ended)} kills:"
+    )
+    print(
+        f"    SIGKILL -> every session ended    p50 {statistics.median(done):.3f} s   "
+        f"p99 **{percentile(done, 0.99):.3f} s**   ({percentile(done, 0.99) - bound:+.3f} s "
+        f"against the bound); duplicated {sum(e[1] for e in ended)}, never run "
+        f"{sum(e[2] for e in ended)}, sessions lost {sum(e[3] for e in ended)}"
+    )
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -758,6 +833,7 @@ def main() -> int:
         print("takeover of a killed daemon's sessions by its running peer", flush=True)
         measure_takeover(args.takeover_sessions)
     if "loss" in parts:
+        install_plugin_package(BENCHTOOLS)
         print("worker loss (real processes, SIGKILL, default heartbeat)", flush=True)
         measure_loss(args.rounds, args.loss_sessions)
     print(f"scale: load average {os.getloadavg()[0]:.1f} at the end", flush=True)
