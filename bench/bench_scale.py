@@ -98,9 +98,11 @@ from bench_recovery import boot, sink_daemon
 from bench_runtime import RssSampler, percentile, scratch
 from bench_workload import (
     BENCHTOOLS,
+    Recovery,
     _with_benchtools,
     apomesh_run,
     audit_lines,
+    lines_in,
     make_config,
     workload_definition,
 )
@@ -194,7 +196,8 @@ async def idle_messages(node: Node) -> float:
 
 
 SESSIONS, STEPS = 20, 50
-"""The S = 20 x N = 50 workload run beside the parked sessions and on the unloaded twin."""
+"""The S = 20 x N = 50 workload: run beside the parked sessions and on the unloaded twins, and
+under a worker's SIGKILL."""
 
 
 async def _daemon_for_runs(conn: Any, parked: int, reps: int) -> None:
@@ -671,23 +674,15 @@ async def loss_round(mesh: Mesh, client: Client, sessions: int) -> list[tuple[fl
     return samples
 
 
-def session_lines(folder: Path, sessions: list[str]) -> int:
-    """The side-effect lines these sessions' files hold."""
-    paths = (folder / f"{sid}.log" for sid in sessions)
-    return sum(len(p.read_bytes().splitlines()) for p in paths if p.exists())
-
-
-async def workload_loss_round(mesh: Mesh, client: Client, n: int) -> tuple[float, int, int, int]:
+async def workload_loss_round(mesh: Mesh, client: Client, n: int) -> Recovery:
     """The standard workload (S = 20 x N = 50) on the worker processes; at half its effects the
     worker running the first session's agent is SIGKILLed (a fresh one replaces it). Answers
     seconds from the kill to every session ended, and effects duplicated, never run, sessions
     lost."""
     folder = mesh.daemon.workspace / "bench"
-    definition = workload_definition(WORKLOAD_STEPS)
-    ids = [
-        await client.start_session(f"wl{n}-{k}", definition=definition)
-        for k in range(WORKLOAD_SESSIONS)
-    ]
+    earlier = lines_in(folder)  # the lines of the rounds before this one
+    definition = workload_definition(STEPS)
+    ids = [await client.start_session(f"wl{n}-{k}", definition=definition) for k in range(SESSIONS)]
     victim = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -695,7 +690,7 @@ async def workload_loss_round(mesh: Mesh, client: Client, n: int) -> tuple[float
             agents = (await client.get_session(ids[0])).agents
             root = next((a for a in agents if a.ref == "root"), None)
             victim = root.worker if root is not None and root.phase == "running" else None
-        if victim and session_lines(folder, ids) >= WORKLOAD_SESSIONS * WORKLOAD_STEPS // 2:
+        if victim and lines_in(folder) - earlier >= SESSIONS * STEPS // 2:
             break
         await asyncio.sleep(0.005)
     assert victim, "the first session's agent never ran"
@@ -711,12 +706,8 @@ async def workload_loss_round(mesh: Mesh, client: Client, n: int) -> tuple[float
         await asyncio.sleep(0.02)
     seconds = time.perf_counter() - killed
     completed = {sid for sid in ids if rows.get(sid) == "completed"}
-    audit = audit_lines(folder, ids, WORKLOAD_STEPS, completed)
-    return seconds, audit.duplicates, audit.never_run, audit.lost
-
-
-WORKLOAD_SESSIONS, WORKLOAD_STEPS = 20, 50
-"""The standard workload a worker is killed under."""
+    audit = audit_lines(folder, ids, STEPS, completed)
+    return Recovery(seconds, audit.duplicates, audit.never_run, audit.lost)
 
 
 def measure_loss(rounds: int, sessions: int) -> None:
@@ -734,9 +725,9 @@ def measure_loss(rounds: int, sessions: int) -> None:
             mesh.worker()
             mesh.wait_workers(2)
 
-            async def run() -> tuple[list[tuple[float, float]], list[tuple[float, int, int, int]]]:
+            async def run() -> tuple[list[tuple[float, float]], list[Recovery]]:
                 samples: list[tuple[float, float]] = []
-                ended: list[tuple[float, int, int, int]] = []
+                ended: list[Recovery] = []
                 async with Client(mesh.url) as client:
                     for n in range(rounds):
                         samples += await loss_round(mesh, client, sessions)
@@ -759,16 +750,16 @@ def measure_loss(rounds: int, sessions: int) -> None:
             f"p99 **{percentile(values, 0.99):.3f} s**   ({percentile(values, 0.99) - bound:+.3f} s "
             "against the bound)"
         )
-    done = [e[0] for e in ended]
+    done = [e.seconds for e in ended]
     print(
-        f"  the standard workload (S = {WORKLOAD_SESSIONS} x N = {WORKLOAD_STEPS}) on the worker "
-        f"processes, a worker SIGKILLed at half its effects, {len(ended)} kills:"
+        f"  the standard workload (S = {SESSIONS} x N = {STEPS}) on the worker processes, a worker"
+        f" SIGKILLed at half its effects, {len(ended)} kills:"
     )
     print(
         f"    SIGKILL -> every session ended    p50 {statistics.median(done):.3f} s   "
         f"p99 **{percentile(done, 0.99):.3f} s**   ({percentile(done, 0.99) - bound:+.3f} s "
-        f"against the bound); duplicated {sum(e[1] for e in ended)}, never run "
-        f"{sum(e[2] for e in ended)}, sessions lost {sum(e[3] for e in ended)}"
+        f"against the bound); duplicated {sum(e.duplicates for e in ended)}, never run "
+        f"{sum(e.never_run for e in ended)}, sessions lost {sum(e.lost for e in ended)}"
     )
 
 
