@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -104,6 +104,24 @@ class Dispatch(msgspec.Struct, eq=False):
     def key(self) -> str:
         """``session/agent``, as beats list the agents a worker runs."""
         return f"{self.session_id}/{self.agent}"
+
+
+JUDGED_PAST_THRESHOLD = 0.002
+"""Seconds past a worker's threshold of silence at which the judgement due then runs (its
+silence must exceed the threshold, and the loop's clock has a millisecond's grain)."""
+
+
+def next_judgement(now: float, tick: float, last_seen: Iterable[float], threshold: float) -> float:
+    """Seconds from ``now`` to the next liveness judgement: one ``tick``, or less when a worker's
+    silence (since ``last_seen``) passes ``threshold`` sooner, so a lost worker is declared just
+    past its threshold rather than up to a tick later. A threshold already passed (its judgement
+    deferred: beats still unread, a reconnection's grace) waits the tick."""
+    wait = tick
+    for seen in last_seen:
+        due = seen + threshold - now + JUDGED_PAST_THRESHOLD
+        if 0.0 < due < wait:
+            wait = due
+    return wait
 
 
 class WorkerPool:
@@ -539,7 +557,10 @@ class WorkerPool:
         deaf_since: float | None = None  # when the last echo before this deaf spell came back
         sent = 0
         while True:
-            await asyncio.sleep(tick)
+            wait = next_judgement(
+                time.monotonic(), tick, (w.last_seen for w in self.workers.values()), self.threshold
+            )
+            await asyncio.sleep(wait)
             if closing():
                 return  # a daemon shutting down judges nobody
             if self._echo_works or sent < ECHO_TRIES:
@@ -556,7 +577,7 @@ class WorkerPool:
                 )
             connected = self.nc.is_connected
             now = time.monotonic()
-            stalled = now - last_tick - tick
+            stalled = now - last_tick - wait
             last_tick = now
             if stalled > self.interval / 2:
                 # Our own event loop was too busy to listen (a boot scan, a burst): the time we
