@@ -53,7 +53,11 @@ async def test_both_ways_of_reading_a_page_agree(nc: NATS, nats_server: Any, no_
     assert len(ours) == 3000
     assert ours == theirs
     assert [data.split(b":")[0] for data, _ in ours] == [b"%d" % n for n in range(3000)]
-    if not no_hdr:
+    assert not nc._ps.sinks and not nc._ps.payload_sinks  # gone with their pages
+    if no_hdr:
+        page = await direct_get_batch(nc, STREAM, {**request, "seq": 1}, timeout=10)
+        assert page.payloads == [data for data, _ in ours[:700]]
+    else:
         assert [headers["N"] for _, headers in ours] == [str(n) for n in range(3000)]
         assert ours[5][1]["Nats-Subject"] == "pages.5"
         assert ours[5][1]["Nats-Sequence"] == "6"

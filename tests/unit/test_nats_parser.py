@@ -158,6 +158,28 @@ async def test_a_run_of_page_messages_goes_to_its_sink_whole_and_in_order(seed: 
     assert not parser.buf
 
 
+@pytest.mark.parametrize("seed", range(6))
+async def test_a_payload_sink_takes_the_header_less_messages_and_the_sink_the_rest(
+    seed: int,
+) -> None:
+    data = page_protocol(random.Random(seed), 800)
+    everything = Recorder()
+    await feed(Parser(everything), data, random.Random(seed + 1))
+    ours = Recorder()
+    parser = SinkParser(ours)
+    sunk: list[tuple[bytes | None, bytes]] = []
+    payloads: list[bytes] = []
+    parser.sinks[b"page.in"] = lambda headers, payload: sunk.append((headers, payload))
+    parser.payload_sinks[b"page.in"] = payloads.append
+    await feed(parser, data, random.Random(seed + 2))
+    to_sink = [c for c in everything.calls if c[0] == "msg" and c[2] == b"page.in"]
+    assert payloads == [c[4] for c in to_sink if c[5] is None]
+    assert sunk == [(c[5], c[4]) for c in to_sink if c[5] is not None]
+    assert len(payloads) > 500 and sunk
+    assert ours.calls == [c for c in everything.calls if c not in to_sink]
+    assert not parser.buf
+
+
 async def test_a_reset_while_a_line_is_handled_drops_what_came_after_it() -> None:
     client = Recorder()
     parser = SinkParser(client)

@@ -38,7 +38,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from apomesh.adapters.nats_parser import SinkParser, header_lines, parse_header_block
+from apomesh.adapters.nats_parser import PayloadSink, SinkParser, header_lines, parse_header_block
 from apomesh.core.errors import ApomeshError, LogError, LogUnavailable
 
 __all__ = [
@@ -540,14 +540,31 @@ class PageMessage:
 
 
 class DirectGetPage:
-    """The messages one batched direct get returned, and what the server said was left."""
+    """The messages one batched direct get returned, and what the server said was left.
 
-    __slots__ = ("last_sequence", "messages", "pending")
+    A page asked for with headers holds its messages in ``messages``. One asked for without
+    (``no_hdr``: the boot scan's) holds their payloads in ``payloads``, with no ``PageMessage``
+    built for each (``messages`` builds them when asked)."""
 
-    def __init__(self, messages: list[PageMessage], pending: int, last_sequence: int) -> None:
-        self.messages = messages
+    __slots__ = ("_messages", "last_sequence", "payloads", "pending")
+
+    def __init__(
+        self,
+        messages: list[PageMessage],
+        pending: int,
+        last_sequence: int,
+        payloads: list[bytes] | None = None,
+    ) -> None:
+        self._messages = messages
+        self.payloads = payloads if payloads is not None else []
         self.pending = pending
         self.last_sequence = last_sequence
+
+    @property
+    def messages(self) -> list[PageMessage]:
+        if not self._messages and self.payloads:
+            self._messages = [PageMessage(payload) for payload in self.payloads]
+        return self._messages
 
 
 async def direct_get_batch(
@@ -565,6 +582,7 @@ async def direct_get_batch(
     loop = asyncio.get_running_loop()
     finished: asyncio.Future[tuple[int, int]] = loop.create_future()
     messages: list[PageMessage] = []
+    payloads: list[bytes] = []
 
     def take(message: PageMessage) -> None:
         if message.data:
@@ -595,12 +613,12 @@ async def direct_get_batch(
 
     inbox = nc.new_inbox()
     with unavailable_as_log_error(f"direct get on {stream}"):
-        async with _answers_to(nc, inbox, {inbox: take}):
+        async with _answers_to(nc, inbox, {inbox: take}, {inbox: payloads.append}):
             await nc.publish(
                 f"{prefix}.DIRECT.GET.{stream}", json.dumps(request).encode(), reply=inbox
             )
             pending, last = await asyncio.wait_for(finished, timeout=timeout)
-    return DirectGetPage(messages, pending, last)
+    return DirectGetPage(messages, pending, last, payloads)
 
 
 async def request_many(
@@ -651,30 +669,43 @@ async def request_many(
 
 @asynccontextmanager
 async def _answers_to(
-    nc: NATS, subscribe_to: str, replies: Mapping[str, Callable[[PageMessage], None]]
+    nc: NATS,
+    subscribe_to: str,
+    replies: Mapping[str, Callable[[PageMessage], None]],
+    payloads: Mapping[str, PayloadSink] | None = None,
 ) -> AsyncIterator[None]:
-    """Within the block, hand each answer on a subject of ``replies`` to its callback: straight
-    from the parser on a connection ``connect`` opened (``SinkParser``: no ``Msg``), else through
-    a callback of the subscription to ``subscribe_to`` (the inbox, or ``<inbox>.*``), which the
-    block's end drops."""
+    """Within the block, hand each answer on a subject of ``replies`` to its callback (one
+    without headers to that subject's ``payloads`` entry instead, as its payload alone, when it
+    has one): straight from the parser on a connection ``connect`` opened (``SinkParser``: no
+    ``Msg``), else through a callback of the subscription to ``subscribe_to`` (the inbox, or
+    ``<inbox>.*``), which the block's end drops."""
+    payloads = payloads or {}
 
     async def collect(msg: Msg) -> None:
+        take = None if msg.headers else payloads.get(msg.subject)
+        if take is not None:
+            take(msg.data)
+            return
         deliver = replies.get(msg.subject)
         if deliver is not None:
             deliver(PageMessage(msg.data, headers=msg.headers))
 
     parser = getattr(nc, "_ps", None)
-    sinks = parser.sinks if isinstance(parser, SinkParser) else None
+    sink_parser = parser if isinstance(parser, SinkParser) else None
     subscription = await nc.subscribe(subscribe_to, cb=collect)
     try:
-        if sinks is not None:
+        if sink_parser is not None:
             for reply, deliver in replies.items():
-                sinks[reply.encode()] = functools.partial(_sink_to, deliver)
+                sink_parser.sinks[reply.encode()] = functools.partial(_sink_to, deliver)
+            for reply, take in payloads.items():
+                sink_parser.payload_sinks[reply.encode()] = take
         yield
     finally:
-        if sinks is not None:
+        if sink_parser is not None:
             for reply in replies:
-                sinks.pop(reply.encode(), None)
+                sink_parser.sinks.pop(reply.encode(), None)
+            for reply in payloads:
+                sink_parser.payload_sinks.pop(reply.encode(), None)
         # When the connection is gone, the subscription went with it.
         with contextlib.suppress(nats.errors.Error):
             await subscription.unsubscribe()

@@ -12,6 +12,10 @@ reads most.
   sunk one that share its control line up to their size (a page's: the same subject and sid, no
   reply, no headers) are framed by that prefix alone, with no split of their line
   (``_deliver_run``): the pass over 100,000 stored sessions 0.3-0.6 s shorter.
+- A subject can also be given a ``payload sink`` (``payload_sinks``), which takes the payload of
+  each of its messages that has no headers, and nothing else: a ``list.append`` there costs no
+  Python call per message. A header-less page (``no_hdr``: the boot scan's) is read this way, at
+  about 0.65 us a message framed and kept against 0.95 us through a sink.
 
 A message's header lines are read by ``header_lines``: nats-py's reading, without its generator
 over each header name's characters (a boot scan's lease watch reads tens of thousands of
@@ -25,6 +29,7 @@ without a sink goes to the client's ``_process_msg`` exactly as nats-py's parser
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +37,12 @@ from typing import Any
 from nats.errors import ProtocolError
 from nats.protocol.parser import Parser
 
-__all__ = ["Sink", "SinkParser", "header_lines", "parse_header_block"]
+__all__ = ["PayloadSink", "Sink", "SinkParser", "header_lines", "parse_header_block"]
 
 Sink = Callable[[bytes | None, bytes], None]
 """Takes one message as (its header block or None, its payload); it must not raise."""
+PayloadSink = Callable[[bytes], None]
+"""Takes the payload of one message without headers; it must not raise."""
 
 _CRLF = b"\r\n"
 _STATUS_LINE = "NATS/1.0"
@@ -43,16 +50,19 @@ _SPACE = re.compile(r"\s")
 
 
 class SinkParser(Parser):
-    """nats-py's parser with messages framed by split and delivered to ``sinks`` by subject."""
+    """nats-py's parser with messages framed by split and delivered to ``sinks`` by subject (a
+    message without headers to the subject's ``payload_sinks`` entry instead, when it has one)."""
 
     def __init__(self, nc: Any = None) -> None:
         super().__init__(nc)
         self.sinks: dict[bytes, Sink] = {}
+        self.payload_sinks: dict[bytes, PayloadSink] = {}
 
     async def parse(self, data: bytes = b"") -> None:
         self.buf.extend(data)
         buf = self.buf
         sinks = self.sinks
+        payload_sinks = self.payload_sinks
         at = 0  # where the next message starts: the ones before it, framed, are cut off at the end
         try:
             while at < len(buf):
@@ -91,9 +101,14 @@ class SinkParser(Parser):
                 at = stop + 2
                 sink = sinks.get(subject)
                 if sink is not None:
-                    sink(headers, payload)
+                    take = None if headed else payload_sinks.get(subject)
+                    if take is None:
+                        sink(headers, payload)
+                    else:
+                        take(payload)
                     if not headed and len(fields) == 3:
-                        at = _deliver_run(buf, at, bytes(buf[line : end - len(fields[2])]), sink)
+                        prefix = bytes(buf[line : end - len(fields[2])])
+                        at = _deliver_run(buf, at, prefix, take or functools.partial(sink, None))
                     continue
                 reply = bytes(fields[2]) if len(fields) == (5 if headed else 4) else b""
                 del buf[:at]
@@ -121,13 +136,14 @@ class SinkParser(Parser):
         return True
 
 
-def _deliver_run(buf: bytearray, at: int, prefix: bytes, sink: Sink) -> int:
-    """Deliver the whole messages from ``at`` whose control line is ``prefix`` (``MSG``, the
-    subject and the sid of the message just delivered: no reply, no headers) and a size, as a
-    page's are; answers where the first message not delivered starts."""
+def _deliver_run(buf: bytearray, at: int, prefix: bytes, take: PayloadSink) -> int:
+    """Hand ``take`` the payload of each whole message from ``at`` whose control line is
+    ``prefix`` (``MSG``, the subject and the sid of the message just delivered: no reply, no
+    headers) and a size, as a page's are; answers where the first message not delivered starts."""
     width = len(prefix)
-    while buf.startswith(prefix, at):
-        end = buf.find(_CRLF, at + width)
+    starts, find = buf.startswith, buf.find
+    while starts(prefix, at):
+        end = find(_CRLF, at + width)
         if end < 0:
             break
         try:
@@ -138,7 +154,7 @@ def _deliver_run(buf: bytearray, at: int, prefix: bytes, sink: Sink) -> int:
         stop = start + size
         if len(buf) < stop + 2:
             break
-        sink(None, bytes(buf[start:stop]))
+        take(bytes(buf[start:stop]))
         at = stop + 2
     return at
 

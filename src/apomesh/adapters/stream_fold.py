@@ -136,15 +136,15 @@ async def fold_stream(
         while upcoming is not None:
             got = await upcoming
             upcoming = None
-            if not got.messages:
+            if not got.payloads:
                 break
             if got.pending > 0 and got.last_sequence:
                 # The next page is asked for now and arrives while this one is folded.
                 upcoming = read_page(got.last_sequence + 1)
             result.pages += 1
-            read += len(got.messages)
+            read += len(got.payloads)
             decodable = True
-            for first in range(0, len(got.messages), FOLD_SLICE):
+            for first in range(0, len(got.payloads), FOLD_SLICE):
                 if first:
                     # The read loop takes in the next page meanwhile: a page folded in one go
                     # left the socket full and the server waiting for most of it.
@@ -152,7 +152,7 @@ async def fold_stream(
                 decodable &= _fold_page(result, got, seq, skip, waiting, first, FOLD_SLICE)
             if not decodable:
                 for session_id in await _undecodable_sessions(
-                    nc, stream, wildcard, seq, len(got.messages), subject_prefix, timeout
+                    nc, stream, wildcard, seq, len(got.payloads), subject_prefix, timeout
                 ):
                     _suspect(result, session_id)
             seq = got.last_sequence + 1
@@ -195,19 +195,19 @@ def _fold_page(
     first: int,
     count: int,
 ) -> bool:
-    """Fold ``count`` messages from the ``first`` of one page of envelopes, asked for from
-    sequence ``start``, into their sessions' states (a session in ``waiting`` from its checkpoint,
-    once the envelope at its index is seen to be the checkpoint's), noting where each session
-    ends if the page is dense; False when a payload among them is not an envelope (its session is
+    """Fold ``count`` messages from the ``first`` of one page of envelopes (its ``payloads``: the
+    pass asks for pages without headers), asked for from sequence ``start``, into their sessions'
+    states (a session in ``waiting`` from its checkpoint, once the envelope at its index is seen
+    to be the checkpoint's), noting where each session ends if the page is dense; False when a payload among them is not an envelope (its session is
     then named by ``_undecodable_sessions``)."""
     decodable = True
-    dense = got.last_sequence - start + 1 == len(got.messages)
+    dense = got.last_sequence - start + 1 == len(got.payloads)
     ends = result.ends
     states = result.states
     folded = 0
-    for offset, msg in enumerate(got.messages[first : first + count], first):
+    for offset, data in enumerate(got.payloads[first : first + count], first):
         try:
-            held = envelopes(msg.data)
+            held = envelopes(data)
         except CodecError:
             decodable = False
             continue
