@@ -108,7 +108,9 @@ class SinkParser(Parser):
                         take(payload)
                     if not headed and len(fields) == 3:
                         prefix = bytes(buf[line : end - len(fields[2])])
-                        at = _deliver_run(buf, at, prefix, take or functools.partial(sink, None))
+                        if buf.startswith(prefix, at):  # a run follows (a page's)
+                            take = take or functools.partial(sink, None)
+                            at = _deliver_run(buf, at, prefix, take)
                     continue
                 reply = bytes(fields[2]) if len(fields) == (5 if headed else 4) else b""
                 del buf[:at]
