@@ -293,6 +293,34 @@ async def test_the_one_pass_says_after_each_page_how_far_it_has_read(nc: NATS) -
     await nc.jetstream().delete_stream(stream)
 
 
+async def test_the_pass_reads_by_sequence_and_keeps_another_subjects_messages_out(
+    nc: NATS,
+) -> None:
+    """The pass asks for pages by sequence, with no subject filter. A stream reconfigured from
+    other subjects still holds their messages: bytes that are no envelope are passed over, and
+    an envelope repeating an index of a session under the prefix makes that session suspect,
+    so it is read one by one, from its own subject."""
+    tag = uuid.uuid4().hex[:8]
+    stream, prefix, old = f"F_{tag}", f"f{tag}.log", f"old{tag}"
+    js = nc.jetstream()
+    await js.add_stream(name=stream, subjects=[f"{prefix}.*", f"{old}.*"], allow_direct=True)
+    clean, copied = new_session(), new_session()
+    await js.publish(f"{old}.{copied}", envelope.encode(events(copied, 0, 1)[0]))
+    await js.publish(f"{old}.junk", b"not an envelope")
+    writer = JetStreamLog(nc, stream=stream, subject_prefix=prefix, ensure_heartbeats=False)
+    await writer.ensure()  # the prefix's subjects alone again; the old messages stay
+    assert (await js.stream_info(stream)).config.subjects == [f"{prefix}.*"]
+    for session in (clean, copied):
+        await writer.append(session, events(session, 0, 3))
+
+    folded = await fold_stream(nc, stream, prefix, skip=set())
+
+    assert folded.states[clean].last_index == 2 and clean not in folded.suspect
+    assert copied in folded.suspect and copied not in folded.states
+    assert await writer.read(copied) == events(copied, 0, 3)
+    await js.delete_stream(stream)
+
+
 async def test_the_ends_of_many_sessions_are_learned_in_batches_and_a_stale_one_is_refused(
     nc: NATS, log: JetStreamLog, monkeypatch: pytest.MonkeyPatch
 ) -> None:

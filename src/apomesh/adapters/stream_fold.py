@@ -6,7 +6,12 @@ finely sessions are interleaved in the stream (it steps over every other session
 two of this one's): about 1 ms per session at 1,000 stored sessions, 2-3 ms at 10,000. One pass
 in stream order reads every event exactly once instead, a page of up to ``page`` events per
 request, without headers (nats-py parses headers slowly; the envelope names its own session and
-index), and folds each envelope into its session's state as it arrives.
+index), and folds each envelope into its session's state as it arrives. A page is asked for by
+sequence alone, with no subject filter: the log stream's only subjects are ``<prefix>.*``
+(``JetStreamLog`` creates and reconciles it so), and a filter costs the server a match for each
+message and a count of what is left for each page (about 12 % of its CPU in a pass over a
+million messages). A message a stream reconfigured from other subjects still holds is passed
+over, or, if it decodes as an envelope, caught by the fold's own checks below.
 
 The pass only vouches for what it could check: a payload that does not decode (its session is
 unknown without headers: the page is read again with them to name it), a session whose envelopes
@@ -117,13 +122,7 @@ async def fold_stream(
     wildcard = f"{subject_prefix}.*"
 
     def read_page(start: int) -> asyncio.Task[DirectGetPage]:
-        request = {
-            "seq": start,
-            "next_by_subj": wildcard,
-            "batch": page,
-            "max_bytes": MAX_PAGE_BYTES,
-            "no_hdr": True,
-        }
+        request = {"seq": start, "batch": page, "max_bytes": MAX_PAGE_BYTES, "no_hdr": True}
         return asyncio.ensure_future(direct_get_batch(nc, stream, request, timeout=timeout))
 
     # The collector is paused for the pass: it allocates one state per session and an envelope
