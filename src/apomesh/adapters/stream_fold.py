@@ -10,8 +10,10 @@ index), and folds each envelope into its session's state as it arrives. A page i
 sequence alone, with no subject filter: the log stream's only subjects are ``<prefix>.*``
 (``JetStreamLog`` creates and reconciles it so), and a filter costs the server a match for each
 message and a count of what is left for each page (about 12 % of its CPU in a pass over a
-million messages). A message a stream reconfigured from other subjects still holds is passed
-over, or, if it decodes as an envelope, caught by the fold's own checks below.
+million messages). Of the messages a stream reconfigured from other subjects still holds, one
+that is no envelope is passed over, one of a session not listed under the prefix folds into a
+state the caller does not ask for, and one repeating a listed session's index makes that session
+``suspect`` (below), read one by one from its own subject.
 
 The pass only vouches for what it could check: a payload that does not decode (its session is
 unknown without headers: the page is read again with them to name it), a session whose envelopes
