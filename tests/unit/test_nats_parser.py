@@ -142,26 +142,12 @@ def page_protocol(rng: random.Random, count: int) -> bytes:
 
 
 @pytest.mark.parametrize("seed", range(6))
-async def test_a_run_of_page_messages_goes_to_its_sink_whole_and_in_order(seed: int) -> None:
-    data = page_protocol(random.Random(seed), 800)
-    everything = Recorder()
-    await feed(Parser(everything), data, random.Random(seed + 1))
-    ours = Recorder()
-    parser = SinkParser(ours)
-    sunk: list[tuple[bytes | None, bytes]] = []
-    parser.sinks[b"page.in"] = lambda headers, payload: sunk.append((headers, payload))
-    await feed(parser, data, random.Random(seed + 2))
-    to_sink = [c for c in everything.calls if c[0] == "msg" and c[2] == b"page.in"]
-    assert sunk == [(c[5], c[4]) for c in to_sink]
-    assert len(to_sink) > 500
-    assert ours.calls == [c for c in everything.calls if c not in to_sink]
-    assert not parser.buf
-
-
-@pytest.mark.parametrize("seed", range(6))
-async def test_a_payload_sink_takes_the_header_less_messages_and_the_sink_the_rest(
-    seed: int,
+@pytest.mark.parametrize("payload_sink", [False, True])
+async def test_a_run_of_page_messages_goes_to_its_sink_whole_and_in_order(
+    seed: int, payload_sink: bool
 ) -> None:
+    """With a payload sink as well, the messages without headers go to it (as their payload)
+    and only the others to the sink."""
     data = page_protocol(random.Random(seed), 800)
     everything = Recorder()
     await feed(Parser(everything), data, random.Random(seed + 1))
@@ -170,12 +156,16 @@ async def test_a_payload_sink_takes_the_header_less_messages_and_the_sink_the_re
     sunk: list[tuple[bytes | None, bytes]] = []
     payloads: list[bytes] = []
     parser.sinks[b"page.in"] = lambda headers, payload: sunk.append((headers, payload))
-    parser.payload_sinks[b"page.in"] = payloads.append
+    if payload_sink:
+        parser.payload_sinks[b"page.in"] = payloads.append
     await feed(parser, data, random.Random(seed + 2))
     to_sink = [c for c in everything.calls if c[0] == "msg" and c[2] == b"page.in"]
-    assert payloads == [c[4] for c in to_sink if c[5] is None]
-    assert sunk == [(c[5], c[4]) for c in to_sink if c[5] is not None]
-    assert len(payloads) > 500 and sunk
+    if payload_sink:
+        assert payloads == [c[4] for c in to_sink if c[5] is None]
+        assert sunk == [(c[5], c[4]) for c in to_sink if c[5] is not None] and sunk
+    else:
+        assert sunk == [(c[5], c[4]) for c in to_sink] and not payloads
+    assert len(to_sink) > 500
     assert ours.calls == [c for c in everything.calls if c not in to_sink]
     assert not parser.buf
 
