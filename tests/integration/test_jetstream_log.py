@@ -14,6 +14,7 @@ import nats
 import pytest
 from tests.contract.test_event_log import events, new_session
 
+from apomesh.adapters import stream_fold
 from apomesh.adapters.heartbeats import (
     HEARTBEAT_STREAM,
     HEARTBEAT_WILDCARD,
@@ -228,8 +229,10 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
     nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the pass's pages hold every sequence, each session's end (last index, sequence) is
-    read off the pass; a purged session leaves a gap, and the sessions whose last message sits
-    in a page with a gap are asked for with ``learn_ends``. Either way the note is the truth."""
+    read off the pass; a purged session leaves a gap, which the stream's list of deleted
+    sequences places; without that list (too many deleted to ask for), the sessions whose last
+    message sits in a page with a gap are asked for with ``learn_ends``. Either way the note is
+    the truth."""
     tag = uuid.uuid4().hex[:8]
     options: dict[str, Any] = {
         "stream": f"E_{tag}",
@@ -263,6 +266,13 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
     }
 
     await writer.delete_session(sessions[0])  # a gap in the stream's sequences
+    asked.clear()
+    placed = JetStreamLog(nc, **options)
+    await placed.fold_all(set(), sessions=sessions[1:])
+    assert {s: placed._positions[s] for s in sessions[1:]} == {s: truth[s] for s in sessions[1:]}
+    assert asked == [[]]  # the deleted sequences listed: the gap is placed
+
+    monkeypatch.setattr(stream_fold, "MAX_DELETED_LISTED", 0)
     asked.clear()
     gapped = JetStreamLog(nc, **options)
     await gapped.fold_all(set(), sessions=sessions[1:])

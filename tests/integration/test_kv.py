@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js.api import KeyValueConfig
 
+from apomesh.adapters import kv
 from apomesh.adapters.kv import (
     AGENTS_BUCKET,
     DAEMONS_BUCKET,
@@ -190,6 +191,38 @@ async def test_every_held_lease_is_listed_in_one_read(fresh_nats_server: Any) ->
         released = "s-7.odd/7"
         assert await leases.release(released, held.pop(released))  # a released one is not held
         assert await leases.acquire("s-of-a-dead-daemon", "daemon-dead")  # nor one of the dead
+        assert await leases.holders() == held
+    finally:
+        await close_quietly(client)
+
+
+async def test_holders_reads_the_bucket_page_by_page_and_a_lease_reads_from_the_leader(
+    fresh_nats_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``holders`` reads the leases' stream in pages of batched direct gets (so the bucket
+    allows them, an older bucket brought to it when opened), the later message of a key
+    rewritten since winning; a lease's own reads stay off direct gets (a replica a moment
+    behind could answer those)."""
+    client = await connect(fresh_nats_server.url)
+    try:
+        js = client.jetstream()
+        await js.create_key_value(KeyValueConfig(bucket=LEASES_BUCKET, history=1))
+        assert not (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.allow_direct
+        buckets = await KvBuckets.open(client)
+        assert (await js.stream_info(f"KV_{LEASES_BUCKET}")).config.allow_direct
+        leases = buckets.leases
+        assert leases._kv._direct is False
+        monkeypatch.setattr(kv, "HOLDERS_PAGE", 7)
+        await buckets.daemons.put("daemon-a", b"record")
+        await buckets.daemons.put("daemon-b", b"record")
+        held = {f"s-{n}": "daemon-a" for n in range(40)}
+        for session, owner in held.items():
+            assert await leases.acquire(session, owner)
+        for session in ("s-3", "s-17"):  # rewritten: released, then taken by another owner
+            assert await leases.release(session, "daemon-a")
+            assert await leases.acquire(session, "daemon-b")
+            held[session] = "daemon-b"
+        assert await leases.release("s-21", held.pop("s-21"))
         assert await leases.holders() == held
     finally:
         await close_quietly(client)
