@@ -387,8 +387,9 @@ class LeaseTable:
         exists unread) is taken one by one. Answers the sessions ``owner`` now holds; a session
         whose lease NATS could not answer for is not among them (its caller asks again later).
         A daemon restarted on its data dir finds every lease of its sessions held by itself:
-        50,000 of them were taken one by one in 53 s, two requests each, and then by a refused
-        create and a compare-and-set each in 1.2 s (one request each since)."""
+        50,000 of them were taken one by one in 53 s, two requests each; together, a refused
+        create and a compare-and-set each, its adoption of them took 2.03 s in all, and with
+        the compare-and-set alone 1.16-1.49 s."""
         taken: set[str] = set()
         # The reads of these sessions only: an ``acquire_many`` for others (the boot scan's
         # auto-resumed ones, often none) leaves the rest for an operator's resume to use.
