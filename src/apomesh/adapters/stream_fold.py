@@ -66,10 +66,10 @@ from apomesh.core.events import SessionShape, SessionStarted
 from apomesh.core.state import SessionState, apply, new_state
 
 MAX_PAGE_BYTES = 16 * 1024 * 1024
-MAX_DELETED_LISTED = 1_000_000
+MAX_DELETED_LISTED = 500_000
 """The most deleted messages a stream may have for the pass to ask which they are (a JSON list
-of their sequences in the stream's info); past it, pages with gaps leave their sessions' ends to
-the caller."""
+of their sequences in the stream's info, held as a set for the pass: about 30 MB at this many);
+past it, pages with gaps leave their sessions' ends to the caller."""
 FOLD_SLICE = 200
 """Messages of a page folded between two turns of the event loop."""
 
