@@ -34,8 +34,9 @@ async def read_all(client: NATS, request: dict[str, Any]) -> list[tuple[bytes, A
     seq, out = 1, []
     while True:
         page = await direct_get_batch(client, STREAM, {**request, "seq": seq}, timeout=10)
-        out += [(m.data, m.headers) for m in page.messages]
-        if not page.messages or page.pending <= 0:
+        out += [(m.data, m.headers) for m in page.messages]  # with headers
+        out += [(payload, None) for payload in page.payloads]  # without (``no_hdr``)
+        if not (page.messages or page.payloads) or page.pending <= 0:
             return out
         seq = page.last_sequence + 1
 

@@ -11,13 +11,11 @@ than ``max_age`` (a day by default) drop out of the stream, so long-gone workers
 
 from __future__ import annotations
 
-import time
-
 import nats.js.errors
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-from apomesh.adapters.nats_connect import NATS, direct_get_batch, unavailable_as_log_error
-from apomesh.core.errors import LogError, LogUnavailable
+from apomesh.adapters.nats_connect import NATS, direct_get_pages, unavailable_as_log_error
+from apomesh.core.errors import LogError
 
 HEARTBEAT_STREAM = "APOMESH_HB"
 HEARTBEAT_PREFIX = "apomesh.hb"
@@ -102,30 +100,16 @@ class HeartbeatStream:
         worker's latest beat; a beat that lands during the read replaces an older one further
         on, and the later sequence wins.
         """
-        deadline = time.monotonic() + self._timeout
         prefix = f"{HEARTBEAT_PREFIX}."
         beats: dict[str, bytes] = {}
-        seq = 1
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise LogUnavailable(
-                    f"read heartbeats: NATS did not answer within {self._timeout:g} s"
-                )
-            page = await direct_get_batch(
-                self._nc,
-                self.stream,
-                {"seq": seq, "next_by_subj": HEARTBEAT_WILDCARD, "batch": self._page},
-                timeout=remaining,
-            )
+        request = {"next_by_subj": HEARTBEAT_WILDCARD, "batch": self._page}
+        async for page in direct_get_pages(self._nc, self.stream, request, timeout=self._timeout):
             for msg in page.messages:
                 headers = msg.headers or {}
                 subject = headers.get("Nats-Subject", "")
                 if subject.startswith(prefix):
                     beats[subject[len(prefix) :]] = msg.data
-            if not page.messages or page.pending <= 0:
-                return beats
-            seq = int((page.messages[-1].headers or {})["Nats-Sequence"]) + 1
+        return beats
 
     async def forget(self, worker_id: str) -> None:
         """Drop a worker's kept beat (it was unregistered for good)."""

@@ -548,11 +548,11 @@ class JetStreamLog:
                 },
                 timeout=_remaining(deadline, f"read session {session_id}"),
             )
-            for msg in page.messages:
-                _take(payloads, msg.data, first)
-            if page.messages:
+            for payload in page.payloads:
+                _take(payloads, payload, first)
+            if page.payloads:
                 last_seq = page.last_sequence
-            if not page.messages or page.pending == 0:
+            if not page.payloads or page.pending == 0:
                 return _StoredRun(first, payloads, last_seq)
             seq = last_seq + 1
 

@@ -44,7 +44,7 @@ from nats.js.kv import KeyValue
 from apomesh.adapters.nats_connect import (
     NATS,
     WRONG_LAST_SEQUENCE,
-    direct_get_batch,
+    direct_get_pages,
     read_pub_ack,
     request_many,
     unavailable_as_log_error,
@@ -522,10 +522,10 @@ class LeaseTable:
 
     async def holders(self, timeout: float = 10.0) -> dict[str, str]:
         """Every session whose lease is held now -> its holder, from one pass over the bucket's
-        stream in pages of batched direct gets (not one read per session: the boot scan asks
-        this of every stored session; not a watcher, whose every entry costs a ``Msg`` and a
-        task switch: 50,000 leases took 1.9-3.3 s of the daemon's CPU that way), less the
-        leases of owners that are not alive. The pass reads to the stream's end as it goes (a
+        stream in pages of batched direct gets, ``direct_get_pages`` (not one read per session:
+        the boot scan asks this of every stored session; not a watcher, whose every entry costs
+        a ``Msg`` and a task switch: 50,000 leases took 1.9-3.3 s of the daemon's CPU that
+        way), less the leases of owners that are not alive. The pass reads to the stream's end as it goes (a
         key's last message is its value; one rewritten meanwhile is met again later in the
         pass, and the later wins). A direct get may be answered by a replica a moment behind
         the leader: what this returns is a belief, as any read of leases that move is, and
@@ -537,11 +537,8 @@ class LeaseTable:
         read: dict[str, tuple[bytes, int]] = {}
         stream, prefix = f"KV_{LEASES_BUCKET}", f"$KV.{LEASES_BUCKET}."
         with unavailable_as_log_error("list the session leases"):
-            state = (await self._js.stream_info(stream)).state
-            seq, last = max(1, state.first_seq or 1), state.last_seq
-            while last and seq <= last:
-                request = {"seq": seq, "batch": HOLDERS_PAGE}  # the stream holds only leases
-                page = await direct_get_batch(self._nc, stream, request, timeout=timeout)
+            request = {"batch": HOLDERS_PAGE}  # by sequence alone: the stream holds only leases
+            async for page in direct_get_pages(self._nc, stream, request, timeout=timeout):
                 for msg in page.messages:
                     headers = msg.headers or {}
                     session = decode_key(headers.get("Nats-Subject", "")[len(prefix) :])
@@ -552,9 +549,6 @@ class LeaseTable:
                     else:
                         named[session] = msg.data.decode()
                         read[session] = (msg.data, revision)
-                if not page.messages or page.pending <= 0:
-                    break
-                seq = page.last_sequence + 1
             alive = {owner for owner in set(named.values()) if await self._alive(owner.encode())}
         self._last_read = read
         return {session: owner for session, owner in named.items() if owner in alive}

@@ -12,7 +12,7 @@ otherwise send it in clear). URLs are logged through ``redact_url``, never with 
 token. A permissions violation the server reports on a live connection is logged as an error. ``unavailable_as_log_error``
 maps the nats-py failures that mean "NATS cannot be reached right now" to ``LogUnavailable``;
 ``direct_get_batch`` runs one batched direct-get request and collects its messages up to the
-end-of-batch status; ``api_request`` runs one raw ``$JS.API`` request; ``Replies`` sends the
+end-of-batch status, and ``direct_get_pages`` reads such pages until nothing is left; ``api_request`` runs one raw ``$JS.API`` request; ``Replies`` sends the
 many small requests of a hot path (a log append is one) over one reply subscription;
 ``request_many`` sends a batch of requests at once and collects their answers together;
 ``read_pub_ack`` reads a JetStream publish's answer (a log append's, a lease create's).
@@ -54,6 +54,7 @@ __all__ = [
     "close_quietly",
     "connect",
     "direct_get_batch",
+    "direct_get_pages",
     "read_pub_ack",
     "redact_url",
     "redact_urls",
@@ -542,11 +543,10 @@ class PageMessage:
 class DirectGetPage:
     """The messages one batched direct get returned, and what the server said was left.
 
-    A page asked for with headers holds its messages in ``messages``. One asked for without
-    (``no_hdr``: the boot scan's) holds their payloads in ``payloads``, with no ``PageMessage``
-    built for each (``messages`` builds them when asked)."""
+    A message with headers is in ``messages``; one without (a page asked for with ``no_hdr``,
+    the boot scan's) is in ``payloads``, as its payload alone, with no ``PageMessage`` built."""
 
-    __slots__ = ("_messages", "last_sequence", "payloads", "pending")
+    __slots__ = ("last_sequence", "messages", "payloads", "pending")
 
     def __init__(
         self,
@@ -555,16 +555,10 @@ class DirectGetPage:
         last_sequence: int,
         payloads: list[bytes] | None = None,
     ) -> None:
-        self._messages = messages
+        self.messages = messages
         self.payloads = payloads if payloads is not None else []
         self.pending = pending
         self.last_sequence = last_sequence
-
-    @property
-    def messages(self) -> list[PageMessage]:
-        if not self._messages and self.payloads:
-            self._messages = [PageMessage(payload) for payload in self.payloads]
-        return self._messages
 
 
 async def direct_get_batch(
@@ -619,6 +613,25 @@ async def direct_get_batch(
             )
             pending, last = await asyncio.wait_for(finished, timeout=timeout)
     return DirectGetPage(messages, pending, last, payloads)
+
+
+async def direct_get_pages(
+    nc: NATS, stream: str, request: dict[str, Any], *, timeout: float
+) -> AsyncIterator[DirectGetPage]:
+    """Every page of a batched direct get (``request``, from its ``seq`` or 1) until the server
+    says nothing is left, the whole read within ``timeout`` seconds (else ``LogUnavailable``)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    seq = int(request.get("seq") or 1)
+    while True:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise LogUnavailable(f"direct gets on {stream}: no answer within {timeout:g} s")
+        page = await direct_get_batch(nc, stream, {**request, "seq": seq}, timeout=remaining)
+        if page.messages or page.payloads:
+            yield page
+        if not (page.messages or page.payloads) or page.pending <= 0:
+            return
+        seq = page.last_sequence + 1
 
 
 async def request_many(

@@ -65,7 +65,7 @@ from apomesh.adapters.nats_connect import (
     UNAVAILABLE_ERRORS,
     close_quietly,
     connect,
-    direct_get_batch,
+    direct_get_pages,
 )
 from apomesh.core.errors import LogUnavailable, StoreError, StoreUnavailable
 
@@ -333,17 +333,13 @@ class StateReplica:
         """Every live (key, stored main bytes) of ``db`` under ``prefix``, in key order: one
         batched direct get per page of the subject filter."""
         found: dict[str, bytes] = {}
-        subject_filter = _filter(db, prefix)
-        seq = 1
+        request: dict[str, Any] = {
+            "next_by_subj": _filter(db, prefix),
+            "batch": _READ_PAGE,
+            "max_bytes": 16 * 1024 * 1024,
+        }
         with _unavailable(f"scan {db}"):
-            while True:
-                request: dict[str, Any] = {
-                    "seq": seq,
-                    "next_by_subj": subject_filter,
-                    "batch": _READ_PAGE,
-                    "max_bytes": 16 * 1024 * 1024,
-                }
-                page = await direct_get_batch(self._nc, _STREAM, request, timeout=self.timeout)
+            async for page in direct_get_pages(self._nc, _STREAM, request, timeout=self.timeout):
                 for msg in page.messages:
                     headers = msg.headers or {}
                     kvkey = headers.get("Nats-Subject", "")[len(_SUBJECT_PREFIX) :]
@@ -353,9 +349,6 @@ class StateReplica:
                         found.pop(kvkey, None)
                     else:
                         found[kvkey] = msg.data
-                if not page.messages or page.pending <= 0:
-                    break
-                seq = int((page.messages[-1].headers or {})["Nats-Sequence"]) + 1
         out = []
         for kvkey, stored in found.items():
             found_db, key = _store_key(kvkey)
