@@ -24,8 +24,10 @@ def replicated_store(
         raise
 
 
-def empty_replicated_store(urls: str | Sequence[str], path: Path) -> ReplicatedStore:
+def empty_replicated_store(
+    urls: str | Sequence[str], path: Path, *, replicas: int = 1, timeout: float = 5.0
+) -> ReplicatedStore:
     """A ``ReplicatedStore`` whose bucket holds nothing yet (every record purged)."""
-    store = replicated_store(urls, path)
+    store = replicated_store(urls, path, replicas=replicas, timeout=timeout)
     store._run(store.replica.purge())
     return store

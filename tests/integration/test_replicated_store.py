@@ -1,7 +1,8 @@
 """The replicated state store on real parts: LMDB and the ``APOMESH_STATE`` bucket on a real
 nats-server (one node, and the 3-node cluster). What a peer with an empty data dir reads back,
-compaction deletes, all-or-nothing batches, no acknowledgement without NATS, and nothing
-acknowledged lost when a cluster node is SIGKILLed."""
+compaction deletes, a grouped write's records as LMDB leaves them, what a write cut off part way
+leaves, no acknowledgement without NATS, and nothing acknowledged lost when a cluster node is
+SIGKILLed."""
 
 from __future__ import annotations
 
@@ -326,3 +327,68 @@ def test_a_daemon_given_a_session_back_reads_what_the_peer_left_not_its_older_co
         assert back.get_journal(AGENT, "call") == b"result"
     finally:
         back.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 3], ids=["R1-plain-then-atomic", "R3-atomic"])
+def test_a_grouped_write_leaves_each_record_as_its_last_batch_did_in_both_stores(
+    request: pytest.FixtureRequest, replicas: int, tmp_path: Path
+) -> None:
+    """A group of batches ends on the bucket as LMDB's one transaction of them does, whether its
+    whole values go before its deletes (R1) or all in one atomic batch (R3): a record put and
+    later deleted is gone, one deleted and put again is there."""
+    if replicas == 1:
+        urls: str | list[str] = request.getfixturevalue("nats_url")
+    else:
+        urls = list(request.getfixturevalue("nats_cluster").urls)
+    store = empty_replicated_store(urls, tmp_path / "a", replicas=replicas)
+    store.write_batch([("defs", "s1/b", b"old b"), ("defs", "s1/c", b"old c")])
+    store.write_batches(
+        [
+            ([("defs", "s1/a", b"put then deleted")], [("defs", "s1/b")]),
+            ([("defs", "s1/b", b"deleted then put")], [("defs", "s1/a")]),
+            ([], [("defs", "s1/c")]),
+        ]
+    )
+    expected = [("s1/b", b"deleted then put")]
+    assert store.local.scan("defs", "s1/") == expected
+    store.close()
+    peer = replicated_store(urls, tmp_path / "b", replicas=replicas)
+    try:
+        assert peer.scan("defs", "s1/") == expected
+    finally:
+        peer.close()
+
+
+def test_a_write_cut_off_after_its_whole_values_leaves_them_and_none_of_its_deletes(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """The bucket takes a write's whole values as plain publishes and its deletes and split
+    values after them, atomically: cut off between the two, the write fails, LMDB is untouched
+    and the bucket holds the whole values alone."""
+    store = empty_replicated_store(nats_url, tmp_path / "a", timeout=0.5)
+    store.write_batch([("segments", f"{AGENT}\x0000000000", b"small 0")])
+
+    async def cut_off(messages: Any, *, timeout: float) -> None:
+        raise nats.errors.TimeoutError  # the server never answers the atomic batch
+
+    store.replica._send = cut_off  # type: ignore[method-assign]
+    store.replica.chunk = 4096  # so the value below is split
+    with pytest.raises(StoreUnavailable):
+        store.write_batch(
+            [
+                ("segments", f"{AGENT}\x0000000001", b"merged 0..1"),
+                ("snapshots", snapshot_key(AGENT, 1), b"x" * 10_000),
+            ],
+            [("segments", f"{AGENT}\x0000000000")],
+        )
+    assert store.local.scan("segments", "") == [(f"{AGENT}\x0000000000", b"small 0")]
+    store.close()
+    peer = replicated_store(nats_url, tmp_path / "b")
+    try:
+        assert peer.scan("segments", AGENT + "\x00") == [
+            (f"{AGENT}\x0000000000", b"small 0"),
+            (f"{AGENT}\x0000000001", b"merged 0..1"),
+        ]
+        assert peer.get_snapshot(AGENT, 1) is None  # split: it goes whole or not at all
+    finally:
+        peer.close()

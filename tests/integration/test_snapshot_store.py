@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,11 +21,16 @@ AGENT = "s1/root"
 
 def node(step: int, counts: dict[str, int], *, reset: bool = False) -> NodeReport:
     return NodeReport(
-        "w1", "s1", "root", 1,
+        "w1",
+        "s1",
+        "root",
+        1,
         step=step,
         new_messages=[
             Message(role="assistant", content=f"call {step}"),
-            Message(role="tool", content=f"wrote file {step}", tool_call_id=f"{step}.0", name="fs.write"),
+            Message(
+                role="tool", content=f"wrote file {step}", tool_call_id=f"{step}.0", name="fs.write"
+            ),
         ],
         model={"script_pos": step},
         budget=BudgetState(steps=step, tool_calls=step),
@@ -33,9 +39,7 @@ def node(step: int, counts: dict[str, int], *, reset: bool = False) -> NodeRepor
     )
 
 
-async def write(
-    snapshots: SnapshotStore, report: NodeReport, after_id: int = 0
-) -> tuple[int, int]:
+async def write(snapshots: SnapshotStore, report: NodeReport, after_id: int = 0) -> tuple[int, int]:
     """Stage and commit one node's snapshot: (snapshot id, bytes written)."""
     staged = await snapshots.stage(AGENT, None, report, after_id=after_id)
     await snapshots.commit([staged])
@@ -94,13 +98,24 @@ async def test_a_record_that_holds_its_counts_whole_still_loads(tmp_path: Path) 
     store = AsyncStore(LmdbStore(tmp_path / "db"))
     encoder = msgspec.msgpack.Encoder()
     old_record = SnapshotRecord(
-        step=1, base_seq=0, last_seq=0, model={}, budget=BudgetState(steps=1), source="node",
+        step=1,
+        base_seq=0,
+        last_seq=0,
+        model={},
+        budget=BudgetState(steps=1),
+        source="node",
         call_counts={"a": 3},
     )
-    await store.write_batch([
-        ("segments", segment_key(AGENT, 0), encoder.encode([Message(role="user", content="hi")])),
-        ("snapshots", snapshot_key(AGENT, 1), encoder.encode(old_record)),
-    ])
+    await store.write_batch(
+        [
+            (
+                "segments",
+                segment_key(AGENT, 0),
+                encoder.encode([Message(role="user", content="hi")]),
+            ),
+            ("snapshots", snapshot_key(AGENT, 1), encoder.encode(old_record)),
+        ]
+    )
     snapshots = SnapshotStore(store)
     memory = await snapshots.load(AGENT)
     assert memory is not None
@@ -206,4 +221,47 @@ async def test_a_staged_snapshot_is_stored_only_when_committed_and_one_dropped_l
     assert "call 3" not in contents and "wrote file 3" not in contents
     assert len(contents) == 2 * 10
     assert memory.call_counts == {"a": 1, "b": 1}
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_compaction_whose_deletes_never_landed_loads_each_part_once(
+    tmp_path: Path,
+) -> None:
+    """On the replicated store a write cut off part way can leave a compaction's merged segment
+    beside the small segments it replaces (its whole values land before its deletes). A load
+    takes each node's part once, and the next dispatch deletes the segments the merged one
+    holds, so the agent goes on from a clean tail."""
+    store = AsyncStore(LmdbStore(tmp_path / "db"))
+    snapshots = SnapshotStore(store, compact_every=4)
+    write_batch = store.write_batch
+
+    async def deletes_lost(puts: Any, deletes: Any = ()) -> None:
+        await write_batch(puts)
+
+    for step in range(1, 7):  # node 4 compacts 1..4 into one segment
+        store.write_batch = deletes_lost if step == 4 else write_batch  # type: ignore[method-assign]
+        await write(snapshots, node(step, {"k": step}))
+    store.write_batch = write_batch  # type: ignore[method-assign]
+    assert len(await store.scan("segments", AGENT + "\x00")) == 6  # 1, 2, 3, merged 1..4, 5, 6
+
+    for snapshot_id in range(1, 7):
+        memory = await snapshots.load(AGENT, snapshot_id)
+        assert memory is not None
+        assert [m.content for m in memory.messages if m.role == "tool"] == [
+            f"wrote file {n}" for n in range(1, snapshot_id + 1)
+        ]
+    restarted = SnapshotStore(store, compact_every=4)
+    memory = await restarted.load_logged(AGENT, 6)
+    assert memory is not None and len(memory.messages) == 12 and memory.call_counts == {"k": 6}
+    assert [key for key, _ in await store.scan("segments", AGENT + "\x00")] == [
+        segment_key(AGENT, n) for n in (3, 4, 5)
+    ]
+    for step in range(7, 10):
+        await write(restarted, node(step, {"k": step}), after_id=step - 1)
+    again = await SnapshotStore(store, compact_every=4).load(AGENT)
+    assert again is not None
+    assert [m.content for m in again.messages if m.role == "tool"] == [
+        f"wrote file {n}" for n in range(1, 10)
+    ]
     await store.aclose()

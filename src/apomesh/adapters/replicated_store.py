@@ -7,13 +7,22 @@ stream). Every database but ``meta`` (the daemon's own identity) is replicated: 
 (recorded model turns among them), conversation segments, definitions, the tool-call journal copy
 and the completed-session index.
 
-- A write goes to the bucket first, as one JetStream atomic batch (every message of a
-  ``write_batch``, or of a group-committed ``write_batches``, is published without waiting and
-  the commit message's acknowledgement covers them all: one round trip, all or nothing), then to
-  LMDB in one synced transaction. It returns only when both are durable; a bucket that cannot be
-  reached or does not confirm within ``timeout`` seconds (the batch is sent again meanwhile, so a
-  reconnect or a leader election is ridden out) is ``StoreUnavailable`` and LMDB is not touched.
-  Deletes (compaction) are KV delete markers in the same batch.
+- A write goes to the bucket first, then to LMDB in one synced transaction. It returns only
+  when both are durable; a bucket that cannot be reached or does not confirm within ``timeout``
+  seconds (the write is sent again meanwhile, so a reconnect or a leader election is ridden out)
+  is ``StoreUnavailable`` and LMDB is not touched. On a replicated bucket (R3) the write is one
+  JetStream atomic batch (every message of a ``write_batch``, or of a group-committed
+  ``write_batches``, published without waiting, the commit's acknowledgement covering them all:
+  one round trip, all or nothing). On an R1 bucket, where nats-server stages every atomic batch
+  in a file store of its own, a write's whole values go as plain publishes, sent at once and
+  each acknowledged, and its split values and deletes (KV delete markers: compaction, retention)
+  follow in atomic batches (``StateReplica.write``). A write cut off part way there leaves some
+  of its whole values and nothing else, which is safe because every record the store holds is
+  either true on its own (a definition, a journal copy of what the log holds, a completed
+  record) or reached only through the log: a dispatch continues from the snapshot its log's
+  pointer names and drops later snapshots and segments (``SnapshotStore.load_logged``), and a
+  compaction's merged segment beside the small ones it replaces is read once
+  (``runtime/snapshots.py``).
 - The bucket is the authority, LMDB the host's copy: a peer taking a session over has nothing of
   it in its LMDB, and a daemon given a session back may hold an older copy than the peer left (a
   snapshot id is written again once an unlogged snapshot is dropped, a compacted segment is
@@ -25,7 +34,7 @@ and the completed-session index.
 
 A value larger than one NATS message (``max_payload`` less room for the subject and headers) is
 split: the main key's value starts with a one-byte frame tag (``0`` whole, ``1`` split, then the
-part count) and the further parts live under ``_parts.<key>.<n>``, written in the same atomic
+part count) and the further parts live under ``_parts.<key>.<n>``, written with it in one atomic
 batch. KV keys keep the store's order: ``<db>.<head>[.<tail>]``, the store key split at its first
 NUL (the agent key, then the snapshot id, segment number or call key), each token ``_`` and the
 key's reversible KV encoding, so one agent's records are one subject filter.
@@ -66,8 +75,10 @@ from apomesh.adapters.nats_connect import (
     close_quietly,
     connect,
     direct_get_pages,
+    read_pub_ack,
+    request_many,
 )
-from apomesh.core.errors import LogUnavailable, StoreError, StoreUnavailable
+from apomesh.core.errors import LogError, LogUnavailable, StoreError, StoreUnavailable
 
 __all__ = [
     "LOCAL_DATABASES",
@@ -95,6 +106,9 @@ _SPLIT: Final = b"\x01"
 _READ_PAGE: Final = 256
 _DELETE_SLICE: Final = 500
 _ATTEMPT_TIMEOUT: Final = 2.0  # one commit's wait for its acknowledgement before it is sent again
+
+_NOT_NOW: Final[tuple[type[BaseException], ...]] = (*UNAVAILABLE_ERRORS, LogUnavailable)
+"""What a write sent while NATS reconnects or a stream elects its leader meets: sent again."""
 
 _T = TypeVar("_T")
 
@@ -145,18 +159,21 @@ class _Message(msgspec.Struct, frozen=True):
 class StateReplica:
     """The ``APOMESH_STATE`` bucket, async: atomic batch writes, point reads, listings."""
 
-    def __init__(self, nc: NATS, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, nc: NATS, *, replicas: int = 1, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._nc = nc
         self._js = nc.jetstream(timeout=timeout)
         self.timeout = timeout
         self.chunk = max(4096, int(nc.max_payload) - _ROOM)
+        self.publish_whole = replicas == 1
+        """Whole values go as plain publishes, not in atomic batches (``write``): on an R1
+        bucket nats-server stages each atomic batch in a file store of its own."""
 
     @classmethod
     async def open(
         cls, nc: NATS, replicas: int = 1, *, timeout: float = DEFAULT_TIMEOUT
     ) -> StateReplica:
         """Create or reconcile the bucket (``replicas`` copies, atomic batches allowed)."""
-        replica = cls(nc, timeout=timeout)
+        replica = cls(nc, replicas=replicas, timeout=timeout)
         await kv.open_bucket(
             replica._js,
             KeyValueConfig(
@@ -230,18 +247,40 @@ class StateReplica:
     # -- writes -----------------------------------------------------------------------------------
 
     async def write(self, batches: Sequence[tuple[Puts, Sequence[tuple[str, str, int]]]]) -> None:
-        """Write every (puts, deletes) batch: each is all or nothing on the bucket, and all of
-        them go in one atomic batch while they fit. A delete is (db, key, parts the stored value
-        takes). Raises ``StoreUnavailable`` when the bucket does not confirm."""
-        groups: list[list[_Message]] = [[]]
-        for puts, deletes in batches:
-            messages = [m for db, key, value in puts for m in self._messages(db, key, value)]
+        """Write every (puts, deletes) batch; a delete is (db, key, parts the stored value takes).
+        The bucket then holds what LMDB holds after the same batches in one transaction: each
+        record takes its last operation (put, then deleted: deleted; deleted, then put: put).
+        Raises ``StoreUnavailable`` when the bucket does not confirm.
+
+        On a replicated bucket (R3) everything goes in atomic batches, each caller's batch in one
+        (nats-server stages a batch in memory and replicates it as one proposal): all or nothing.
+        On an R1 bucket (one nats-server) it stages each atomic batch in a file store of its own
+        (directories made, files written, synced and removed: 3-4 ms a batch, one batch at a time
+        across the stream), so whole values go first as plain publishes, sent at once and each
+        acknowledged (0.3-0.6 ms), and split values and deletes follow in atomic batches once
+        every whole value is acknowledged: a value is never read without one of its parts, and a
+        batch's deletes land all or none. A write cut off part way there leaves some of its whole
+        values and nothing else, which every reader allows for (the module docstring)."""
+        final: dict[str, tuple[int, str, str, bytes | None, int]] = {}
+        for number, (puts, deletes) in enumerate(batches):
+            for db, key, value in puts:
+                final[kv_key(db, key)] = (number, db, key, value, 0)
             for db, key, parts in deletes:
-                kvkey = kv_key(db, key)
+                final[kv_key(db, key)] = (number, db, key, None, parts)
+        whole: list[_Message] = []
+        later: list[list[_Message]] = [[] for _ in batches]
+        for kvkey, (number, db, key, last, parts) in final.items():
+            if last is None:
                 subjects = [_SUBJECT_PREFIX + kvkey] + [
-                    _part_subject(kvkey, number) for number in range(1, parts)
+                    _part_subject(kvkey, n) for n in range(1, parts)
                 ]
-                messages.extend(_Message(s, b"", {"KV-Operation": "DEL"}) for s in subjects)
+                later[number].extend(_Message(s, b"", {"KV-Operation": "DEL"}) for s in subjects)
+                continue
+            messages = self._messages(db, key, last)
+            alone = self.publish_whole and len(messages) == 1
+            (whole if alone else later[number]).extend(messages)
+        groups: list[list[_Message]] = [[]]
+        for messages in later:
             if len(messages) > ATOMIC_BATCH_LIMIT:
                 raise StoreError(
                     f"a store batch of {len(messages)} messages is over JetStream's atomic batch"
@@ -250,37 +289,63 @@ class StateReplica:
             if len(groups[-1]) + len(messages) > ATOMIC_BATCH_LIMIT:
                 groups.append([])
             groups[-1].extend(messages)
-        for group in groups:
-            if group:
-                await self._commit(group)
+        limit = int(self._nc.max_payload)
+        if any(len(m.data) > limit for m in (*whole, *(m for group in groups for m in group))):
+            # Refused before anything is sent, so nothing of the write lands.
+            raise StoreError("a replicated store message is over the NATS max_payload")
+        await self._commit(whole, [group for group in groups if group])
 
-    async def _commit(self, messages: list[_Message]) -> None:
-        """Publish ``messages`` as one atomic batch and wait for its commit's acknowledgement.
-        While NATS is reconnecting or the stream elects a leader (no responder, an unanswered
-        commit, a "temporarily unavailable" answer) the batch is sent again, under a new batch
-        id, until ``timeout`` seconds have passed: the records are the same, so a batch that
-        did commit before its acknowledgement was lost is only written twice, never changed."""
+    async def _commit(self, whole: list[_Message], atomic: list[list[_Message]]) -> None:
+        """Publish the ``whole`` messages, then each ``atomic`` group as one atomic batch. While
+        NATS is reconnecting or the stream elects a leader (no responder, an unanswered write,
+        a "temporarily unavailable" answer) it is all sent again (atomic batches under new batch
+        ids) until ``timeout`` seconds have passed: the records are the same, so what did land
+        before its acknowledgement was lost is only written twice, never changed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         last_failure = "NATS is not connected"
+        count = len(whole) + sum(len(group) for group in atomic)
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise StoreUnavailable(
-                    f"the replicated state store did not confirm a write of {len(messages)}"
+                    f"the replicated state store did not confirm a write of {count}"
                     f" records within {self.timeout:g} s: {last_failure}"
                 )
             if not self._nc.is_connected:
                 await asyncio.sleep(min(0.1, remaining))
                 continue
             try:
-                await self._send(messages, timeout=min(remaining, _ATTEMPT_TIMEOUT))
+                if whole:
+                    await self._publish(whole, timeout=min(remaining, _ATTEMPT_TIMEOUT))
+                for group in atomic:
+                    remaining = max(deadline - loop.time(), 0.001)
+                    await self._send(group, timeout=min(remaining, _ATTEMPT_TIMEOUT))
                 return
             except _Retry as exc:
                 last_failure = str(exc)
-            except UNAVAILABLE_ERRORS as exc:
+            except _NOT_NOW as exc:
                 last_failure = repr(exc)
             await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0)))
+
+    async def _publish(self, messages: list[_Message], *, timeout: float) -> None:
+        """Publish ``messages`` at once and wait for every acknowledgement."""
+        answers = await request_many(
+            self._nc, [(m.subject, m.data, m.headers) for m in messages], timeout=timeout
+        )
+        for answer in answers:
+            if answer is None:
+                raise _Retry("a record's write was not acknowledged")
+            try:
+                ack = read_pub_ack(answer.data, "a replicated store write")
+            except LogError as exc:
+                raise StoreError(str(exc)) from None
+            if ack.error is not None:
+                if ack.transient:
+                    raise _Retry(f"JetStream answered: {ack.error.description}")
+                raise StoreError(
+                    f"the replicated state store refused a write: {ack.error.description}"
+                )
 
     async def _send(self, messages: list[_Message], *, timeout: float) -> None:
         batch_id = uuid.uuid4().hex

@@ -14,6 +14,11 @@ grow with every side-effecting call, so they are stored the same way: a segment 
 its node changed, and a load merges them over every segment up to the record (a reset keeps them).
 A segment without counts is the plain list of messages.
 
+A compaction writes the merged segment and deletes the small ones it holds in one store write; on
+the replicated store a write cut off part way can leave the merged segment beside them (whole
+values land first, deletes after: ``adapters/replicated_store.py``), so a load takes each part
+once and ``load_logged`` deletes a segment a later one holds whole.
+
 A model turn recorded before it is acted on (a ``TurnReport``, source ``turn``) is a snapshot
 like any other: its record holds the turn (``SnapshotRecord.turn``, small: one model answer) and
 the node that completes the turn writes a record without it. The turn's assistant message joins
@@ -41,6 +46,10 @@ from apomesh.adapters.lmdb_store import AsyncStore, journal_key, snapshot_key
 from apomesh.core.definition import AgentConfig
 from apomesh.plugins.api import Message
 from apomesh.runtime.protocol import AgentMemory, BudgetState, NodeReport, RecordedTurn, TurnReport
+
+Part = tuple[int, list[Message], dict[str, int]]
+"""One node's part of the conversation: its segment sequence number, its messages, and the call
+counts it changed."""
 
 
 class SnapshotRecord(msgspec.Struct):
@@ -105,7 +114,7 @@ class _Tail(msgspec.Struct):
     next_seq: int
     base_seq: int
     next_snapshot: int
-    small: list[tuple[int, list[Message], dict[str, int]]] = msgspec.field(default_factory=list)
+    small: list[Part] = msgspec.field(default_factory=list)
     has_definition: bool = False
     counts: dict[str, int] | None = None
     """The call counts as committed so far by this process (None until it wrote some); a
@@ -307,19 +316,23 @@ class SnapshotStore:
                 raw = value
         record = _record_decoder.decode(raw) if raw is not None else None
         last_seq = record.last_seq if record is not None else -1
-        puts: list[tuple[str, str, bytes]] = []
-        parts: list[tuple[int, list[Message], dict[str, int]]] = []
-        last_segment: int | None = None
-        for key, value in segments:
+        covered: set[int] = set()
+        live: list[tuple[str, list[Part], bool]] = []
+        for key, value in reversed(segments):
             stored = _parts(_number(key), value)
             kept = [part for part in stored if part[0] <= last_seq]
-            parts.extend(kept)
-            if not kept:
+            if not kept or covered.issuperset(seq for seq, _, _ in kept):
+                # Past the snapshot, or held whole by a later segment (a compaction whose
+                # deletes never reached the replicated store: docs/architecture.md).
                 deletes.append(("segments", key))
                 continue
-            last_segment = _number(key)
-            if len(kept) < len(stored):  # a compacted segment reaching past the snapshot
-                puts.append(("segments", key, _merged(kept)))
+            covered.update(seq for seq, _, _ in kept)
+            live.append((key, kept, len(kept) < len(stored)))
+        live.reverse()
+        parts = [part for _, kept, _ in live for part in kept]
+        last_segment = _number(live[-1][0]) if live else None
+        # A compacted segment reaching past the snapshot is kept up to it.
+        puts = [("segments", key, _merged(kept)) for key, kept, trimmed in live if trimmed]
         if puts or deletes:
             await self.store.write_batch(puts, deletes)
         if puts or deletes or agent_key not in self._tails:
@@ -349,7 +362,7 @@ class SnapshotStore:
         self._issued.pop(agent_key, None)
 
 
-def _merged(parts: list[tuple[int, list[Message], dict[str, int]]]) -> bytes:
+def _merged(parts: list[Part]) -> bytes:
     """One compacted segment holding ``parts`` (sequence number, messages, changed counts)."""
     ends: list[int] = []
     messages: list[Message] = []
@@ -373,15 +386,15 @@ def _number(key: str) -> int:
     return int(key.rpartition("\x00")[2], 16)
 
 
-def _memory(
-    record: SnapshotRecord, parts: list[tuple[int, list[Message], dict[str, int]]]
-) -> AgentMemory:
+def _memory(record: SnapshotRecord, parts: list[Part]) -> AgentMemory:
     """The working memory of ``record`` over the agent's segment ``parts``, oldest first."""
     messages: list[Message] = []
     counts = dict(record.call_counts)
+    seen: set[int] = set()
     for seq, part, changed in parts:
-        if seq > record.last_seq:
-            continue
+        if seq > record.last_seq or seq in seen:
+            continue  # past the record, or a part a compacted segment holds again
+        seen.add(seq)
         counts.update(changed)
         if seq >= record.base_seq:
             messages.extend(part)
@@ -396,7 +409,7 @@ def _memory(
     )
 
 
-def _parts(seq: int, value: bytes) -> list[tuple[int, list[Message], dict[str, int]]]:
+def _parts(seq: int, value: bytes) -> list[Part]:
     """The (sequence number, messages, changed counts) parts one stored segment holds."""
     segment = _segment_decoder.decode(value)
     if isinstance(segment, list):
