@@ -578,15 +578,15 @@ class ReplicatedStore(StoreRecords):
         return shared_puts, shared_deletes
 
     def write_batch(self, puts: Puts, deletes: Deletes = ()) -> None:
-        """Write the batch to the bucket (all or nothing), then to LMDB (one synced
-        transaction); returns when both hold it."""
+        """Write the batch to the bucket (``StateReplica.write``: all or nothing on an R3
+        bucket), then to LMDB (one synced transaction); returns when both hold it."""
         shared = self._replicated(puts, deletes)
         if shared[0] or shared[1]:
             self._run(self.replica.write([shared]))
         self.local.write_batch(puts, deletes)
 
     def write_batches(self, batches: Sequence[tuple[Puts, Deletes]]) -> None:
-        """Several batches with one bucket round trip and one LMDB transaction."""
+        """Several batches with one bucket write and one LMDB transaction."""
         shared = [self._replicated(puts, deletes) for puts, deletes in batches]
         if any(p or d for p, d in shared):
             self._run(self.replica.write(shared))
