@@ -65,8 +65,8 @@ UNAVAILABLE_PAUSE_MAX = 30.0
 
 COMPLETED_PER_WRITE = 100
 """Completed records to one store write in ``write_completed_many``: each write is one atomic
-batch of the replicated bucket, which holds at most 1,000 messages (a record is one, or a few
-parts when it is over a message's size)."""
+batch of a replicated (R3) state bucket, which holds at most 1,000 messages (a record is one, or
+a few parts when it is over a message's size)."""
 
 
 def renew_interval(ttl: float) -> float:
@@ -615,8 +615,8 @@ class SessionRegistry:
     async def write_completed_many(self, states: Sequence[SessionState]) -> None:
         """The completed records of many ended sessions (a boot scan's, by the ten thousand),
         ``COMPLETED_PER_WRITE`` to a write, the writes sent together (the store commits what
-        waits together: one LMDB transaction; one atomic batch of the replicated bucket per
-        1,000 messages, its limit, which one write of them all went over)."""
+        waits together: one LMDB transaction; on an R3 state bucket one atomic batch per 1,000
+        messages, its limit, which one write of them all went over)."""
         records = [("completed", state.session_id, _completed_record(state)) for state in states]
         await asyncio.gather(
             *(

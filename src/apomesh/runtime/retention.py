@@ -51,8 +51,8 @@ PURGES_IN_FLIGHT = 64
 
 WRITE_RECORDS = 500
 """The most records a purge deletes in one write, unless one session has more (its records are
-never split): a replicated store's write is one JetStream atomic batch, which takes at most
-1,000 messages."""
+never split): a replicated store's deletes go in one JetStream atomic batch a write, which takes
+at most 1,000 messages."""
 
 SWEEP_EVERY = 3600.0
 """Seconds between two retention sweeps of a running daemon."""
