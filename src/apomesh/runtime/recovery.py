@@ -197,11 +197,20 @@ class BootScan:
 
     async def _scan(self) -> dict[str, Any]:
         started = time.perf_counter()
-        stored_completed, listed = await asyncio.gather(
-            self.store.list_completed(), self.log_adapter.list_sessions()
-        )
-        completed = {sid for sid, _ in stored_completed}
-        session_ids = [s for s in listed if s not in completed]
+        # The log's list of sessions is read while the pass runs: the pass needs it only to start
+        # past the stream's first message (every session from a fold checkpoint), and the
+        # server's answer for 100,000 sessions takes a quarter of a second.
+        listing = asyncio.ensure_future(self.log_adapter.list_sessions())
+        try:
+            return await self._classify(started, listing)
+        finally:
+            if not listing.done():
+                listing.cancel()
+            with contextlib.suppress(BaseException):
+                await listing
+
+    async def _classify(self, started: float, listing: asyncio.Future[list[str]]) -> dict[str, Any]:
+        completed = {sid for sid, _ in await self.store.list_completed()}
         gate = asyncio.Semaphore(32)
         counts: dict[str, Any] = {
             "completed_skipped": len(completed),
@@ -217,8 +226,9 @@ class BootScan:
         # while the log is read: a lease that moves meanwhile is met by the compare-and-set that
         # takes it, as one that moves after the read.
         pass_result, holders = await asyncio.gather(
-            self._fold_in_one_pass(completed, session_ids), self.registry.lease_holders()
+            self._fold_in_one_pass(completed, listing), self.registry.lease_holders()
         )
+        session_ids = [s for s in await listing if s not in completed]
         scanned = pass_result.states if pass_result is not None else {}
         verdict_of = Classifier(self.plugins)
         ended: list[SessionState] = []
@@ -353,15 +363,18 @@ class BootScan:
         return None
 
     async def _fold_in_one_pass(
-        self, completed: set[str], session_ids: Collection[str]
+        self, completed: set[str], listing: asyncio.Future[list[str]]
     ) -> StreamFold | None:
         """Every session folded in one pass over the log stream (each from its fold checkpoint
         when it has one), when the log can; the sessions the pass cannot vouch for are left out
-        of its states (read one by one)."""
+        of its states (read one by one). The log's list of sessions (``listing``) is waited for
+        only when there are fold checkpoints (the pass may then start past the stream's first
+        message); without any, the pass starts at once."""
         if not isinstance(self.log_adapter, FoldsInOnePass):
             return None
+        resume = await self.registry.fold_checkpoints.load_all()
+        session_ids = [s for s in await listing if s not in completed] if resume else None
         try:
-            resume = await self.registry.fold_checkpoints.load_all()
             progress = ProgressLog(
                 self.log, "boot scan", "log messages read", every=self.progress_every
             )

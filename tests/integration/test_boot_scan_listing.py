@@ -1,0 +1,123 @@
+"""The boot scan reads the log's list of sessions while its one pass over the stream runs: without
+a fold checkpoint the pass starts at the stream's first message and does not wait for the list;
+with one, the pass waits for the list (it may start past the first message when every listed
+session has a checkpoint). A real nats-server (the node's embedded one) and real LMDB; the log
+adapter's two reads are wrapped to record their order."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.runtime.config import load_config
+from apomesh.runtime.node import Node
+
+pytestmark = pytest.mark.anyio
+
+ASKER = {
+    "name": "asker",
+    "version": "1.0.0",
+    "coordination": "solo",
+    "tools": ["ask_human"],
+    "model": {
+        "provider": "scripted",
+        "turns": [
+            {"tool_calls": [{"tool": "ask_human", "args": {"question": "Go on?"}}]},
+            {"final": "done"},
+        ],
+    },
+}
+
+
+def _config(tmp_path: Path, **snapshots: Any) -> Any:
+    return load_config(
+        None,
+        env={},
+        overrides={
+            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
+            "plugins": {"allow": ["apomesh"]},
+            "snapshots": snapshots,
+        },
+    )
+
+
+async def _park_one(tmp_path: Path, **snapshots: Any) -> str:
+    """A session parked on its question, left on the log by a node that then stops."""
+    async with Node(_config(tmp_path, **snapshots), http=False) as node:
+        assert node.daemon is not None and node.service is not None
+        for _, worker in node.workers:
+            await worker.wait_registered()
+        session_id = await node.service.create_session("ask", agent=None, definition=ASKER, by="t")
+        runtime = node.daemon.registry.live[session_id]
+        for _ in range(400):
+            if runtime.state.status == "paused":
+                break
+            await asyncio.sleep(0.025)
+        assert runtime.state.status == "paused"
+        return session_id
+
+
+def _record_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Wrap the log's list and pass: the list answers only once the pass has begun or, when the
+    pass asks for the list first, at once (a pass that waits for the list must not deadlock)."""
+    order: list[tuple[str, Any]] = []
+    pass_begun = asyncio.Event()
+    listed = JetStreamLog.list_sessions
+    fold_all = JetStreamLog.fold_all
+
+    async def list_sessions(self: JetStreamLog) -> list[str]:
+        sessions = await listed(self)
+        order.append(("listing asked", None))
+        try:
+            await asyncio.wait_for(pass_begun.wait(), timeout=2.0)
+        except TimeoutError:
+            order.append(("listing answered before the pass", None))
+        else:
+            order.append(("listing answered after the pass began", None))
+        return sessions
+
+    async def fold_all_recorded(self: JetStreamLog, skip: set[str], **kwargs: Any) -> Any:
+        order.append(("pass", kwargs.get("sessions")))
+        pass_begun.set()
+        return await fold_all(self, skip, **kwargs)
+
+    monkeypatch.setattr(JetStreamLog, "list_sessions", list_sessions)
+    monkeypatch.setattr(JetStreamLog, "fold_all", fold_all_recorded)
+    return order
+
+
+async def test_without_checkpoints_the_pass_starts_before_the_list_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session_id = await _park_one(tmp_path)
+    order = _record_order(monkeypatch)
+    async with Node(_config(tmp_path), http=False) as node:
+        assert node.daemon is not None
+        report = node.daemon.boot_report
+        assert report["from_checkpoints"] == 0
+        assert report["auto_resume"] + report["recoverable"] == 1
+        assert session_id in node.daemon.registry.live or session_id in (
+            node.daemon.registry.stranded
+        )
+    assert ("pass", None) in order  # no list handed to the pass: it starts at the first message
+    assert ("listing answered after the pass began", None) in order
+
+
+async def test_with_a_checkpoint_the_pass_is_given_the_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint every event: the parked session has one when the node stops.
+    session_id = await _park_one(tmp_path, fold_checkpoint_every=1)
+    order = _record_order(monkeypatch)
+    async with Node(_config(tmp_path, fold_checkpoint_every=1), http=False) as node:
+        assert node.daemon is not None
+        report = node.daemon.boot_report
+        assert report["from_checkpoints"] == 1
+        assert report["auto_resume"] + report["recoverable"] == 1
+    passes = [sessions for what, sessions in order if what == "pass"]
+    assert passes == [[session_id]]
+    assert order.index(("pass", [session_id])) > order.index(("listing asked", None))
