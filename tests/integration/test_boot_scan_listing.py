@@ -11,38 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.e2e.api_support import asker
+from tests.integration.test_node_reports import one_worker_config
 
 from apomesh.adapters.jetstream_log import JetStreamLog
-from apomesh.runtime.config import load_config
 from apomesh.runtime.node import Node
 
 pytestmark = pytest.mark.anyio
 
-ASKER = {
-    "name": "asker",
-    "version": "1.0.0",
-    "coordination": "solo",
-    "tools": ["ask_human"],
-    "model": {
-        "provider": "scripted",
-        "turns": [
-            {"tool_calls": [{"tool": "ask_human", "args": {"question": "Go on?"}}]},
-            {"final": "done"},
-        ],
-    },
-}
-
 
 def _config(tmp_path: Path, **snapshots: Any) -> Any:
-    return load_config(
-        None,
-        env={},
-        overrides={
-            "daemon": {"data_dir": str(tmp_path / "data"), "workers": 1},
-            "plugins": {"allow": ["apomesh"]},
-            "snapshots": snapshots,
-        },
-    )
+    return one_worker_config(tmp_path, snapshots=snapshots)
 
 
 async def _park_one(tmp_path: Path, **snapshots: Any) -> str:
@@ -51,7 +30,9 @@ async def _park_one(tmp_path: Path, **snapshots: Any) -> str:
         assert node.daemon is not None and node.service is not None
         for _, worker in node.workers:
             await worker.wait_registered()
-        session_id = await node.service.create_session("ask", agent=None, definition=ASKER, by="t")
+        session_id = await node.service.create_session(
+            "ask", agent=None, definition=asker(), by="t"
+        )
         runtime = node.daemon.registry.live[session_id]
         for _ in range(400):
             if runtime.state.status == "paused":
@@ -62,8 +43,8 @@ async def _park_one(tmp_path: Path, **snapshots: Any) -> str:
 
 
 def _record_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Wrap the log's list and pass: the list answers only once the pass has begun or, when the
-    pass asks for the list first, at once (a pass that waits for the list must not deadlock)."""
+    """Wrap the log's list and pass, noting their order: the list answers once the pass has
+    begun, or after 2 s without it (a pass that waits for the list must not deadlock)."""
     order: list[tuple[str, Any]] = []
     pass_begun = asyncio.Event()
     listed = JetStreamLog.list_sessions
