@@ -116,7 +116,7 @@ from apomesh.adapters.nats_connect import connect, request_many
 from apomesh.adapters.natsserver import NatsServer, single_node
 from apomesh.core import envelope
 from apomesh.core.state import fold
-from apomesh.core.state_codec import FoldCheckpoint, decode_checkpoint, make_checkpoint
+from apomesh.core.state_codec import FoldCheckpoint, decode_checkpoint, make_checkpoint, shape_key
 from apomesh.core.views import TERMINAL_STATUSES
 from apomesh.plugins.manager import BUILTIN_DISTRIBUTION, ENV_ALLOW
 from apomesh.runtime.fold_checkpoints import CHECKPOINT_DB, CHECKPOINT_EVERY, FoldCheckpoints
@@ -325,13 +325,17 @@ SEED_WINDOW = 2_000
 server's stream ingest queue holds (it drops plain publishes beyond it)."""
 
 
-async def publish_stored(url: str, sessions: list[list[envelope.Envelope]]) -> tuple[int, float]:
+async def publish_stored(
+    url: str,
+    sessions: list[list[envelope.Envelope]],
+    seqs: dict[str, list[int]] | None = None,
+) -> tuple[int, float]:
     """Publish the sessions' envelopes to the log stream in the messages the log writes:
     ``STEP_EVENTS`` consecutive events to a message, as a step's appends are
     (``adapters.log_messages``), ``SEED_WINDOW`` at a time, each window's acknowledgements
     awaited together (``request_many``) and checked: a message the server did not store stops
     the bench with the server's reason instead of leaving a session short. Answer
-    (events, seconds)."""
+    (events, seconds); ``seqs`` is given each session's messages' stream sequences."""
     nc = await connect([url])
     log = JetStreamLog(nc)
     await log.ensure()
@@ -345,6 +349,8 @@ async def publish_stored(url: str, sessions: list[list[envelope.Envelope]]) -> t
             reply = json.loads(answer.data) if answer is not None else {"error": "no answer"}
             if "error" in reply:
                 raise RuntimeError(f"seeding {subject}: not stored: {reply['error']}")
+            if seqs is not None:
+                seqs.setdefault(subject.rsplit(".", 1)[1], []).append(int(reply["seq"]))
         window.clear()
 
     for envelopes in sessions:
@@ -385,6 +391,50 @@ def mixed_sessions(count: int, rng: random.Random) -> tuple[list[list[Any]], dic
     return out, kinds
 
 
+async def seed_checkpoints(
+    url: str,
+    data: Path,
+    sessions: list[list[envelope.Envelope]],
+    seqs: dict[str, list[int]],
+    behind: int,
+) -> None:
+    """Store in the daemon data dir ``data`` the fold checkpoints a daemon that drove the stored
+    sessions leaves at the default ``fold_checkpoint_interval``, through the daemon's own
+    checkpoint code: each at the session's last message, counting its messages on this stream;
+    the last ``behind`` sessions seeded (the last to append before it died) one step (two
+    messages) short of their end, as their last write had not come yet."""
+    nc = await connect([url])
+    log = JetStreamLog(nc)
+    await log.ensure()
+    await nc.close()
+    store = AsyncStore(LmdbStore(data / "lmdb"))
+    checkpoints = FoldCheckpoints(store)
+    keys: dict[int, str] = {}
+    made = []
+    for n, envelopes in enumerate(sessions):
+        stored_at = seqs[envelopes[0].session_id]
+        messages = len(stored_at) - (2 if n >= len(sessions) - behind else 0)
+        at = min(messages * STEP_EVENTS, len(envelopes)) - 1
+        state = fold(envelopes[: at + 1])
+        assert state.bootstrap is not None
+        shape = state.bootstrap.shape
+        key = keys.setdefault(id(shape), shape_key(shape))
+        checkpoint = make_checkpoint(
+            state,
+            envelopes[at].event_id,
+            stored_at[messages - 1],
+            messages=messages,
+            log_id=log.log_id,
+            shape=key,
+        )
+        made.append((checkpoint, shape))
+        if len(made) >= 5_000:
+            await checkpoints.write_many(made)
+            made.clear()
+    await checkpoints.write_many(made)
+    await store.aclose()
+
+
 def _start_then_die(url: str, data: Path, figures: Path) -> None:
     """A child process: a daemon's start on the stored sessions, its figures written, SIGKILL."""
     asyncio.run(boot(url, data, 0, wait=0, die=figures))
@@ -408,28 +458,44 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
     of the machine or a slow process moving one start, not the figure. Then the start of the
     last daemon again on its data dir: its auto-resumed sessions' leases held by itself, its
     ended sessions' completed records written, and those (ended in 2023) past the default
-    retention, so its sweep purges them before its scan."""
+    retention, so its sweep purges them before its scan.
+
+    Then ``starts`` starts more on the same stored sessions with the fold checkpoints a daemon
+    that drove them leaves (``seed_checkpoints``: one in a hundred a step behind), each on a
+    copy of that data dir."""
+    behind = max(1, count // 100)
     with scratch("apomesh-scale-scan-") as base:
         server = NatsServer(single_node(base / "nats", name="nats"))
         server.start()
         try:
             sessions, kinds = mixed_sessions(count, rng)
-            events, seeded = asyncio.run(publish_stored(server.url, sessions))
-            del sessions
-            if starts > 1:
+            seqs: dict[str, list[int]] = {}
+            events, seeded = asyncio.run(publish_stored(server.url, sessions, seqs))
+            asyncio.run(seed_checkpoints(server.url, base / "checkpointed", sessions, seqs, behind))
+            del sessions, seqs
+            server.stop()
+            shutil.copytree(base / "nats", base / "seeded")
+            server.start()
+
+            def fresh(daemon: Path | None) -> None:
                 server.stop()
-                shutil.copytree(base / "nats", base / "seeded")
+                shutil.rmtree(base / "nats")
+                shutil.rmtree(base / "daemon", ignore_errors=True)
+                shutil.copytree(base / "seeded", base / "nats")
+                if daemon is not None:
+                    shutil.copytree(daemon, base / "daemon")
                 server.start()
+
             results = []
             for start in range(starts):
                 if start:
-                    server.stop()
-                    shutil.rmtree(base / "nats")
-                    shutil.rmtree(base / "daemon")
-                    shutil.copytree(base / "seeded", base / "nats")
-                    server.start()
+                    fresh(None)
                 results.append(_first_start(server.url, base / "daemon", base / "first.json"))
             again = asyncio.run(boot(server.url, base / "daemon", 0, wait=600))
+            current = []
+            for _ in range(starts):
+                fresh(base / "checkpointed")
+                current.append(_first_start(server.url, base / "daemon", base / "first.json"))
         finally:
             server.stop()
     result = sorted(results, key=lambda r: float(r["scan"]))[len(results) // 2]
@@ -454,6 +520,18 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
         f"(its retention sweep purged {second.get('purged')} ended sessions, then its boot scan "
         f"took {second.get('seconds')} s: auto {second.get('auto_resume')} with their leases its"
         f" own, recoverable {second.get('recoverable')})",
+        flush=True,
+    )
+    checked = sorted(current, key=lambda r: float(r["scan"]))[len(current) // 2]
+    third = checked["report"]
+    print(
+        f"    with the fold checkpoints a daemon that drove them leaves ({behind:,} a step"
+        f" behind): **{checked['scan']:.2f} s** (median of {len(current)}: "
+        + ", ".join(f"{r['scan']:.2f}" for r in current)
+        + f" s; {third.get('current_checkpoints')} current, "
+        f"{third.get('from_checkpoints', 0) - third.get('current_checkpoints', 0)} folded on from"
+        f" theirs, {third.get('events_folded')} events folded; auto {third.get('auto_resume')},"
+        f" recoverable {third.get('recoverable')}, terminal {third.get('terminal')})",
         flush=True,
     )
 

@@ -7,6 +7,11 @@ NATS URLs runs it).
   from is the fold of the whole log. Once the session ends its checkpoint is gone.
 - A checkpoint the log contradicts (its event id is not the log's at its index) and one that does
   not decode are ignored: those sessions fold from their first event, and resume correctly.
+- At the default ``fold_checkpoint_interval`` a parked session's checkpoint becomes current: after
+  a SIGKILL the boot scan reads none of its events (the log's message count confirms it), and the
+  restarted writer keeps counting, so after a second SIGKILL its checkpoint is current again.
+
+The first two run with a checkpoint interval of an hour: only the threshold writes one there.
 """
 
 from __future__ import annotations
@@ -65,12 +70,33 @@ def long_thinker(steps: int = 12) -> dict[str, Any]:
 def daemon(
     nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DaemonProcess]:
-    process = DaemonProcess(
-        [nats_server.url],
-        tmp_path_factory.mktemp("checkpoints") / "daemon",
-        workers=1,
-        env={"APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_EVERY": str(EVERY)},
+    yield from running(
+        DaemonProcess(
+            [nats_server.url],
+            tmp_path_factory.mktemp("checkpoints") / "daemon",
+            workers=1,
+            env={
+                "APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_EVERY": str(EVERY),
+                "APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_INTERVAL": "3600",
+            },
+        )
     )
+
+
+@pytest.fixture
+def current_daemon(
+    fresh_nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    """A daemon at the default checkpoint settings, on a nats-server of its own (no peer to take
+    its sessions over while it is killed)."""
+    yield from running(
+        DaemonProcess(
+            [fresh_nats_server.url], tmp_path_factory.mktemp("current") / "daemon", workers=1
+        )
+    )
+
+
+def running(process: DaemonProcess) -> Iterator[DaemonProcess]:
     process.start()
     try:
         yield process
@@ -201,8 +227,12 @@ async def test_a_checkpoint_the_log_contradicts_or_that_does_not_decode_is_ignor
 
     records = await stored(daemon)
     assert set(records) == {contradicted, garbled}
-    # As if the log had been purged and the session id reused: another event at its index.
-    wrong = msgspec.structs.replace(decode_checkpoint(records[contradicted]), event_id="f" * 32)
+    # As if the log had been purged and the session id reused: another event at its index. (A
+    # checkpoint that counted the session's messages, and whose count the log still has, is not
+    # read again: a session's subject is only appended to, or purged whole with the session.)
+    wrong = msgspec.structs.replace(
+        decode_checkpoint(records[contradicted]), event_id="f" * 32, messages=None
+    )
     async with daemon_store(daemon) as store:
         await FoldCheckpoints(store).write(wrong)
         await store.write_batch([(CHECKPOINT_DB, garbled, b"\xc1 not a checkpoint")])
@@ -216,3 +246,87 @@ async def test_a_checkpoint_the_log_contradicts_or_that_does_not_decode_is_ignor
     for session_id, state in states.items():
         await same_as_the_log(client, nats_server.url, session_id, state.last_index)
         await finish(client, nats_server.url, session_id)
+
+
+async def current_in_the_bucket(nats_url: str, session_id: str, index: int) -> None:
+    """Wait until the replicated bucket holds the session's checkpoint at ``index``."""
+    nc = await connect(nats_url)
+    try:
+        bucket = await nc.jetstream().key_value(STATE_BUCKET)
+        with anyio.fail_after(DEADLINE):
+            while True:
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+                    entry = await bucket.get(kv_key(CHECKPOINT_DB, session_id))
+                    value = entry.value or b""
+                    # A whole value (frame tag 0) is all a checkpoint of this size takes.
+                    if value[:1] == b"\x00" and decode_checkpoint(value[1:]).index == index:
+                        return
+                await anyio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
+async def read_none_of_its_events(
+    daemon: DaemonProcess, client: Client, nats_url: str, session_id: str, before: int
+) -> None:
+    """The started daemon's boot scan took the session's checkpoint as current (its only
+    session: no event folded), and drives it from a state equal to the fold of its log."""
+    report = boot_report(daemon)
+    assert report["current_checkpoints"] == report["from_checkpoints"] == 1
+    assert report["events_folded"] == 0
+    await same_as_the_log(client, nats_url, session_id, before)
+
+
+async def test_a_current_checkpoint_is_read_instead_of_the_log_after_a_sigkill(
+    current_daemon: DaemonProcess, fresh_nats_server: NatsServer
+) -> None:
+    daemon = current_daemon
+    client = Client(daemon.url)
+    session_id = await client.start_session("think", definition=long_thinker(steps=3))
+    before = await parked(client, fresh_nats_server.url, session_id)
+    await current_in_the_bucket(fresh_nats_server.url, session_id, before.last_index)
+    await anyio.to_thread.run_sync(daemon.kill)
+
+    checkpoint = decode_checkpoint((await stored(daemon))[session_id])
+    assert checkpoint.messages is not None and checkpoint.log_id is not None
+    assert checkpoint.bootstrap is not None  # the shape is kept once, beside it
+
+    await anyio.to_thread.run_sync(daemon.start)
+    await read_none_of_its_events(
+        daemon, client, fresh_nats_server.url, session_id, before.last_index
+    )
+
+    # The restarted writer counted on from the checkpoint: its next one is current too.
+    again = await parked(client, fresh_nats_server.url, session_id, after=before.last_index)
+    await current_in_the_bucket(fresh_nats_server.url, session_id, again.last_index)
+    await anyio.to_thread.run_sync(daemon.kill)
+    await anyio.to_thread.run_sync(daemon.start)
+    await read_none_of_its_events(
+        daemon, client, fresh_nats_server.url, session_id, again.last_index
+    )
+    await finish(client, fresh_nats_server.url, session_id)
+
+
+async def test_a_session_folded_on_from_its_checkpoint_leaves_a_current_one_at_a_clean_stop(
+    daemon: DaemonProcess, nats_server: NatsServer
+) -> None:
+    """The pass folds a checkpoint's tail and counts the session's messages on from the count
+    the checkpoint holds; the writer keeps counting, and a clean stop writes its checkpoint: the
+    next start reads none of its events."""
+    client = Client(daemon.url)
+    session_id = await client.start_session("think on", definition=long_thinker())
+    before = await parked(client, nats_server.url, session_id)
+    await anyio.to_thread.run_sync(daemon.kill)
+    behind = decode_checkpoint((await stored(daemon))[session_id])
+    assert behind.index < before.last_index  # only the threshold wrote it (an hour's interval)
+
+    await anyio.to_thread.run_sync(daemon.start)
+    report = boot_report(daemon)
+    assert (report["current_checkpoints"], report["from_checkpoints"]) == (0, 1)
+    assert report["events_folded"] == before.last_index - behind.index
+    again = await parked(client, nats_server.url, session_id, after=before.last_index)
+
+    await anyio.to_thread.run_sync(daemon.stop)
+    await anyio.to_thread.run_sync(daemon.start)
+    await read_none_of_its_events(daemon, client, nats_server.url, session_id, again.last_index)
+    await finish(client, nats_server.url, session_id)

@@ -1,8 +1,9 @@
-"""The boot scan reads the log's list of sessions while its one pass over the stream runs: without
-a fold checkpoint the pass starts at the stream's first message and does not wait for the list;
-with one, the pass waits for the list (it may start past the first message when every listed
-session has a checkpoint). A real nats-server (the node's embedded one) and real LMDB; the log
-adapter's two reads are wrapped to record their order."""
+"""The boot scan reads the log's list of sessions (with their message counts) while its one pass
+over the stream runs: without a fold checkpoint the pass starts at the stream's first message and
+does not wait for the list; with one, the pass waits for the list (it may start past the first
+message when every listed session has a checkpoint, or read nothing when every one is current).
+A real nats-server (the node's embedded one) and real LMDB; the log adapter's two reads are
+wrapped to record their order."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from tests.e2e.api_support import asker
 from tests.integration.test_node_reports import one_worker_config
 
-from apomesh.adapters.jetstream_log import JetStreamLog
+from apomesh.adapters.jetstream_log import JetStreamLog, MessageCounts
+from apomesh.runtime.fold_checkpoints import FoldCheckpoints
 from apomesh.runtime.node import Node
 
 pytestmark = pytest.mark.anyio
@@ -47,10 +49,10 @@ def _record_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     begun, or after 2 s without it (a pass that waits for the list must not deadlock)."""
     order: list[tuple[str, Any]] = []
     pass_begun = asyncio.Event()
-    listed = JetStreamLog.list_sessions
+    listed = JetStreamLog.count_messages
     fold_all = JetStreamLog.fold_all
 
-    async def list_sessions(self: JetStreamLog) -> list[str]:
+    async def count_messages(self: JetStreamLog) -> MessageCounts:
         sessions = await listed(self)
         order.append(("listing asked", None))
         try:
@@ -66,7 +68,7 @@ def _record_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
         pass_begun.set()
         return await fold_all(self, skip, **kwargs)
 
-    monkeypatch.setattr(JetStreamLog, "list_sessions", list_sessions)
+    monkeypatch.setattr(JetStreamLog, "count_messages", count_messages)
     monkeypatch.setattr(JetStreamLog, "fold_all", fold_all_recorded)
     return order
 
@@ -74,7 +76,10 @@ def _record_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 async def test_without_checkpoints_the_pass_starts_before_the_list_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    session_id = await _park_one(tmp_path)
+    with monkeypatch.context() as patched:
+        # No checkpoint is written, not even at the node's stop.
+        patched.setattr(FoldCheckpoints, "write_changed", _write_nothing)
+        session_id = await _park_one(tmp_path)
     order = _record_order(monkeypatch)
     async with Node(_config(tmp_path), http=False) as node:
         assert node.daemon is not None
@@ -88,17 +93,49 @@ async def test_without_checkpoints_the_pass_starts_before_the_list_answers(
     assert ("listing answered after the pass began", None) in order
 
 
+async def _write_nothing(self: FoldCheckpoints) -> int:
+    return 0
+
+
 async def test_with_a_checkpoint_the_pass_is_given_the_list(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A checkpoint every event: the parked session has one when the node stops.
-    session_id = await _park_one(tmp_path, fold_checkpoint_every=1)
+    # The node's stop writes the parked session's checkpoint, current.
+    session_id = await _park_one(tmp_path)
     order = _record_order(monkeypatch)
-    async with Node(_config(tmp_path, fold_checkpoint_every=1), http=False) as node:
+    async with Node(_config(tmp_path), http=False) as node:
         assert node.daemon is not None
         report = node.daemon.boot_report
-        assert report["from_checkpoints"] == 1
+        assert report["from_checkpoints"] == report["current_checkpoints"] == 1
+        assert report["events_folded"] == 0
         assert report["auto_resume"] + report["recoverable"] == 1
     passes = [sessions for what, sessions in order if what == "pass"]
     assert passes == [[session_id]]
     assert order.index(("pass", [session_id])) > order.index(("listing asked", None))
+
+
+@pytest.mark.parametrize("tamper", ["another stream", "another count"])
+async def test_a_checkpoint_the_counts_do_not_confirm_is_read_on_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tamper: str
+) -> None:
+    """A checkpoint is current only on the stream it counted on (a stream deleted and made again
+    has another creation time) and at the count the log holds: otherwise the pass reads the
+    session from the checkpoint's message on (its event id checked there), as before."""
+    session_id = await _park_one(tmp_path)
+    listed = JetStreamLog.count_messages
+
+    async def count_messages(self: JetStreamLog) -> MessageCounts:
+        counts = await listed(self)
+        if tamper == "another stream":
+            return MessageCounts(counts.counts, "1999-01-01T00:00:00Z")
+        return MessageCounts(
+            {**counts.counts, session_id: counts.counts[session_id] + 1}, counts.log_id
+        )
+
+    monkeypatch.setattr(JetStreamLog, "count_messages", count_messages)
+    async with Node(_config(tmp_path), http=False) as node:
+        assert node.daemon is not None
+        report = node.daemon.boot_report
+        assert (report["current_checkpoints"], report["from_checkpoints"]) == (0, 1)
+        assert report["checkpoints_ignored"] == 0
+        assert report["auto_resume"] + report["recoverable"] == 1

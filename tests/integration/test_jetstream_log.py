@@ -232,7 +232,8 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
     read off the pass; a purged session leaves a gap, which the stream's list of deleted
     sequences places; without that list (too many deleted to ask for), the sessions whose last
     message sits in a page with a gap are asked for with ``learn_ends``. Either way the note is
-    the truth."""
+    the truth. The pass also counts each session's messages (three here), which the log's
+    appends then count on from; ``learn_ends`` does not tell them."""
     tag = uuid.uuid4().hex[:8]
     options: dict[str, Any] = {
         "stream": f"E_{tag}",
@@ -249,6 +250,18 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
         s: await JetStreamLog(nc, **options)._stored_position(s, time.monotonic() + 5)
         for s in sessions
     }
+    assert all(p.messages is None for p in truth.values())  # a lookup does not count them
+
+    def ends(log: JetStreamLog, of: list[str]) -> dict[str, tuple[int, int, int | None]]:
+        return {
+            s: (log._positions[s].index, log._positions[s].seq, log._positions[s].messages)
+            for s in of
+        }
+
+    def counted_truth(
+        of: list[str], messages: int | None
+    ) -> dict[str, tuple[int, int, int | None]]:
+        return {s: (truth[s].index, truth[s].seq, messages) for s in of}
 
     asked: list[list[str]] = []
     learn_ends = JetStreamLog.learn_ends
@@ -260,7 +273,7 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
     monkeypatch.setattr(JetStreamLog, "learn_ends", counted)
     dense = JetStreamLog(nc, **options)
     folded = await dense.fold_all(set(), sessions=sessions)
-    assert {s: dense._positions[s] for s in sessions} == truth
+    assert ends(dense, sessions) == counted_truth(sessions, 3)
     assert asked == [[]] and {s: folded.ends[s] for s in sessions} == {
         s: (p.index, p.seq) for s, p in truth.items()
     }
@@ -269,14 +282,14 @@ async def test_the_one_pass_notes_where_sessions_end_and_asks_only_past_a_gap(
     asked.clear()
     placed = JetStreamLog(nc, **options)
     await placed.fold_all(set(), sessions=sessions[1:])
-    assert {s: placed._positions[s] for s in sessions[1:]} == {s: truth[s] for s in sessions[1:]}
+    assert ends(placed, sessions[1:]) == counted_truth(sessions[1:], 3)
     assert asked == [[]]  # the deleted sequences listed: the gap is placed
 
     monkeypatch.setattr(stream_fold, "MAX_DELETED_LISTED", 0)
     asked.clear()
     gapped = JetStreamLog(nc, **options)
     await gapped.fold_all(set(), sessions=sessions[1:])
-    assert {s: gapped._positions[s] for s in sessions[1:]} == {s: truth[s] for s in sessions[1:]}
+    assert ends(gapped, sessions[1:]) == counted_truth(sessions[1:], None)
     assert asked and set(asked[0]) == set(sessions[1:])  # the one page has the gap
     await nc.jetstream().delete_stream(f"E_{tag}")
 

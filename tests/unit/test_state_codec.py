@@ -1,5 +1,6 @@
 """The folded-state codec (``core.state_codec``): a checkpoint's state decodes to exactly the state
-it was made from, and folding the rest of the log onto it equals folding the whole log."""
+it was made from (with its pinned shape kept in it, or left out and put back from the stored
+shapes), and folding the rest of the log onto it equals folding the whole log."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from apomesh.core.errors import CodecError
 from apomesh.core.state import SessionState, apply, fold
 from apomesh.core.state_codec import (
     FOLD_FORMAT,
+    FoldCheckpoint,
     checkpoint_state,
     decode_checkpoint,
     decode_state,
     encode_checkpoint,
     encode_state,
     make_checkpoint,
+    shape_key,
 )
 
 
@@ -34,9 +37,18 @@ def as_logged(envelopes: list[Envelope]) -> list[Envelope]:
 
 
 def resumed_from_checkpoint(envs: list[Envelope], split: int) -> object:
-    checkpoint = make_checkpoint(fold(envs[:split]), envs[split - 1].event_id)
+    folded = fold(envs[:split])
+    checkpoint = make_checkpoint(folded, envs[split - 1].event_id)
     state = checkpoint_state(decode_checkpoint(encode_checkpoint(checkpoint)))
-    assert state == fold(envs[:split])
+    assert state == folded
+    if folded.bootstrap is not None:  # the shape left out, and put back
+        shape = folded.bootstrap.shape
+        key = shape_key(shape)
+        compact = make_checkpoint(folded, envs[split - 1].event_id, shape=key)
+        assert compact.bootstrap is not None and len(compact.state) < len(checkpoint.state)
+        back = checkpoint_state(decode_checkpoint(encode_checkpoint(compact)), {key: shape})
+        assert back == folded
+        assert fold(envs[:split]) == folded  # making it did not touch the state
     for env in envs[split:]:
         apply(state, env)
     return state
@@ -83,9 +95,12 @@ def test_a_state_of_another_index_than_its_header_is_refused() -> None:
         checkpoint_state(lying)
 
 
-LAYOUTS = {1: "bfa7c324cdb9b69a18b68b42c141a495548d70ec659dbc6847c266b03814824e"}
-"""The digest of ``SessionState``'s layout (the state, and every event and config it holds) that
-each ``FOLD_FORMAT`` was written in."""
+LAYOUTS = {
+    1: "bfa7c324cdb9b69a18b68b42c141a495548d70ec659dbc6847c266b03814824e",  # the state alone
+    2: "c68151d4f4112071e5b39e7e3c7877c06855b2639d9608b4fb5aaa9d47ae1fc2",  # with the checkpoint
+}
+"""The digest of the layouts of ``SessionState`` (the state, and every event and config it holds)
+and of ``FoldCheckpoint`` that each ``FOLD_FORMAT`` was written in."""
 
 
 def layout_digest() -> str:
@@ -96,7 +111,7 @@ def layout_digest() -> str:
             return [shape_only(v) for v in node]
         return node
 
-    schema = shape_only(msgspec.json.schema(SessionState))
+    schema = shape_only(msgspec.json.schema_components((SessionState, FoldCheckpoint)))
     return hashlib.sha256(msgspec.json.encode(schema, order="sorted")).hexdigest()
 
 
@@ -105,5 +120,17 @@ def test_a_change_to_the_state_layout_bumps_the_fold_format() -> None:
     # core/state_codec.py and record the new digest here (a change of the fold's semantics
     # bumps it too, which no digest can see).
     assert LAYOUTS.get(FOLD_FORMAT) == layout_digest(), (
-        f"SessionState's layout changed: bump FOLD_FORMAT and add {layout_digest()!r}"
+        f"SessionState's or FoldCheckpoint's layout changed: bump FOLD_FORMAT and add {layout_digest()!r}"
     )
+
+
+def test_a_checkpoint_whose_shape_is_not_stored_is_a_codec_error() -> None:
+    envs = [envelope.decode(r) for r in read_log(GOLDEN_DIR / "solo_completed.msgpack")]
+    state = fold(envs[:3])
+    assert state.bootstrap is not None
+    key = shape_key(state.bootstrap.shape)
+    checkpoint = make_checkpoint(state, envs[2].event_id, messages=2, log_id="L", shape=key)
+    assert (checkpoint.messages, checkpoint.log_id) == (2, "L")
+    with pytest.raises(CodecError, match="is not stored"):
+        checkpoint_state(checkpoint, {})
+    assert checkpoint_state(checkpoint, {key: state.bootstrap.shape}) == state

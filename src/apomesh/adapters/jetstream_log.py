@@ -102,13 +102,24 @@ def log_subject(session_id: str, prefix: str = LOG_SUBJECT_PREFIX) -> str:
 
 
 class _Position(msgspec.Struct, frozen=True):
-    """Where a session's log ends: its last index and that event's stream sequence."""
+    """Where a session's log ends: its last index, that event's stream sequence and, when this
+    log knows it, how many messages the session's subject holds (counted from its first append
+    here, or from a pass that read them all)."""
 
     index: int
     seq: int
+    messages: int | None = None
 
 
-_EMPTY = _Position(-1, 0)
+_EMPTY = _Position(-1, 0, 0)
+
+
+class MessageCounts(msgspec.Struct, frozen=True):
+    """How many messages each session's subject holds, on the stream ``log_id`` names (its
+    creation time)."""
+
+    counts: dict[str, int]
+    log_id: str | None
 
 
 class _StoredRun(msgspec.Struct, frozen=True):
@@ -182,6 +193,9 @@ class JetStreamLog:
         self._positions: OrderedDict[str, _Position] = OrderedDict()
         self._position_cache_size = position_cache_size
         self._ensure_heartbeats = ensure_heartbeats
+        self.log_id: str | None = None
+        """The stream's creation time, once ``ensure`` has read it: what a message count is
+        counted on (a stream deleted and made again has another)."""
 
     @property
     def durability(self) -> str:
@@ -233,6 +247,11 @@ class JetStreamLog:
                     ) from None
             else:
                 await self._reconcile_stream(info.config, wanted)
+        # As the server writes it (nats-py's own parse rounds it): what ``count_messages`` reads.
+        answer = await api_request(
+            self._nc, f"{JS_API_PREFIX}.STREAM.INFO.{self.stream}", {}, timeout=self._timeout
+        )
+        self.log_id = answer.get("created")
         if self._ensure_heartbeats:
             await HeartbeatStream(self._nc, self.replicas, timeout=self._timeout).ensure()
 
@@ -306,7 +325,8 @@ class JetStreamLog:
                 subject, session_id, run, position.seq, deadline
             )
             if outcome == "written":
-                position = _Position(run.last, seq)
+                counted = position.messages
+                position = _Position(run.last, seq, None if counted is None else counted + 1)
                 self._remember(session_id, position)
                 pending = pending[run.last - run.first + 1 :]
                 runs = runs[1:]  # packing is greedy from the front: the rest stay as they were
@@ -396,8 +416,15 @@ class JetStreamLog:
         """Note where the session ends. A direct get may come from a lagging replica, so it never
         moves the note backwards; the stream leader's answer (``leader``) always wins."""
         known = self._positions.get(session_id)
-        if known is not None and known.seq > position.seq and not leader:
-            return
+        if known is not None:
+            if known.seq > position.seq and not leader:
+                return
+            if (
+                position.messages is None
+                and known.messages is not None
+                and (known.index, known.seq) == (position.index, position.seq)
+            ):
+                position = known  # the same end, whose message count this log knows
         self._positions[session_id] = position
         self._positions.move_to_end(session_id)
         if len(self._positions) > self._position_cache_size:
@@ -483,11 +510,14 @@ class JetStreamLog:
             self._remember(session_id, _Position(index + len(entries) - 1, run.last_seq))
         return [decode_entry(session_id, i, data) for i, data in entries]
 
-    def known_sequence(self, session_id: str, index: int) -> int | None:
-        """The stream sequence of the session's event ``index`` if this log knows it (it is where
-        the session ends, as last appended or read here), else None."""
+    def known_end(self, session_id: str, index: int) -> tuple[int, int | None] | None:
+        """Where the session's event ``index`` is, if this log knows it (it is where the session
+        ends, as last appended or read here): its stream sequence, and how many messages the
+        session's subject holds up to it when that is known too; else None."""
         known = self._positions.get(session_id)
-        return known.seq if known is not None and known.index == index else None
+        if known is None or known.index != index:
+            return None
+        return known.seq, known.messages
 
     async def read_raw(self, session_id: str, after: int = -1) -> list[tuple[int, bytes]]:
         entries = await self._entries_after(session_id, after)
@@ -681,14 +711,17 @@ class JetStreamLog:
         *,
         resume: Mapping[str, ResumePoint] | None = None,
         sessions: Collection[str] | None = None,
+        counts: MessageCounts | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> StreamFold:
         """Every session folded in one pass over the stream (``adapters.stream_fold``), passing
         over the sessions in ``skip`` and starting those in ``resume`` from their fold checkpoint
         (from its sequence on when every one of ``sessions`` has one); those the pass cannot
-        vouch for are ``suspect``. Where the unfinished ones end is noted too (by the pass where
-        its pages are dense, else ``learn_ends``): the boot scan resumes them next. ``progress``
-        is told after each page how many messages were read of how many."""
+        vouch for are ``suspect``; those whose checkpoint ``counts`` (``count_messages``) shows
+        current are not read. Where the unfinished ones end is noted too, with their message
+        counts (by the pass where its pages are dense, else ``learn_ends``): the boot scan
+        resumes them next. ``progress`` is told after each page how many messages were read of
+        how many."""
         folded = await fold_stream(
             self._nc,
             self.stream,
@@ -696,6 +729,8 @@ class JetStreamLog:
             skip=skip,
             resume=resume,
             sessions=sessions,
+            counts=None if counts is None else counts.counts,
+            log_id=None if counts is None else counts.log_id,
             progress=progress,
         )
         unknown = []
@@ -704,7 +739,7 @@ class JetStreamLog:
                 continue
             end = folded.ends.get(session_id)
             if end is not None and end[0] == state.last_index:
-                self._remember(session_id, _Position(*end))
+                self._remember(session_id, _Position(*end, folded.counts.get(session_id)))
             else:
                 unknown.append(session_id)
         with contextlib.suppress(LogError):  # only a head start: appends look ends up anyway
@@ -740,8 +775,14 @@ class JetStreamLog:
 
     async def list_sessions(self) -> list[str]:
         """Every session id with entries, paged past the server's per-answer subject limit."""
+        return sorted((await self.count_messages()).counts)
+
+    async def count_messages(self) -> MessageCounts:
+        """How many messages each session's subject holds (every session with entries), and the
+        stream's creation time, read in pages past the server's per-answer subject limit."""
         prefix = f"{self.subject_prefix}."
-        sessions: set[str] = set()
+        counts: dict[str, int] = {}
+        created: str | None = None
         offset = 0
         while True:
             answer = await api_request(
@@ -750,13 +791,17 @@ class JetStreamLog:
                 {"subjects_filter": f"{prefix}*", "offset": offset},
                 timeout=self._timeout,
             )
+            created = created or answer.get("created")
             subjects: dict[str, int] = answer.get("state", {}).get("subjects") or {}
-            sessions.update(
-                subject[len(prefix) :] for subject in subjects if subject.startswith(prefix)
+            start = len(prefix)
+            counts.update(
+                (subject[start:], count)
+                for subject, count in subjects.items()
+                if subject.startswith(prefix)
             )
             offset += len(subjects)
             if not subjects or offset >= int(answer.get("total", 0)):
-                return sorted(sessions)
+                return MessageCounts(counts, created)
 
     async def delete_session(self, session_id: str) -> None:
         """Purge the session's events (tests and operators). Its message ids stay in the

@@ -46,6 +46,7 @@ DATABASES: Final = (
     "meta",
     "idempotency",
     "checkpoints",
+    "shapes",
 )
 """The named sub-databases; ``write_batch``, ``get`` and ``scan`` accept exactly these."""
 

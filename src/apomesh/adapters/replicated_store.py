@@ -92,7 +92,7 @@ log = logging.getLogger("apomesh.store")
 STATE_BUCKET: Final = "APOMESH_STATE"
 LOCAL_DATABASES: Final = frozenset({"meta"})
 """Databases that stay on the host: the daemon's own identity is no peer's business."""
-WRITE_ONCE_DATABASES: Final = frozenset({"completed"})
+WRITE_ONCE_DATABASES: Final = frozenset({"completed", "shapes"})
 """Replicated databases whose records never change once written: LMDB answers them first."""
 ATOMIC_BATCH_LIMIT: Final = 1000
 """The most messages nats-server takes in one atomic batch (commit included)."""

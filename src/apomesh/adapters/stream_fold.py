@@ -31,6 +31,14 @@ checkpoint whose sequence is known, the pass starts at the lowest of those seque
 the stream's first, so a long session is read from its checkpoint on, not from its first event.
 A session whose checkpoint's envelope the pass never meets is left out (read one by one).
 
+A checkpoint is current, and its session is not read at all, when it counted as many messages of
+the session as the log's listing holds now (``counts``: the stream's message count per subject),
+on the same stream (``log_id``, its creation time): a session's subject is only ever appended to
+(or purged whole with the session), so nothing follows it. When every wanted session is current
+there is no pass. The pass counts the messages of each session it folds (``counts`` in the
+result: from the stream's start, or on from a checkpoint that counted them), so that a writer
+resuming one can keep counting.
+
 Where each session's log ends (its last index and that message's stream sequence, ``ends``) is
 noted on the way: a page that holds every sequence from where it was asked to start to its last
 has its k-th message at sequence start + k, headers or not. A stream with deleted messages (a
@@ -82,6 +90,11 @@ class ResumePoint(msgspec.Struct, frozen=True):
     state: SessionState
     event_id: str
     seq: int | None
+    messages: int | None = None
+    """How many messages of the session the log held up to the one holding ``state.last_index``
+    when the checkpoint was taken (None: not known)."""
+    log_id: str | None = None
+    """The log ``messages`` was counted on."""
 
 
 class StreamFold(msgspec.Struct):
@@ -91,6 +104,8 @@ class StreamFold(msgspec.Struct):
     suspect: set[str] = msgspec.field(default_factory=set)
     resumed: set[str] = msgspec.field(default_factory=set)
     """The sessions in ``states`` folded on from their checkpoint."""
+    current: set[str] = msgspec.field(default_factory=set)
+    """The sessions in ``states`` whose checkpoint the log's counts showed current (not read)."""
     stale: set[str] = msgspec.field(default_factory=set)
     """The sessions whose checkpoint the log contradicts (they are ``suspect`` too)."""
     events: int = 0
@@ -102,6 +117,11 @@ class StreamFold(msgspec.Struct):
     ends: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
     """Session -> (its last index, the stream sequence of the message holding it), where the
     pass could tell (see the module docstring)."""
+    counts: dict[str, int] = msgspec.field(default_factory=dict)
+    """Session -> how many messages its subject holds, for the sessions in ``states`` whose
+    every message was counted (read by the pass, or counted by their checkpoint)."""
+    uncounted: set[str] = msgspec.field(default_factory=set)
+    """Sessions folded on from a checkpoint that did not count its messages."""
 
 
 async def fold_stream(
@@ -112,13 +132,16 @@ async def fold_stream(
     skip: set[str],
     resume: Mapping[str, ResumePoint] | None = None,
     sessions: Collection[str] | None = None,
+    counts: Mapping[str, int] | None = None,
+    log_id: str | None = None,
     page: int = 10_000,
     timeout: float = 10.0,
     progress: Callable[[int, int], None] | None = None,
 ) -> StreamFold:
     """Fold every session of ``stream`` (subjects ``<subject_prefix>.<session_id>``) that is not in
     ``skip``, reading the stream once in order, each from its ``resume`` point if it has one. See
-    the module docstring for ``suspect`` and for where the pass starts. ``progress`` is called
+    the module docstring for ``suspect``, for where the pass starts and for the checkpoints
+    ``counts`` (of the stream ``log_id``) shows current. ``progress`` is called
     after each page with the messages read so far and the stream sequences the pass spans (as
     many messages, less the deleted ones)."""
     result = StreamFold()
@@ -127,7 +150,9 @@ async def fold_stream(
     seq, last_seq = int(state.get("first_seq") or 1), int(state.get("last_seq") or 0)
     deleted = await _deleted_sequences(nc, stream, state, timeout)
     waiting = {s: point for s, point in (resume or {}).items() if s not in skip}
-    seq = max(seq, _first_needed(waiting, sessions, skip) or seq)
+    if counts is not None and log_id is not None:
+        skip = skip | _take_current(result, waiting, counts, log_id)
+    seq = max(seq, _first_needed(waiting, sessions, skip, last_seq) or seq)
     spanned = max(0, last_seq - seq + 1)
     read = 0
     wildcard = f"{subject_prefix}.*"
@@ -176,14 +201,43 @@ async def fold_stream(
                 await upcoming
         if collecting:
             gc.enable()
+    for session_id in result.uncounted:
+        result.counts.pop(session_id, None)
     return result
 
 
+def _take_current(
+    result: StreamFold, waiting: dict[str, ResumePoint], counts: Mapping[str, int], log_id: str
+) -> set[str]:
+    """Move the checkpoints in ``waiting`` that ``counts`` shows current into ``result`` (their
+    states, ends and counts); answers their sessions, which the pass then passes over."""
+    current = set()
+    for session_id, point in waiting.items():
+        if (
+            point.messages is not None
+            and point.log_id == log_id
+            and point.seq is not None
+            and counts.get(session_id) == point.messages
+        ):
+            current.add(session_id)
+            result.states[session_id] = point.state
+            result.ends[session_id] = (point.state.last_index, point.seq)
+            result.counts[session_id] = point.messages
+    for session_id in current:
+        del waiting[session_id]
+    result.current = current
+    return current
+
+
 def _first_needed(
-    waiting: Mapping[str, ResumePoint], sessions: Collection[str] | None, skip: set[str]
+    waiting: Mapping[str, ResumePoint],
+    sessions: Collection[str] | None,
+    skip: set[str],
+    last_seq: int,
 ) -> int | None:
     """The lowest stream sequence the pass must start at when every wanted session starts from a
-    checkpoint of known sequence; None when one of them must be read from its start."""
+    checkpoint of known sequence (past ``last_seq`` when none is left to read); None when one of
+    them must be read from its start."""
     if sessions is None:
         return None
     seqs = []
@@ -194,7 +248,7 @@ def _first_needed(
         if point is None or point.seq is None:
             return None
         seqs.append(point.seq)
-    return min(seqs) if seqs else None
+    return min(seqs) if seqs else last_seq + 1
 
 
 def _fold_page(
@@ -214,6 +268,7 @@ def _fold_page(
     ``_undecodable_sessions``)."""
     decodable = True
     ends = result.ends
+    counts = result.counts
     states = result.states
     folded = 0
     for offset, data in enumerate(got.payloads[first : first + count], first):
@@ -238,10 +293,13 @@ def _fold_page(
             except FoldError:
                 _suspect(result, env.session_id)
         last = held[-1]
+        owner = last.session_id
+        if owner in states:
+            counts[owner] = counts.get(owner, 0) + 1
         if positions is not None:
-            ends[last.session_id] = (last.index, positions[offset])
+            ends[owner] = (last.index, positions[offset])
         else:
-            ends.pop(last.session_id, None)
+            ends.pop(owner, None)
     result.folded += folded
     return decodable
 
@@ -295,6 +353,10 @@ def _fold_first(
             if env.index == at and env.event_id == point.event_id:
                 states[session_id] = point.state
                 result.resumed.add(session_id)
+                if point.messages is None:
+                    result.uncounted.add(session_id)
+                else:  # the message holding ``at`` is counted in it, and again as it ends
+                    result.counts[session_id] = point.messages - 1
             else:  # the log holds something else there: fold it from its start
                 result.stale.add(session_id)
                 result.suspect.add(session_id)
@@ -315,6 +377,7 @@ def _suspect(result: StreamFold, session_id: str) -> None:
     result.suspect.add(session_id)
     result.resumed.discard(session_id)
     result.states.pop(session_id, None)
+    result.counts.pop(session_id, None)
 
 
 def _shared_shape(shapes: dict[str, SessionShape], env: Envelope) -> Envelope:

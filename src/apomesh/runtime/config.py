@@ -160,6 +160,10 @@ class SnapshotsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compact_every: Positive = 32
     fold_checkpoint_every: Positive = 10_000
     """Events a session's writer appends between two checkpoints of its folded state."""
+    fold_checkpoint_interval: PositiveSeconds = 1.0
+    """Seconds at most between a session's append and the checkpoint of its folded state that
+    covers it (all sessions changed meanwhile in one store write; again at shutdown): a restart
+    reads a session whose checkpoint is current, not its events."""
     node_commit_delay: Annotated[float, msgspec.Meta(ge=0, le=10)] = 0.05
     """Seconds a node waits for the agent's next model turn: the worker holds its report that
     long for the turn's report to carry it (``Run.node_delay``, ``agent_loop.TurnRecorder``), and

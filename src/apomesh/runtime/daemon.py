@@ -226,6 +226,11 @@ class Daemon:
         with contextlib.suppress(Exception):
             await self.presence.publish()
         self._spawn(self.presence.publish_forever())
+        self._spawn(
+            self.registry.fold_checkpoints.keep_current(
+                self.config.snapshots.fold_checkpoint_interval
+            )
+        )
         # The lease watch matters for sessions driven here, and none is before the boot scan
         # adopts its own: it follows every change after this position, from the scan's end, less
         # the scan's own lease takes when nobody else changed a lease meanwhile (each would come
@@ -372,6 +377,9 @@ class Daemon:
         # again. A release request left unanswered while NATS is going away must never hold the
         # shutdown.
         await self.registry.stop_all()
+        # The sessions that appended since the last write leave a current checkpoint.
+        with contextlib.suppress(Exception):
+            await self.registry.fold_checkpoints.write_changed()
         await self.control.stop()
         for task in list(self._tasks):
             task.cancel()

@@ -1,13 +1,24 @@
 """Folded-state checkpoints in the daemon's state store: written by a session's writer, loaded to
 fold a session from where one stands instead of from its first event.
 
-A session's writer (``SessionRuntime``) stores the ``SessionState`` it holds every
-``[snapshots] fold_checkpoint_every`` events it appended (``core.state_codec.FoldCheckpoint``: the
-state at an index the log has acknowledged, that envelope's event id and, on JetStream, its stream
-sequence), one record per session in the store's ``checkpoints`` database, replaced each time. The
-write runs as a task of its own after the step that crossed the threshold has been applied and
-answered: it never delays an append or a report. When the session ends the record is removed, and
-retention removes it with the session's other records.
+A session's writer (``SessionRuntime``) stores the ``SessionState`` it holds
+(``core.state_codec.FoldCheckpoint``: the state at an index the log has acknowledged, that
+envelope's event id and, on JetStream, its stream sequence and the session's message count there),
+one record per session in the store's ``checkpoints`` database, replaced each time. Two things
+make it write one, neither of them in a step's way:
+
+- every ``[snapshots] fold_checkpoint_every`` events it appended, as a task of its own after the
+  step that crossed the threshold was answered (a long session resumes from near its end);
+- ``[snapshots] fold_checkpoint_interval`` seconds at most after any append (``keep_current``:
+  every session that appended since is written then, all in one store write), and once more when
+  the daemon stops. So a daemon that stops, or dies, leaves every session it drove with a
+  checkpoint that is current, or that many seconds behind; the boot scan after it reads the
+  current ones and not their events (``adapters.stream_fold``: the log's message counts confirm
+  them).
+
+A checkpoint leaves its session's pinned shape out (``core.state_codec``): the shape is stored
+once by its key in the ``shapes`` database. When the session ends the record is removed, and
+retention removes it with the session's other records (shapes stay: one per definition version).
 
 Reading (``fold``; the boot scan's one pass reads ``load_all``): a checkpoint is trusted only if
 the log's envelope at its index still carries its event id, read with the envelopes after it in
@@ -19,7 +30,9 @@ session is folded from its first event: deleting every checkpoint changes nothin
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -28,6 +41,7 @@ from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import ResumePoint
 from apomesh.core.envelope import Envelope
 from apomesh.core.errors import CodecError, FoldError, LogError, LogUnavailable, StoreError
+from apomesh.core.events import SessionShape
 from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState, apply, fold
 from apomesh.core.state_codec import (
@@ -35,13 +49,17 @@ from apomesh.core.state_codec import (
     FoldCheckpoint,
     checkpoint_state,
     decode_checkpoint,
+    decode_shape,
     encode_checkpoint,
+    encode_shape,
 )
 
 log = logging.getLogger("apomesh.daemon")
 
 CHECKPOINT_DB = "checkpoints"
 """The store database of fold checkpoints, keyed by session id."""
+SHAPES_DB = "shapes"
+"""The store database of the session shapes checkpoints leave out, keyed by ``shape_key``."""
 
 CHECKPOINT_EVERY = 10_000
 """Events a writer appends between two checkpoints of its session, by default."""
@@ -56,9 +74,27 @@ class ReadsFromSequence(Protocol):
 
 @runtime_checkable
 class KnowsSequences(Protocol):
-    """A log that knows the stream sequence of a session's last event (``JetStreamLog``)."""
+    """A log that knows the stream sequence of a session's last event, and how many messages
+    the session holds there, on the log ``log_id`` names (``JetStreamLog``)."""
 
-    def known_sequence(self, session_id: str, index: int) -> int | None: ...
+    log_id: str | None
+
+    def known_end(self, session_id: str, index: int) -> tuple[int, int | None] | None: ...
+
+
+class Checkpointed(Protocol):
+    """A session's writer, as ``keep_current`` sees it."""
+
+    session_id: str
+
+    def current_checkpoint(self) -> tuple[FoldCheckpoint, SessionShape | None] | None:
+        """The checkpoint of the state it holds now, and the shape the checkpoint left out
+        (None when there is nothing to store: an ended session, or no append yet)."""
+        ...
+
+    def checkpoint_lost(self) -> None:
+        """The last checkpoint it made was not stored."""
+        ...
 
 
 class CheckpointStats(msgspec.Struct):
@@ -81,21 +117,88 @@ class FoldCheckpoints:
         self.store = store
         self.log = logger or log
         self.stats = CheckpointStats()
+        self._changed: dict[str, Checkpointed] = {}
+        """The writers that appended since ``keep_current`` last wrote their checkpoint."""
+        self._shapes: dict[str, SessionShape] = {}
+        """The shapes stored (or being stored), by key."""
 
-    async def write(self, checkpoint: FoldCheckpoint) -> None:
-        """Store ``checkpoint`` as its session's (replacing the one before)."""
-        await self.store.write_batch(
-            [(CHECKPOINT_DB, checkpoint.session_id, encode_checkpoint(checkpoint))]
-        )
+    def changed(self, writer: Checkpointed) -> None:
+        """Note that ``writer`` appended: its checkpoint is written at the next ``write_changed``."""
+        self._changed[writer.session_id] = writer
+
+    def forget(self, session_id: str) -> None:
+        """The session's writer stops: nothing of it is to be written any more."""
+        self._changed.pop(session_id, None)
+
+    async def keep_current(self, interval: float) -> None:
+        """Every ``interval`` seconds, write the checkpoint of every session that appended since
+        (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(interval)
+            await self.write_changed()
+
+    async def write_changed(self) -> int:
+        """Write the checkpoints of the sessions that appended since the last call, in one
+        store write; answers how many. A failed write is logged and retried at the next call."""
+        changed, self._changed = self._changed, {}
+        made = [made for w in changed.values() if (made := w.current_checkpoint()) is not None]
+        if not made:
+            return 0
+        try:
+            await self.write_many(made)
+        except Exception as exc:  # only an accelerator: written again at the next call
+            self.log.warning("%d fold checkpoints not stored: %s", len(made), exc)
+            for session_id, writer in changed.items():
+                writer.checkpoint_lost()
+                self._changed.setdefault(session_id, writer)
+            return 0
+        return len(made)
+
+    async def write(self, checkpoint: FoldCheckpoint, shape: SessionShape | None = None) -> None:
+        """Store ``checkpoint`` as its session's (replacing the one before), with the shape it
+        left out when that is not stored yet."""
+        await self.write_many([(checkpoint, shape)])
+
+    async def write_many(self, made: Sequence[tuple[FoldCheckpoint, SessionShape | None]]) -> None:
+        """Store each checkpoint (and each shape one left out, once, when given: a checkpoint
+        whose shape is not stored is ignored when read) in one store write."""
+        puts = []
+        new_shapes = {}
+        for checkpoint, shape in made:
+            key = checkpoint.bootstrap.shape_key if checkpoint.bootstrap is not None else None
+            if (
+                key is not None
+                and shape is not None
+                and key not in self._shapes
+                and key not in new_shapes
+            ):
+                new_shapes[key] = shape
+                puts.append((SHAPES_DB, key, encode_shape(shape)))
+            puts.append((CHECKPOINT_DB, checkpoint.session_id, encode_checkpoint(checkpoint)))
+        await self.store.write_batch(puts)
+        self._shapes.update(new_shapes)
 
     async def delete(self, session_id: str) -> None:
+        self.forget(session_id)
         await self.store.write_batch([], [(CHECKPOINT_DB, session_id)])
+
+    async def _load_shapes(self) -> None:
+        """Read the stored shapes the checkpoints name (those that decode)."""
+        for key, raw in await self.store.scan(SHAPES_DB, ""):
+            if key in self._shapes:
+                continue
+            try:
+                self._shapes[key] = decode_shape(raw)
+            except CodecError as exc:
+                self.log.warning("stored session shape %s cannot be decoded (%s)", key, exc.message)
 
     async def load(self, session_id: str) -> ResumePoint | None:
         """The session's checkpoint as a resume point, or None (none stored, not usable, or the
         store cannot be read now: the log then says everything)."""
         try:
             raw = await self.store.get(CHECKPOINT_DB, session_id)
+            if raw is not None and self._names_unknown_shape(raw):
+                await self._load_shapes()
         except StoreError as exc:
             self.log.warning("session %s: fold checkpoint not read (%s)", session_id, exc)
             return None
@@ -105,6 +208,7 @@ class FoldCheckpoints:
         """Every usable checkpoint, by session (none when the store cannot be read now)."""
         points = {}
         try:
+            await self._load_shapes()
             stored = await self.store.scan(CHECKPOINT_DB, "")
         except StoreError as exc:
             self.log.warning("fold checkpoints not read (%s); sessions fold from their start", exc)
@@ -114,6 +218,13 @@ class FoldCheckpoints:
             if point is not None:
                 points[session_id] = point
         return points
+
+    def _names_unknown_shape(self, raw: bytes) -> bool:
+        try:
+            bootstrap = decode_checkpoint(raw).bootstrap
+        except CodecError:
+            return False  # ``_usable`` says why
+        return bootstrap is not None and bootstrap.shape_key not in self._shapes
 
     def _usable(self, session_id: str, raw: bytes) -> ResumePoint | None:
         try:
@@ -130,7 +241,7 @@ class FoldCheckpoints:
                 return None
             if checkpoint.session_id != session_id:
                 raise CodecError(f"it names session {checkpoint.session_id}")
-            state = checkpoint_state(checkpoint)
+            state = checkpoint_state(checkpoint, self._shapes)
         except CodecError as exc:
             self.log.warning(
                 "session %s: its fold checkpoint cannot be decoded (%s); folding its log from the"
@@ -140,7 +251,9 @@ class FoldCheckpoints:
             )
             self.stats.ignored += 1
             return None
-        return ResumePoint(state, checkpoint.event_id, checkpoint.seq)
+        return ResumePoint(
+            state, checkpoint.event_id, checkpoint.seq, checkpoint.messages, checkpoint.log_id
+        )
 
     def stale(self, session_id: str) -> None:
         """Count and report a checkpoint the log contradicts (the one pass found it so)."""

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from apomesh.adapters.jetstream_log import MessageCounts
 from apomesh.adapters.lmdb_store import AsyncStore
 from apomesh.adapters.stream_fold import ResumePoint, StreamFold
 from apomesh.core import decisions
@@ -84,8 +85,20 @@ class FoldsInOnePass(Protocol):
         *,
         resume: Mapping[str, ResumePoint] | None = None,
         sessions: Collection[str] | None = None,
+        counts: MessageCounts | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> StreamFold: ...
+
+
+@runtime_checkable
+class CountsMessages(Protocol):
+    """A log that can tell how many messages each session holds (``JetStreamLog``)."""
+
+    async def count_messages(self) -> MessageCounts: ...
+
+
+Listing = tuple[list[str], MessageCounts | None]
+"""The log's sessions, and their message counts when the log can tell them."""
 
 
 class Classifier:
@@ -197,10 +210,10 @@ class BootScan:
 
     async def _scan(self) -> dict[str, Any]:
         started = time.perf_counter()
-        # The log's list of sessions is read while the pass runs: the pass needs it only to start
-        # past the stream's first message (every session from a fold checkpoint), and the
-        # server's answer for 100,000 sessions takes a quarter of a second.
-        listing = asyncio.ensure_future(self.log_adapter.list_sessions())
+        # The log's list of sessions is read while the pass runs: the pass needs it only when there
+        # are fold checkpoints (to know which are current, and to start past the stream's first
+        # message), and the server's answer for 100,000 sessions takes a quarter of a second.
+        listing = asyncio.ensure_future(self._listing())
         try:
             return await self._classify(started, listing)
         finally:
@@ -209,7 +222,13 @@ class BootScan:
             with contextlib.suppress(BaseException):
                 await listing
 
-    async def _classify(self, started: float, listing: asyncio.Future[list[str]]) -> dict[str, Any]:
+    async def _listing(self) -> Listing:
+        if isinstance(self.log_adapter, CountsMessages):
+            counts = await self.log_adapter.count_messages()
+            return sorted(counts.counts), counts
+        return await self.log_adapter.list_sessions(), None
+
+    async def _classify(self, started: float, listing: asyncio.Future[Listing]) -> dict[str, Any]:
         completed = {sid for sid, _ in await self.store.list_completed()}
         gate = asyncio.Semaphore(32)
         counts: dict[str, Any] = {
@@ -228,7 +247,7 @@ class BootScan:
         pass_result, holders = await asyncio.gather(
             self._fold_in_one_pass(completed, listing), self.registry.lease_holders()
         )
-        session_ids = [s for s in await listing if s not in completed]
+        session_ids = [s for s in (await listing)[0] if s not in completed]
         scanned = pass_result.states if pass_result is not None else {}
         verdict_of = Classifier(self.plugins)
         ended: list[SessionState] = []
@@ -318,8 +337,10 @@ class BootScan:
                 self.spawn(waves).add_done_callback(lambda _: gc.unfreeze())
         stats = checkpoints.stats
         resumed = len(pass_result.resumed) if pass_result is not None else 0
+        current = len(pass_result.current) if pass_result is not None else 0
         folded = pass_result.folded if pass_result is not None else 0
-        counts["from_checkpoints"] = resumed + stats.used - before.used
+        counts["from_checkpoints"] = current + resumed + stats.used - before.used
+        counts["current_checkpoints"] = current
         counts["checkpoints_ignored"] = stats.ignored - before.ignored
         counts["events_folded"] = (
             folded
@@ -363,23 +384,27 @@ class BootScan:
         return None
 
     async def _fold_in_one_pass(
-        self, completed: set[str], listing: asyncio.Future[list[str]]
+        self, completed: set[str], listing: asyncio.Future[Listing]
     ) -> StreamFold | None:
         """Every session folded in one pass over the log stream (each from its fold checkpoint
-        when it has one), when the log can; the sessions the pass cannot vouch for are left out
-        of its states (read one by one). The log's list of sessions (``listing``) is waited for
-        only when there are fold checkpoints (the pass may then start past the stream's first
-        message); without any, the pass starts at once."""
+        when it has one, and not read at all when the log's counts show that one current), when
+        the log can; the sessions the pass cannot vouch for are left out of its states (read one
+        by one). The log's list of sessions (``listing``) is waited for only when there are fold
+        checkpoints (the pass may then start past the stream's first message, or not be needed);
+        without any, the pass starts at once."""
         if not isinstance(self.log_adapter, FoldsInOnePass):
             return None
         resume = await self.registry.fold_checkpoints.load_all()
-        session_ids = [s for s in await listing if s not in completed] if resume else None
+        session_ids, counts = None, None
+        if resume:
+            listed, counts = await listing
+            session_ids = [s for s in listed if s not in completed]
         try:
             progress = ProgressLog(
                 self.log, "boot scan", "log messages read", every=self.progress_every
             )
             result = await self.log_adapter.fold_all(
-                completed, resume=resume, sessions=session_ids, progress=progress
+                completed, resume=resume, sessions=session_ids, counts=counts, progress=progress
             )
         except ApomeshError as exc:
             self.log.warning(
@@ -387,8 +412,8 @@ class BootScan:
             )
             return None
         self.log.info(
-            "boot scan: %s events read in one pass (%s pages, %s folded), %s sessions (%s from"
-            " their fold checkpoint), %s to read one by one",
+            "boot scan: %s events read in one pass (%s pages, %s folded), %s sessions (%s current"
+            " in their fold checkpoint, %s folded on from one), %s to read one by one",
             *(
                 f"{n:,}"
                 for n in (
@@ -396,6 +421,7 @@ class BootScan:
                     result.pages,
                     result.folded,
                     len(result.states),
+                    len(result.current),
                     len(result.resumed),
                     len(result.suspect),
                 )

@@ -85,7 +85,7 @@ from apomesh.core.events import (
 from apomesh.core.journal import idempotency_key
 from apomesh.core.ports import EventLog
 from apomesh.core.state import AgentView, SessionState, apply, check
-from apomesh.core.state_codec import make_checkpoint
+from apomesh.core.state_codec import FoldCheckpoint, make_checkpoint, shape_key
 from apomesh.plugins.api import (
     BATCH_DONE_EARLY,
     ROOT_PURPOSES,
@@ -255,12 +255,14 @@ class SessionRuntime:
         "_id_prefix",
         "_jobs",
         "_last_event_id",
+        "_last_messages",
         "_last_seq",
         "_opened",
         "_recovering",
         "_replaying",
         "_saved",
         "_sequences",
+        "_shape_key",
         "_unwritten_copies",
         "_writer",
         "conflict",
@@ -324,6 +326,10 @@ class SessionRuntime:
         """The event id of the envelope at ``state.last_index``, once this writer appended."""
         self._last_seq: int | None = None
         """Its stream sequence, when the log knows it."""
+        self._last_messages: int | None = None
+        """How many messages of the session the log holds up to it, when the log knows."""
+        self._shape_key: tuple[object, str] | None = None
+        """The pinned shape's ``shape_key``, with the shape it was computed for."""
         self._checkpointed = -1
         """The index of the last fold checkpoint this writer stored (-1: none yet)."""
         self._checkpointing: asyncio.Task[None] | None = None
@@ -412,41 +418,78 @@ class SessionRuntime:
             apply(self.state, env)
         # Noted with the state in one synchronous stretch: a checkpoint pairs them.
         self._last_event_id = envs[-1].event_id
-        self._last_seq = (
-            self._sequences.known_sequence(self.session_id, envs[-1].index)
+        end = (
+            self._sequences.known_end(self.session_id, envs[-1].index)
             if self._sequences is not None
             else None
         )
+        self._last_seq, self._last_messages = end if end is not None else (None, None)
         self._after_commit()
 
     # --- fold checkpoints (runtime.fold_checkpoints) ----------------------------------------------
 
     def _after_commit(self) -> None:
-        """Start storing a fold checkpoint once ``checkpoint_every`` events were appended since
-        the last (one at a time, as a task of its own: the step's caller does not wait for it);
-        drop the session's checkpoint once it has ended."""
+        """Note the session as changed for the next ``keep_current`` write, and start storing a
+        fold checkpoint at once when ``checkpoint_every`` events were appended since the last
+        (one at a time, as a task of its own: the step's caller does not wait for it); drop the
+        session's checkpoint once it has ended."""
         checkpoints, every = self.deps.checkpoints, self.deps.checkpoint_every
         if checkpoints is None:
             return
         if self.state.terminal:
-            if self._checkpointed >= 0 or self.state.last_index >= every:
+            checkpoints.forget(self.session_id)
+            state = self.state
+            # One may be stored: by this writer, or by one before it (a resumed session).
+            if self._checkpointed >= 0 or state.recoveries or state.resumes:
                 self.deps.spawn(self._drop_checkpoint(checkpoints))
             return
+        checkpoints.changed(self)
         if self._checkpointing is not None and not self._checkpointing.done():
             return
         if self.state.last_index - self._checkpointed >= every:
             self._checkpointing = self.deps.spawn(self._write_checkpoint(checkpoints))
 
+    def current_checkpoint(self) -> tuple[FoldCheckpoint, SessionShape | None] | None:
+        """The fold checkpoint of the state this writer holds, and the shape it leaves out (see
+        ``runtime.fold_checkpoints``); None for an ended or refused session, or before its first
+        append here."""
+        if self.state.terminal or self.conflict is not None or self._last_event_id is None:
+            return None
+        if self.state.last_index <= self._checkpointed:
+            return None  # stored already
+        bootstrap = self.state.bootstrap
+        shape = None if bootstrap is None else bootstrap.shape
+        key = None
+        if shape is not None:
+            if self._shape_key is None or self._shape_key[0] is not shape:
+                self._shape_key = (shape, shape_key(shape))
+            key = self._shape_key[1]
+        # Every applied event was acknowledged by the log first, so the state is durable there.
+        checkpoint = make_checkpoint(
+            self.state,
+            self._last_event_id,
+            self._last_seq,
+            messages=self._last_messages,
+            log_id=None if self._sequences is None else self._sequences.log_id,
+            shape=key,
+        )
+        self._checkpointed = checkpoint.index
+        return checkpoint, shape
+
+    def checkpoint_lost(self) -> None:
+        """The last checkpoint made was not stored: the next one is made whatever the index."""
+        self._checkpointed = -1
+
     async def _write_checkpoint(self, checkpoints: FoldCheckpoints) -> None:
         await asyncio.sleep(0)  # the step that crossed the threshold is answered first
-        if self.state.terminal or self.conflict is not None or self._last_event_id is None:
+        made = self.current_checkpoint()
+        if made is None:
             return
-        # Every applied event was acknowledged by the log first, so the state is durable there.
-        checkpoint = make_checkpoint(self.state, self._last_event_id, self._last_seq)
-        self._checkpointed = checkpoint.index
         try:
-            await checkpoints.write(checkpoint)
+            await checkpoints.write(*made)
         except Exception as exc:  # only an accelerator: the next one is tried later
+            self.checkpoint_lost()
+            checkpoints.changed(self)
             log.warning("session %s: fold checkpoint not stored: %s", self.session_id, exc)
 
     async def _drop_checkpoint(self, checkpoints: FoldCheckpoints) -> None:
