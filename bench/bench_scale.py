@@ -396,13 +396,14 @@ async def seed_checkpoints(
     data: Path,
     sessions: list[list[envelope.Envelope]],
     seqs: dict[str, list[int]],
-    behind: int,
+    recent: int,
 ) -> None:
     """Store in the daemon data dir ``data`` the fold checkpoints a daemon that drove the stored
     sessions leaves at the default ``fold_checkpoint_interval``, through the daemon's own
-    checkpoint code: each at the session's last message, counting its messages on this stream;
-    the last ``behind`` sessions seeded (the last to append before it died) one step (two
-    messages) short of their end, as their last write had not come yet."""
+    checkpoint code: each at the session's last message, counting its messages on this stream.
+    The last ``recent`` sessions seeded stand for those that appended in the daemon's last
+    second: the first half of them with a checkpoint one step (two messages) short of their
+    end, the rest (started in that second) with none yet."""
     nc = await connect([url])
     log = JetStreamLog(nc)
     await log.ensure()
@@ -413,7 +414,9 @@ async def seed_checkpoints(
     made = []
     for n, envelopes in enumerate(sessions):
         stored_at = seqs[envelopes[0].session_id]
-        messages = len(stored_at) - (2 if n >= len(sessions) - behind else 0)
+        if n >= len(sessions) - recent // 2:
+            continue
+        messages = len(stored_at) - (2 if n >= len(sessions) - recent else 0)
         at = min(messages * STEP_EVENTS, len(envelopes)) - 1
         state = fold(envelopes[: at + 1])
         assert state.bootstrap is not None
@@ -461,9 +464,9 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
     retention, so its sweep purges them before its scan.
 
     Then ``starts`` starts more on the same stored sessions with the fold checkpoints a daemon
-    that drove them leaves (``seed_checkpoints``: one in a hundred a step behind), each on a
-    copy of that data dir."""
-    behind = max(1, count // 100)
+    that drove them leaves (``seed_checkpoints``: one in two hundred a step behind, and as many
+    with none yet), each on a copy of that data dir."""
+    recent = max(2, count // 100)
     with scratch("apomesh-scale-scan-") as base:
         server = NatsServer(single_node(base / "nats", name="nats"))
         server.start()
@@ -471,7 +474,7 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
             sessions, kinds = mixed_sessions(count, rng)
             seqs: dict[str, list[int]] = {}
             events, seeded = asyncio.run(publish_stored(server.url, sessions, seqs))
-            asyncio.run(seed_checkpoints(server.url, base / "checkpointed", sessions, seqs, behind))
+            asyncio.run(seed_checkpoints(server.url, base / "checkpointed", sessions, seqs, recent))
             del sessions, seqs
             server.stop()
             shutil.copytree(base / "nats", base / "seeded")
@@ -525,8 +528,9 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
     checked = sorted(current, key=lambda r: float(r["scan"]))[len(current) // 2]
     third = checked["report"]
     print(
-        f"    with the fold checkpoints a daemon that drove them leaves ({behind:,} a step"
-        f" behind): **{checked['scan']:.2f} s** (median of {len(current)}: "
+        f"    with the fold checkpoints a daemon that drove them leaves ({recent - recent // 2:,}"
+        f" a step behind, {recent // 2:,} with none yet): **{checked['scan']:.2f} s** (median of"
+        f" {len(current)}: "
         + ", ".join(f"{r['scan']:.2f}" for r in current)
         + f" s; {third.get('current_checkpoints')} current, "
         f"{third.get('from_checkpoints', 0) - third.get('current_checkpoints', 0)} folded on from"

@@ -248,9 +248,7 @@ class SecureSystem:
                     jetstream=False,
                 ),
             ),
-            tls=TlsConfig(
-                cert=pki.server.cert, key=pki.server.key, ca=pki.ca, verify_and_map=True
-            ),
+            tls=TlsConfig(cert=pki.server.cert, key=pki.server.key, ca=pki.ca, verify_and_map=True),
             remotes=(
                 LeafRemote(
                     urls=tuple(f"nats-leaf://127.0.0.1:{hub.leafnode_port}" for hub in hubs),

@@ -15,7 +15,12 @@ STICKY_FANOUT: dict[str, Any] = {
     "coordination": "fanout",
     "affinity": "sticky",
     "model": {"provider": "scripted", "turns": [{"plan": ["a", "b"]}, {"final": "joined"}]},
-    "roles": {"worker": {"affinity": "", "model": {"provider": "scripted", "turns": [{"final": "did {task}"}]}}},
+    "roles": {
+        "worker": {
+            "affinity": "",
+            "model": {"provider": "scripted", "turns": [{"final": "did {task}"}]},
+        }
+    },
 }
 
 
@@ -26,13 +31,23 @@ def test_sticky_root_keeps_its_worker_and_releases_it_at_the_end(mesh: Mesh) -> 
     root_workers = [
         r.event["worker"]
         for r in records
-        if r.kind == "AgentLifecycle" and r.event["agent"] == "root" and r.event["phase"] == "dispatched"
+        if r.kind == "AgentLifecycle"
+        and r.event["agent"] == "root"
+        and r.event["phase"] == "dispatched"
     ]
     resumed = any(r.kind == "AgentResuming" and r.event["agent"] == "root" for r in records)
     assert len(root_workers) == 2
     if not resumed:  # a worker wrongly declared lost under load may move the root; nothing else may
         assert root_workers[0] == root_workers[1]
-    sources = [r.event["source"] for r in records if r.kind == "AgentSnapshotted" and r.event["agent"] == "root"]
+    sources = [
+        r.event["source"]
+        for r in records
+        if r.kind == "AgentSnapshotted" and r.event["agent"] == "root"
+    ]
     assert sources[-1] == "affinity_release"
-    child_sources = [r.event["source"] for r in records if r.kind == "AgentSnapshotted" and r.event["agent"] != "root"]
+    child_sources = [
+        r.event["source"]
+        for r in records
+        if r.kind == "AgentSnapshotted" and r.event["agent"] != "root"
+    ]
     assert "affinity_release" not in child_sources

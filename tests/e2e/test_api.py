@@ -676,7 +676,11 @@ async def test_the_preview_shows_a_side_effect_whose_outcome_is_unknown(mesh: Me
     assert done["status"] == "completed", done
     # The call in doubt was put to fs.append's probe, which found it had not happened: it ran
     # once, logged as a second intent saying so, and every line is there exactly once.
-    assert journal_lines(mesh.daemon.workspace / session_id, "unknown.txt") == ["line 1", "line 2", "line 3"]
+    assert journal_lines(mesh.daemon.workspace / session_id, "unknown.txt") == [
+        "line 1",
+        "line 2",
+        "line 3",
+    ]
     events_text = httpx.get(f"{mesh.url}/v1/sessions/{session_id}/events").text
     assert '"resolution":"not_happened"' in events_text
 

@@ -141,7 +141,11 @@ async def test_frozen_worker_is_resumed_elsewhere_and_its_late_reports_are_fence
         r for r in after if r.kind == "AgentLifecycle" and r.event.get("worker") == zombie_id
     ], "something from the zombie's old dispatch was appended"
     # Each step's turn (recorded before its call) and node, once each and in order.
-    steps = [(r.event["step"], r.event["source"] != "turn") for r in records if r.kind == "AgentSnapshotted"]
+    steps = [
+        (r.event["step"], r.event["source"] != "turn")
+        for r in records
+        if r.kind == "AgentSnapshotted"
+    ]
     assert steps == sorted(set(steps)), f"a snapshot was taken twice: {steps}"
     # The zombie's late report reaches the daemon once it runs again, and is refused.
     deadline = time.monotonic() + 15

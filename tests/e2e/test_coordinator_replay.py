@@ -119,7 +119,9 @@ def refine_definition() -> dict[str, Any]:
     }
 
 
-def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(bare_mesh: Mesh) -> None:
+def test_refine_killed_at_a_later_round_completes_like_the_uninterrupted_run(
+    bare_mesh: Mesh,
+) -> None:
     bare_mesh.daemon.env["APOMESH_VOTE_NOTE"] = "1"
     bare_mesh.start(2)
     root_worker = note_worker(bare_mesh, "root-worker")
@@ -342,7 +344,9 @@ def test_vote_ends_its_ballot_at_the_majority_and_survives_a_kill_at_every_ask(
     assert len({a.task for a in done}) < 5  # the majority ended the ballot early
 
 
-def test_a_replayed_batch_with_other_tasks_fails_with_a_nondeterminism_error(bare_mesh: Mesh) -> None:
+def test_a_replayed_batch_with_other_tasks_fails_with_a_nondeterminism_error(
+    bare_mesh: Mesh,
+) -> None:
     bare_mesh.daemon.env["APOMESH_VOTE_SALT"] = "one"
     bare_mesh.start(2)
     client = SyncClient(bare_mesh.url)

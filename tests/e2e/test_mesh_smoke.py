@@ -11,7 +11,9 @@ from apomesh.testing import Mesh
 
 
 def test_fanout_session_completes_on_worker_processes(mesh: Mesh) -> None:
-    response = httpx.post(f"{mesh.url}/v1/sessions", json={"goal": "write", "definition": DEMO_AGENT})
+    response = httpx.post(
+        f"{mesh.url}/v1/sessions", json={"goal": "write", "definition": DEMO_AGENT}
+    )
     assert response.status_code == 201
     session_id = response.json()["session_id"]
     deadline = time.monotonic() + 60

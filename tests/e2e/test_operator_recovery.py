@@ -177,7 +177,9 @@ async def test_hold_holds_a_new_unknown_outcome_after_an_earlier_operator_resume
     recorded = [r.event for r in records if r.kind == "ToolCallRecorded"]
     assert [r["outcome"] for r in recorded] == ["unknown", "unknown"]
     assert all("held for an operator" in r["result"] for r in recorded)
-    assert not (mesh.daemon.workspace / session_id / "charges.txt").exists()  # neither charge ever ran
+    assert not (
+        mesh.daemon.workspace / session_id / "charges.txt"
+    ).exists()  # neither charge ever ran
 
 
 # --- bulk resume, from the CLI and the API; two resumes of one session ----------------------------
@@ -317,7 +319,9 @@ async def test_a_worker_with_another_version_of_a_pinned_plugin_never_gets_the_s
 
         # No capable worker: the session waits, visibly, and is not failed.
         await wait_for(says_it_waits, "the daemon says the session waits for a worker")
-        assert f"{PROBE}=={installed}: the worker has version 9.9.9" in bare_mesh.daemon.output_tail()
+        assert (
+            f"{PROBE}=={installed}: the worker has version 9.9.9" in bare_mesh.daemon.output_tail()
+        )
         view = await client.get_session(session_id)
         assert view.status == "running" and {a.ref: a.phase for a in view.agents} == {
             "root": "born"

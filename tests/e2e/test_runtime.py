@@ -101,9 +101,15 @@ def test_fanout_sub_agents_write_their_files(shared_mesh: Mesh) -> None:
     assert ended["output"] == "all parts written"
     tasks = ["alpha", "beta", "gamma"]
     for index, task in enumerate(tasks):
-        lines = (shared_mesh.daemon.workspace / session_id / f"part-{index}.txt").read_text().splitlines()
+        lines = (
+            (shared_mesh.daemon.workspace / session_id / f"part-{index}.txt")
+            .read_text()
+            .splitlines()
+        )
         assert lines == [f"{task}: first line", f"{task}: second line"]
-        assert (shared_mesh.daemon.workspace / session_id / f"done-{index}.txt").read_text() == f"{task} done"
+        assert (
+            shared_mesh.daemon.workspace / session_id / f"done-{index}.txt"
+        ).read_text() == f"{task} done"
     children = [a for a in ended["agents"] if a["parent"] == "root"]
     assert sorted(a["task"] for a in children) == tasks
     assert all(a["phase"] == "completed" for a in children)
@@ -121,7 +127,10 @@ def test_refine_iterates_once_then_answers(shared_mesh: Mesh) -> None:
     assert ended["status"] == "completed", ended
     assert ended["output"] == "refined after two rounds"
     # One sub-agent per round: the first plan, then the plan the critique asked for.
-    assert (shared_mesh.daemon.workspace / session_id / "refine.txt").read_text().splitlines() == ["draft", "revise"]
+    assert (shared_mesh.daemon.workspace / session_id / "refine.txt").read_text().splitlines() == [
+        "draft",
+        "revise",
+    ]
     children = [a for a in ended["agents"] if a["parent"] == "root"]
     assert [(a["task"], a["batch"], a["phase"]) for a in children] == [
         ("draft", "iter-1", "completed"),
@@ -186,11 +195,14 @@ def test_hitl_pause_answered_through_the_cli(shared_mesh: Mesh) -> None:
     assert ended["status"] == "completed", ended
     assert ended["output"] == "cover chosen"
     assert ended["hitl_pending"] == []
-    assert (shared_mesh.daemon.workspace / session_id / "after-answer.txt").read_text() == "the human answered"
+    assert (
+        shared_mesh.daemon.workspace / session_id / "after-answer.txt"
+    ).read_text() == "the human answered"
     _check_answered_log(log_of(shared_mesh.url, session_id), "blue")
     # The pause is closed: answering it again is refused.
     again = httpx.post(
-        f"{shared_mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "red"}
+        f"{shared_mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}",
+        json={"answer": "red"},
     )
     assert again.status_code >= 400
 
@@ -199,7 +211,8 @@ def test_hitl_pause_answered_through_the_api(shared_mesh: Mesh) -> None:
     session_id = start(shared_mesh.url, "design a cover", definition("hitl"))
     (pause,) = _paused(shared_mesh.url, session_id)["hitl_pending"]
     response = httpx.post(
-        f"{shared_mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}", json={"answer": "green"}
+        f"{shared_mesh.url}/v1/sessions/{session_id}/hitl/{pause['pause_id']}",
+        json={"answer": "green"},
     )
     assert response.status_code == 202, response.text
     ended = wait_ended(shared_mesh.url, session_id)
@@ -305,7 +318,9 @@ def test_openai_provider_against_a_local_protocol_server(bare_mesh: Mesh) -> Non
         ended = wait_ended(bare_mesh.url, session_id)
         assert ended["status"] == "completed", ended
         assert ended["output"] == "the file is written"
-        assert (bare_mesh.daemon.workspace / session_id / "openai.txt").read_text() == "from the model"
+        assert (
+            bare_mesh.daemon.workspace / session_id / "openai.txt"
+        ).read_text() == "from the model"
         (root,) = ended["agents"]
         assert root["worker"].startswith("keyed")
         assert len(fake.requests) == 2

@@ -18,6 +18,7 @@ from tests.integration.test_node_reports import one_worker_config
 from apomesh.adapters.jetstream_log import JetStreamLog, MessageCounts
 from apomesh.runtime.fold_checkpoints import FoldCheckpoints
 from apomesh.runtime.node import Node
+from apomesh.runtime.sessions import SessionRuntime
 
 pytestmark = pytest.mark.anyio
 
@@ -28,20 +29,30 @@ def _config(tmp_path: Path, **snapshots: Any) -> Any:
 
 async def _park_one(tmp_path: Path, **snapshots: Any) -> str:
     """A session parked on its question, left on the log by a node that then stops."""
+    (session_id,) = await _park(tmp_path, 1, **snapshots)
+    return session_id
+
+
+async def _park(tmp_path: Path, count: int, **snapshots: Any) -> list[str]:
+    """``count`` sessions parked on their question one after the other (each one's messages
+    after the one before's), left on the log by a node that then stops."""
+    session_ids = []
     async with Node(_config(tmp_path, **snapshots), http=False) as node:
         assert node.daemon is not None and node.service is not None
         for _, worker in node.workers:
             await worker.wait_registered()
-        session_id = await node.service.create_session(
-            "ask", agent=None, definition=asker(), by="t"
-        )
-        runtime = node.daemon.registry.live[session_id]
-        for _ in range(400):
-            if runtime.state.status == "paused":
-                break
-            await asyncio.sleep(0.025)
-        assert runtime.state.status == "paused"
-        return session_id
+        for _ in range(count):
+            session_id = await node.service.create_session(
+                "ask", agent=None, definition=asker(), by="t"
+            )
+            runtime = node.daemon.registry.live[session_id]
+            for _ in range(400):
+                if runtime.state.status == "paused":
+                    break
+                await asyncio.sleep(0.025)
+            assert runtime.state.status == "paused"
+            session_ids.append(session_id)
+    return session_ids
 
 
 def _record_order(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
@@ -139,3 +150,43 @@ async def test_a_checkpoint_the_counts_do_not_confirm_is_read_on_from(
         assert (report["current_checkpoints"], report["from_checkpoints"]) == (0, 1)
         assert report["checkpoints_ignored"] == 0
         assert report["auto_resume"] + report["recoverable"] == 1
+
+
+async def test_a_session_without_a_checkpoint_is_read_from_its_first_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session whose first checkpoint was not written yet (started just before its daemon
+    stopped) is looked up: the pass starts at its first message, not at the stream's first, so
+    the older session's messages before it are not read."""
+    made = SessionRuntime.current_checkpoint
+    allowed: list[str] = []
+
+    def only_the_first_session(self: SessionRuntime) -> Any:
+        allowed[:] = allowed or [self.session_id]
+        return made(self) if self.session_id == allowed[0] else None
+
+    with monkeypatch.context() as patched:
+        patched.setattr(SessionRuntime, "current_checkpoint", only_the_first_session)
+        older, newer = await _park(tmp_path, 2)
+    assert allowed == [older]
+
+    passes: list[Any] = []
+    fold_all = JetStreamLog.fold_all
+
+    async def fold_all_noted(self: JetStreamLog, skip: set[str], **kwargs: Any) -> Any:
+        folded = await fold_all(self, skip, **kwargs)
+        # How many events each session has, noted before the scan takes the states away.
+        passes.append((folded, {s: state.last_index + 1 for s, state in folded.states.items()}))
+        return folded
+
+    monkeypatch.setattr(JetStreamLog, "fold_all", fold_all_noted)
+    async with Node(_config(tmp_path), http=False) as node:
+        assert node.daemon is not None
+        report = node.daemon.boot_report
+    assert (report["current_checkpoints"], report["from_checkpoints"]) == (1, 1)
+    assert report["auto_resume"] + report["recoverable"] == 2
+    ((folded, in_log),) = passes
+    assert folded.current == {older} and not folded.suspect
+    assert folded.folded == report["events_folded"] == in_log[newer]  # the newer one, whole
+    # Of the older one, only what it appended after the newer one started (its stop's marks).
+    assert in_log[newer] <= folded.events < in_log[newer] + in_log[older] // 2

@@ -23,7 +23,6 @@ from apomesh.core.views import PinDiff
 pytestmark = pytest.mark.anyio
 
 
-
 async def test_sessions_are_listed_searched_and_followed_live(page: Any) -> None:
     fake = FakeService()
     haiku = await fake.start("write a haiku")

@@ -29,7 +29,11 @@ replaced: the session is ``suspect``, and read from its start one by one), and t
 are folded onto the checkpoint's state. When every session the caller wants (``sessions``) has a
 checkpoint whose sequence is known, the pass starts at the lowest of those sequences instead of
 the stream's first, so a long session is read from its checkpoint on, not from its first event.
-A session whose checkpoint's envelope the pass never meets is left out (read one by one).
+A session whose checkpoint's envelope the pass never meets is left out (read one by one). A
+wanted session without a checkpoint (one started just before its daemon stopped, whose first
+checkpoint was not written yet) is looked up: where its first message is, one direct get each,
+when there are at most ``FIRST_LOOKUPS`` of them; the pass then starts at the lowest of those
+and of the checkpoints' sequences. With more of them it starts at the stream's first message.
 
 A checkpoint is current, and its session is not read at all, when it counted as many messages of
 the session as the log's listing holds now (``counts``: the stream's message count per subject),
@@ -69,7 +73,7 @@ from apomesh.adapters.nats_connect import (
     direct_get_batch,
 )
 from apomesh.core.envelope import Envelope
-from apomesh.core.errors import CodecError, FoldError
+from apomesh.core.errors import ApomeshError, CodecError, FoldError
 from apomesh.core.events import SessionShape, SessionStarted
 from apomesh.core.state import SessionState, apply, new_state
 
@@ -78,6 +82,11 @@ MAX_DELETED_LISTED = 500_000
 """The most deleted messages a stream may have for the pass to ask which they are (a JSON list
 of their sequences in the stream's info, held as a set for the pass: about 30 MB at this many);
 past it, pages with gaps leave their sessions' ends to the caller."""
+FIRST_LOOKUPS = 4_096
+"""The most wanted sessions without a checkpoint whose first message the pass looks up (one
+direct get each, some hundreds of microseconds) rather than start at the stream's first."""
+LOOKUPS_TOGETHER = 64
+"""How many of those lookups are in flight at once."""
 FOLD_SLICE = 200
 """Messages of a page folded between two turns of the event loop."""
 
@@ -150,9 +159,12 @@ async def fold_stream(
     seq, last_seq = int(state.get("first_seq") or 1), int(state.get("last_seq") or 0)
     deleted = await _deleted_sequences(nc, stream, state, timeout)
     waiting = {s: point for s, point in (resume or {}).items() if s not in skip}
-    if counts is not None and log_id is not None:
-        skip = skip | _take_current(result, waiting, counts, log_id)
-    seq = max(seq, _first_needed(waiting, sessions, skip, last_seq) or seq)
+    current = {} if counts is None or log_id is None else _current(waiting, counts, log_id)
+    needed = _first_needed(waiting, sessions, skip | current.keys(), last_seq)
+    if needed is not None:
+        firsts = await _first_sequences(nc, stream, subject_prefix, needed[1], timeout)
+        if firsts is not None:
+            seq = max(seq, min([needed[0], *firsts]))
     spanned = max(0, last_seq - seq + 1)
     read = 0
     wildcard = f"{subject_prefix}.*"
@@ -185,7 +197,9 @@ async def fold_stream(
                     # The read loop takes in the next page meanwhile: a page folded in one go
                     # left the socket full and the server waiting for most of it.
                     await asyncio.sleep(0)
-                decodable &= _fold_page(result, got, positions, skip, waiting, first, FOLD_SLICE)
+                decodable &= _fold_page(
+                    result, got, positions, skip, waiting, current, first, FOLD_SLICE
+                )
             if not decodable:
                 for session_id in await _undecodable_sessions(
                     nc, stream, wildcard, seq, len(got.payloads), subject_prefix, timeout
@@ -201,17 +215,16 @@ async def fold_stream(
                 await upcoming
         if collecting:
             gc.enable()
-    for session_id in result.uncounted:
-        result.counts.pop(session_id, None)
+    _finish(result, current)
     return result
 
 
-def _take_current(
-    result: StreamFold, waiting: dict[str, ResumePoint], counts: Mapping[str, int], log_id: str
-) -> set[str]:
-    """Move the checkpoints in ``waiting`` that ``counts`` shows current into ``result`` (their
-    states, ends and counts); answers their sessions, which the pass then passes over."""
-    current = set()
+def _current(
+    waiting: dict[str, ResumePoint], counts: Mapping[str, int], log_id: str
+) -> dict[str, ResumePoint]:
+    """Take out of ``waiting`` the checkpoints ``counts`` shows current: the pass reads none of
+    their sessions' envelopes (``_fold_first``)."""
+    current = {}
     for session_id, point in waiting.items():
         if (
             point.messages is not None
@@ -219,14 +232,26 @@ def _take_current(
             and point.seq is not None
             and counts.get(session_id) == point.messages
         ):
-            current.add(session_id)
-            result.states[session_id] = point.state
-            result.ends[session_id] = (point.state.last_index, point.seq)
-            result.counts[session_id] = point.messages
+            current[session_id] = point
     for session_id in current:
         del waiting[session_id]
-    result.current = current
     return current
+
+
+def _finish(result: StreamFold, current: Mapping[str, ResumePoint]) -> None:
+    """After the pass: drop the counts begun on from a checkpoint that did not count, and put
+    the current checkpoints' states, ends and counts in ``result`` (of the sessions the pass
+    found no later envelope of)."""
+    for session_id in result.uncounted:
+        result.counts.pop(session_id, None)
+    for session_id, point in current.items():
+        if session_id in result.suspect:
+            continue
+        assert point.seq is not None and point.messages is not None
+        result.current.add(session_id)
+        result.states[session_id] = point.state
+        result.ends[session_id] = (point.state.last_index, point.seq)
+        result.counts[session_id] = point.messages
 
 
 def _first_needed(
@@ -234,21 +259,52 @@ def _first_needed(
     sessions: Collection[str] | None,
     skip: set[str],
     last_seq: int,
-) -> int | None:
-    """The lowest stream sequence the pass must start at when every wanted session starts from a
-    checkpoint of known sequence (past ``last_seq`` when none is left to read); None when one of
-    them must be read from its start."""
+) -> tuple[int, list[str]] | None:
+    """The lowest stream sequence the pass must start at for the wanted sessions that start
+    from a checkpoint of known sequence (past ``last_seq`` when none is left to read), and the
+    wanted sessions without one (to be read from their first message); None when the caller
+    named no sessions or more than ``FIRST_LOOKUPS`` have no checkpoint."""
     if sessions is None:
         return None
     seqs = []
+    missing: list[str] = []
     for session_id in sessions:
         if session_id in skip:
             continue
         point = waiting.get(session_id)
         if point is None or point.seq is None:
-            return None
+            missing.append(session_id)
+            if len(missing) > FIRST_LOOKUPS:
+                return None
+            continue
         seqs.append(point.seq)
-    return min(seqs) if seqs else last_seq + 1
+    return (min(seqs) if seqs else last_seq + 1), missing
+
+
+async def _first_sequences(
+    nc: Any, stream: str, prefix: str, session_ids: Sequence[str], timeout: float
+) -> list[int] | None:
+    """The stream sequence of each session's first message (one direct get each,
+    ``LOOKUPS_TOGETHER`` at a time); None when one cannot be told (the pass then starts at the
+    stream's first message)."""
+    gate = asyncio.Semaphore(LOOKUPS_TOGETHER)
+
+    async def first(session_id: str) -> int | None:
+        request = {"seq": 1, "next_by_subj": f"{prefix}.{session_id}", "batch": 1}
+        async with gate:
+            page = await direct_get_batch(nc, stream, request, timeout=timeout)
+        if not page.messages:
+            return None
+        sequence = (page.messages[0].headers or {}).get("Nats-Sequence")
+        return None if sequence is None else int(sequence)
+
+    try:
+        found = await asyncio.gather(*(first(s) for s in session_ids))
+    except ApomeshError:
+        return None
+    if any(seq is None for seq in found):
+        return None
+    return [seq for seq in found if seq is not None]
 
 
 def _fold_page(
@@ -257,6 +313,7 @@ def _fold_page(
     positions: Sequence[int] | None,
     skip: set[str],
     waiting: dict[str, ResumePoint],
+    current: Mapping[str, ResumePoint],
     first: int,
     count: int,
 ) -> bool:
@@ -285,7 +342,7 @@ def _fold_page(
             # in ``skip`` or found ``suspect`` has no state here).
             state = states.get(env.session_id)
             if state is None or type(env.event) is SessionStarted:
-                folded += _fold_first(result, env, skip, waiting)
+                folded += _fold_first(result, env, skip, waiting, current)
                 continue
             try:
                 apply(state, env)
@@ -333,14 +390,25 @@ def _positions(got: DirectGetPage, start: int, deleted: frozenset[int]) -> Seque
 
 
 def _fold_first(
-    result: StreamFold, env: Envelope, skip: set[str], waiting: dict[str, ResumePoint]
+    result: StreamFold,
+    env: Envelope,
+    skip: set[str],
+    waiting: dict[str, ResumePoint],
+    current: Mapping[str, ResumePoint],
 ) -> int:
     """Fold an envelope of a session the pass holds no state for yet (or a ``SessionStarted``):
-    passed over in ``skip`` and ``suspect`` sessions, taken from its checkpoint in ``waiting``,
-    else a new state. Answers how many envelopes it folded (0 or 1)."""
+    passed over in ``skip`` and ``suspect`` sessions and in those ``current`` in their
+    checkpoint (one found to go on past it, appended to since the log was counted, is
+    ``suspect``), taken from its checkpoint in ``waiting``, else a new state. Answers how many
+    envelopes it folded (0 or 1)."""
     states = result.states
     session_id = env.session_id
     if session_id in skip or session_id in result.suspect:
+        return 0
+    point = current.get(session_id)
+    if point is not None:
+        if env.index > point.state.last_index:
+            _suspect(result, session_id)
         return 0
     folded = states.get(session_id)
     if folded is None:
