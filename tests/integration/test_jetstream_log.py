@@ -647,3 +647,34 @@ async def test_replies_on_a_plain_nats_py_connection(nc: NATS, nats_server: Any)
         assert not replies._waiting
     finally:
         await plain.close()
+
+
+async def test_appends_and_reads_count_a_sessions_messages_where_they_can(nc: NATS) -> None:
+    """How many messages a session's subject holds, as this log knows it (what a fold
+    checkpoint records, ``known_end``): counted from a session's first append here, on from a
+    checkpoint's count by a read from its message, and by a read from the start; not by a
+    lookup of where the session ends, nor by a read that starts in the middle."""
+    session = new_session()
+    writer = JetStreamLog(nc)
+    await writer.ensure()
+    for start in range(0, 6, 2):  # three appends, a message each
+        await writer.append(session, events(session, start, 2))
+    seq = writer.known_end(session, 5)
+    assert seq is not None and seq[1] == 3
+    listed = await writer.count_messages()
+    assert listed.counts[session] == 3 and listed.log_id == writer.log_id is not None
+
+    looked_up = JetStreamLog(nc)
+    assert await looked_up.last_index(session) == 5
+    assert looked_up.known_end(session, 5) == (seq[0], None)
+    await looked_up.read(session, after=1)  # from the middle: still not counted
+    assert looked_up.known_end(session, 5) == (seq[0], None)
+    await looked_up.read(session)  # from the start: every message read, counted
+    assert looked_up.known_end(session, 5) == (seq[0], 3)
+
+    from_checkpoint = JetStreamLog(nc)
+    end_of_second = seq[0] - 1  # the second append's message, holding index 3
+    await from_checkpoint.read_from_sequence(session, 3, end_of_second, counted=2)
+    assert from_checkpoint.known_end(session, 5) == (seq[0], 3)
+    await from_checkpoint.append(session, events(session, 6, 1))
+    assert (from_checkpoint.known_end(session, 6) or (0, None))[1] == 4

@@ -123,12 +123,14 @@ class MessageCounts(msgspec.Struct, frozen=True):
 
 
 class _StoredRun(msgspec.Struct, frozen=True):
-    """Consecutive stored events of one session: their bytes from index ``first`` on, and the
-    stream sequence of the last one (0 when there are none)."""
+    """Consecutive stored events of one session: their bytes from index ``first`` on, the
+    stream sequence of the last one (0 when there are none), and how many messages were read
+    for them."""
 
     first: int
     payloads: list[bytes]
     last_seq: int
+    messages: int = 0
 
     def entries(self) -> list[tuple[int, bytes]]:
         return [(self.first + offset, data) for offset, data in enumerate(self.payloads)]
@@ -498,16 +500,21 @@ class JetStreamLog:
             for index, data in await self._entries_after(session_id, after)
         ]
 
-    async def read_from_sequence(self, session_id: str, index: int, seq: int) -> list[Envelope]:
+    async def read_from_sequence(
+        self, session_id: str, index: int, seq: int, counted: int | None = None
+    ) -> list[Envelope]:
         """The session's envelopes from ``index`` on, read from stream sequence ``seq``, where the
-        caller believes the envelope at ``index`` is stored (a fold checkpoint says so): no
-        lookup of where to start. A wrong belief (the log was purged or replaced since) answers
-        an empty list or raises the ``FoldError`` of the first envelope not at ``index``."""
+        caller believes the envelope at ``index`` is stored (a fold checkpoint says so, and that
+        the session held ``counted`` messages up to that one, when it counted them): no lookup
+        of where to start. A wrong belief (the log was purged or replaced since) answers an
+        empty list or raises the ``FoldError`` of the first envelope not at ``index``."""
         deadline = time.monotonic() + self._timeout
         run = await self._read_direct(self.subject(session_id), session_id, index, seq, deadline)
         entries = run.entries()
         if entries and _probe_index(entries[0][1]) == index:
-            self._remember(session_id, _Position(index + len(entries) - 1, run.last_seq))
+            # The message at ``seq`` is the one the count ends with: the rest follow it.
+            messages = None if counted is None else counted - 1 + run.messages
+            self._remember(session_id, _Position(index + len(entries) - 1, run.last_seq, messages))
         return [decode_entry(session_id, i, data) for i, data in entries]
 
     def known_end(self, session_id: str, index: int) -> tuple[int, int | None] | None:
@@ -551,7 +558,11 @@ class JetStreamLog:
                     subject, session_id, first, start_seq, leader.index - first + 1, deadline
                 )
         if run.payloads:
-            self._remember(session_id, _Position(first + len(run.payloads) - 1, run.last_seq))
+            # Read from the subject's first message, every one of them is counted.
+            messages = run.messages if after < 0 else None
+            self._remember(
+                session_id, _Position(first + len(run.payloads) - 1, run.last_seq, messages)
+            )
         return run
 
     async def _read_direct(
@@ -564,7 +575,7 @@ class JetStreamLog:
         # the pending messages from before the page, so "nothing left" is read from an empty
         # page (or a zero count, should a server count after it), never from that count.
         payloads: list[bytes] = []
-        seq, last_seq = start_seq, 0
+        seq, last_seq, messages = start_seq, 0, 0
         while True:
             page = await direct_get_batch(
                 self._nc,
@@ -580,10 +591,11 @@ class JetStreamLog:
             )
             for payload in page.payloads:
                 _take(payloads, payload, first)
+            messages += len(page.payloads)
             if page.payloads:
                 last_seq = page.last_sequence
             if not page.payloads or page.pending == 0:
-                return _StoredRun(first, payloads, last_seq)
+                return _StoredRun(first, payloads, last_seq, messages)
             seq = last_seq + 1
 
     async def _read_by_consumer(
@@ -597,6 +609,7 @@ class JetStreamLog:
     ) -> _StoredRun:
         """Read at least ``count`` events from ``start_seq`` through an ordered consumer."""
         payloads: list[bytes] = []
+        messages = 0
         with unavailable_as_log_error(f"read session {session_id}"):
             subscription = await self._subscribe_from(subject, start_seq)
             try:
@@ -605,8 +618,9 @@ class JetStreamLog:
                         timeout=_remaining(deadline, f"read session {session_id}")
                     )
                     _take(payloads, msg.data, first)
+                    messages += 1
                     if len(payloads) >= count and msg.metadata.num_pending == 0:
-                        return _StoredRun(first, payloads, msg.metadata.sequence.stream)
+                        return _StoredRun(first, payloads, msg.metadata.sequence.stream, messages)
             finally:
                 await _unsubscribe_quietly(subscription)
 

@@ -69,7 +69,9 @@ CHECKPOINT_EVERY = 10_000
 class ReadsFromSequence(Protocol):
     """A log that can read a session from a known stream sequence (``JetStreamLog``)."""
 
-    async def read_from_sequence(self, session_id: str, index: int, seq: int) -> list[Envelope]: ...
+    async def read_from_sequence(
+        self, session_id: str, index: int, seq: int, counted: int | None = None
+    ) -> list[Envelope]: ...
 
 
 @runtime_checkable
@@ -285,7 +287,9 @@ class FoldCheckpoints:
         at = point.state.last_index
         try:
             if isinstance(log_adapter, ReadsFromSequence) and point.seq is not None:
-                envelopes = await log_adapter.read_from_sequence(session_id, at, point.seq)
+                envelopes = await log_adapter.read_from_sequence(
+                    session_id, at, point.seq, point.messages
+                )
             else:
                 envelopes = await log_adapter.read(session_id, at - 1)
             if not envelopes or envelopes[0].index != at or envelopes[0].event_id != point.event_id:
