@@ -52,6 +52,7 @@ from apomesh.core.state_codec import (
     decode_shape,
     encode_checkpoint,
     encode_shape,
+    shape_key,
 )
 
 log = logging.getLogger("apomesh.daemon")
@@ -63,6 +64,13 @@ SHAPES_DB = "shapes"
 
 CHECKPOINT_EVERY = 10_000
 """Events a writer appends between two checkpoints of its session, by default."""
+
+WRITTEN_TOGETHER = 1_000
+"""The most checkpoints ``write_changed`` makes and stores in one go (thousands of sessions
+resumed together all change at once: the event loop turns between two goes)."""
+SHAPE_KEYS_KEPT = 4_096
+"""Shapes whose ``shape_key`` is remembered (by identity: the sessions of one definition share
+one shape)."""
 
 
 @runtime_checkable
@@ -123,6 +131,20 @@ class FoldCheckpoints:
         """The writers that appended since ``keep_current`` last wrote their checkpoint."""
         self._shapes: dict[str, SessionShape] = {}
         """The shapes stored (or being stored), by key."""
+        self._keys: dict[int, tuple[SessionShape, str]] = {}
+        """``shape_key`` of the shapes seen lately, by identity (the shape held, so the
+        identity stays its)."""
+
+    def shape_key(self, shape: SessionShape) -> str:
+        """``core.state_codec.shape_key(shape)``, computed once per shape object."""
+        known = self._keys.get(id(shape))
+        if known is not None and known[0] is shape:
+            return known[1]
+        if len(self._keys) >= SHAPE_KEYS_KEPT:
+            self._keys.clear()
+        key = shape_key(shape)
+        self._keys[id(shape)] = (shape, key)
+        return key
 
     def changed(self, writer: Checkpointed) -> None:
         """Note that ``writer`` appended: its checkpoint is written at the next ``write_changed``."""
@@ -140,21 +162,29 @@ class FoldCheckpoints:
             await self.write_changed()
 
     async def write_changed(self) -> int:
-        """Write the checkpoints of the sessions that appended since the last call, in one
-        store write; answers how many. A failed write is logged and retried at the next call."""
+        """Write the checkpoints of the sessions that appended since the last call, one store
+        write per ``WRITTEN_TOGETHER``; answers how many were stored. A failed write is logged
+        and its sessions are written again at the next call."""
         changed, self._changed = self._changed, {}
-        made = [made for w in changed.values() if (made := w.current_checkpoint()) is not None]
-        if not made:
-            return 0
-        try:
-            await self.write_many(made)
-        except Exception as exc:  # only an accelerator: written again at the next call
-            self.log.warning("%d fold checkpoints not stored: %s", len(made), exc)
-            for session_id, writer in changed.items():
-                writer.checkpoint_lost()
-                self._changed.setdefault(session_id, writer)
-            return 0
-        return len(made)
+        writers = list(changed.values())
+        stored = 0
+        for first in range(0, len(writers), WRITTEN_TOGETHER):
+            if first:
+                await asyncio.sleep(0)
+            group = writers[first : first + WRITTEN_TOGETHER]
+            made = [made for w in group if (made := w.current_checkpoint()) is not None]
+            if not made:
+                continue
+            try:
+                await self.write_many(made)
+            except Exception as exc:  # only an accelerator: written again at the next call
+                self.log.warning("%d fold checkpoints not stored: %s", len(made), exc)
+                for writer in group:
+                    writer.checkpoint_lost()
+                    self._changed.setdefault(writer.session_id, writer)
+                continue
+            stored += len(made)
+        return stored
 
     async def write(self, checkpoint: FoldCheckpoint, shape: SessionShape | None = None) -> None:
         """Store ``checkpoint`` as its session's (replacing the one before), with the shape it

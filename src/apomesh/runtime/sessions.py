@@ -262,7 +262,6 @@ class SessionRuntime:
         "_replaying",
         "_saved",
         "_sequences",
-        "_shape_key",
         "_unwritten_copies",
         "_writer",
         "conflict",
@@ -328,8 +327,6 @@ class SessionRuntime:
         """Its stream sequence, when the log knows it."""
         self._last_messages: int | None = None
         """How many messages of the session the log holds up to it, when the log knows."""
-        self._shape_key: tuple[object, str] | None = None
-        """The pinned shape's ``shape_key``, with the shape it was computed for."""
         self._checkpointed = -1
         """The index of the last fold checkpoint this writer stored (-1: none yet)."""
         self._checkpointing: asyncio.Task[None] | None = None
@@ -459,11 +456,10 @@ class SessionRuntime:
             return None  # stored already
         bootstrap = self.state.bootstrap
         shape = None if bootstrap is None else bootstrap.shape
+        checkpoints = self.deps.checkpoints
         key = None
         if shape is not None:
-            if self._shape_key is None or self._shape_key[0] is not shape:
-                self._shape_key = (shape, shape_key(shape))
-            key = self._shape_key[1]
+            key = shape_key(shape) if checkpoints is None else checkpoints.shape_key(shape)
         # Every applied event was acknowledged by the log first, so the state is durable there.
         checkpoint = make_checkpoint(
             self.state,
