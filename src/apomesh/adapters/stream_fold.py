@@ -157,7 +157,6 @@ async def fold_stream(
     info = await api_request(nc, f"{JS_API_PREFIX}.STREAM.INFO.{stream}", {}, timeout=timeout)
     state = info.get("state", {})
     seq, last_seq = int(state.get("first_seq") or 1), int(state.get("last_seq") or 0)
-    deleted = await _deleted_sequences(nc, stream, state, timeout)
     waiting = {s: point for s, point in (resume or {}).items() if s not in skip}
     current = {} if counts is None or log_id is None else _current(waiting, counts, log_id)
     needed = _first_needed(waiting, sessions, skip | current.keys(), last_seq)
@@ -166,6 +165,7 @@ async def fold_stream(
         if firsts is not None:
             seq = max(seq, min([needed[0], *firsts]))
     spanned = max(0, last_seq - seq + 1)
+    deleted = await _deleted_sequences(nc, stream, state, timeout) if spanned else frozenset()
     read = 0
     wildcard = f"{subject_prefix}.*"
 
