@@ -436,8 +436,15 @@ class SessionRuntime:
         if self.state.terminal:
             checkpoints.forget(self.session_id)
             state = self.state
-            # One may be stored: by this writer, or by one before it (a resumed session).
-            if self._checkpointed >= 0 or state.recoveries or state.resumes:
+            # One may be stored: by this writer, or by one before it (a resumed session, or a
+            # long one). One left behind is harmless: the session is skipped as completed, and
+            # retention removes it with its other records.
+            if (
+                self._checkpointed >= 0
+                or state.recoveries
+                or state.resumes
+                or (state.last_index >= every)
+            ):
                 self.deps.spawn(self._drop_checkpoint(checkpoints))
             return
         checkpoints.changed(self)
