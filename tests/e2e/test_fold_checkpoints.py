@@ -10,6 +10,8 @@ NATS URLs runs it).
 - At the default ``fold_checkpoint_interval`` a parked session's checkpoint becomes current: after
   a SIGKILL the boot scan reads none of its events (the log's message count confirms it), and the
   restarted writer keeps counting, so after a second SIGKILL its checkpoint is current again.
+- A session stranded for an operator (a side effect, then a SIGKILL) has no writer to store its
+  checkpoint: the boot scan that folded it does, and the next start reads none of its events.
 
 The first two run with a checkpoint interval of an hour: only the threshold writes one there.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -71,15 +74,7 @@ def daemon(
     nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DaemonProcess]:
     yield from running(
-        DaemonProcess(
-            [nats_server.url],
-            tmp_path_factory.mktemp("checkpoints") / "daemon",
-            workers=1,
-            env={
-                "APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_EVERY": str(EVERY),
-                "APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_INTERVAL": "3600",
-            },
-        )
+        nats_server, tmp_path_factory.mktemp("checkpoints"), every=EVERY, interval=3600
     )
 
 
@@ -89,14 +84,16 @@ def current_daemon(
 ) -> Iterator[DaemonProcess]:
     """A daemon at the default checkpoint settings, on a nats-server of its own (no peer to take
     its sessions over while it is killed)."""
-    yield from running(
-        DaemonProcess(
-            [fresh_nats_server.url], tmp_path_factory.mktemp("current") / "daemon", workers=1
-        )
-    )
+    yield from running(fresh_nats_server, tmp_path_factory.mktemp("current"))
 
 
-def running(process: DaemonProcess) -> Iterator[DaemonProcess]:
+def running(server: NatsServer, base: Path, **snapshots: int) -> Iterator[DaemonProcess]:
+    """A daemon with one worker on ``server``, its data dir under ``base``, with these
+    ``[snapshots]`` settings (``every``: ``fold_checkpoint_every``; ``interval``:
+    ``fold_checkpoint_interval``), stopped at the end."""
+    names = {"every": "EVERY", "interval": "INTERVAL"}
+    env = {f"APOMESH_SNAPSHOTS_FOLD_CHECKPOINT_{names[k]}": str(v) for k, v in snapshots.items()}
+    process = DaemonProcess([server.url], base / "daemon", workers=1, env=env)
     process.start()
     try:
         yield process
@@ -330,3 +327,54 @@ async def test_a_session_folded_on_from_its_checkpoint_leaves_a_current_one_at_a
     await anyio.to_thread.run_sync(daemon.start)
     await read_none_of_its_events(daemon, client, nats_server.url, session_id, again.last_index)
     await finish(client, nats_server.url, session_id)
+
+
+def writes_then_asks() -> dict[str, Any]:
+    """A solo agent that appends a line to a file (a side effect: after a SIGKILL its session
+    waits for an operator), then asks a human."""
+    append = {"tool": "fs.append", "args": {"path": "notes.txt", "line": "a line"}}
+    ask = {"tool": "ask_human", "args": {"question": "Go on?"}}
+    return {
+        "name": "writes-then-asks",
+        "version": "1.0.0",
+        "coordination": "solo",
+        "tools": ["fs.append", "ask_human"],
+        "model": {
+            "provider": "scripted",
+            "turns": [{"tool_calls": [append]}, {"tool_calls": [ask]}, {"final": "done"}],
+        },
+    }
+
+
+@pytest.fixture
+def quiet_daemon(
+    fresh_nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    """A daemon whose writers store no checkpoint of a short session (an hour's interval, a
+    threshold of 100,000 events), on a nats-server of its own."""
+    yield from running(
+        fresh_nats_server, tmp_path_factory.mktemp("quiet"), every=100_000, interval=3600
+    )
+
+
+async def test_a_stranded_session_gets_its_checkpoint_from_the_boot_scan(
+    quiet_daemon: DaemonProcess, fresh_nats_server: NatsServer
+) -> None:
+    daemon, url = quiet_daemon, fresh_nats_server.url
+    client = Client(daemon.url)
+    session_id = await client.start_session("write", definition=writes_then_asks())
+    before = await parked(client, url, session_id)
+    assert before.side_effects == 1
+    await anyio.to_thread.run_sync(daemon.kill)
+    assert await stored(daemon) == {}  # its writer stored none
+
+    await anyio.to_thread.run_sync(daemon.start)
+    report = boot_report(daemon)
+    assert (report["recoverable"], report["from_checkpoints"]) == (1, 0)
+    await current_in_the_bucket(url, session_id, before.last_index)  # the scan stored it
+
+    await anyio.to_thread.run_sync(daemon.kill)
+    await anyio.to_thread.run_sync(daemon.start)
+    report = boot_report(daemon)
+    assert report["recoverable"] == report["current_checkpoints"] == 1
+    assert report["events_folded"] == 0

@@ -126,6 +126,9 @@ class StreamFold(msgspec.Struct):
     ends: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
     """Session -> (its last index, the stream sequence of the message holding it), where the
     pass could tell (see the module docstring)."""
+    last_ids: dict[str, str] = msgspec.field(default_factory=dict)
+    """Session -> the event id of the envelope at its end in ``ends`` (what a checkpoint of
+    its state is checked by)."""
     counts: dict[str, int] = msgspec.field(default_factory=dict)
     """Session -> how many messages its subject holds, for the sessions in ``states`` whose
     every message was counted (read by the pass, or counted by their checkpoint)."""
@@ -251,6 +254,7 @@ def _finish(result: StreamFold, current: Mapping[str, ResumePoint]) -> None:
         result.current.add(session_id)
         result.states[session_id] = point.state
         result.ends[session_id] = (point.state.last_index, point.seq)
+        result.last_ids[session_id] = point.event_id
         result.counts[session_id] = point.messages
 
 
@@ -325,6 +329,7 @@ def _fold_page(
     ``_undecodable_sessions``)."""
     decodable = True
     ends = result.ends
+    last_ids = result.last_ids
     counts = result.counts
     states = result.states
     folded = 0
@@ -355,6 +360,7 @@ def _fold_page(
             counts[owner] = counts.get(owner, 0) + 1
         if positions is not None:
             ends[owner] = (last.index, positions[offset])
+            last_ids[owner] = last.event_id
         else:
             ends.pop(owner, None)
     result.folded += folded

@@ -52,6 +52,7 @@ from apomesh.core.state_codec import (
     decode_shape,
     encode_checkpoint,
     encode_shape,
+    make_checkpoint,
     shape_key,
 )
 
@@ -105,6 +106,11 @@ class Checkpointed(Protocol):
     def checkpoint_lost(self) -> None:
         """The last checkpoint it made was not stored."""
         ...
+
+
+Folded = tuple[SessionState, str, int, int | None]
+"""A session's state folded from the log, the event id and stream sequence of its last
+envelope, and how many messages the session holds (None: not counted)."""
 
 
 class CheckpointStats(msgspec.Struct):
@@ -182,6 +188,36 @@ class FoldCheckpoints:
                 for writer in group:
                     writer.checkpoint_lost()
                     self._changed.setdefault(writer.session_id, writer)
+                continue
+            stored += len(made)
+        return stored
+
+    async def write_folded(self, folded: Sequence[Folded], log_id: str | None) -> int:
+        """Store the checkpoints of sessions folded from the log that no writer here drives (a
+        boot scan's stranded sessions: the next start then reads them from their checkpoint, not
+        their events), ``WRITTEN_TOGETHER`` to a store write; answers how many were stored (a
+        failed write is logged and skipped: only an accelerator)."""
+        stored = 0
+        for first in range(0, len(folded), WRITTEN_TOGETHER):
+            if first:
+                await asyncio.sleep(0)
+            made = []
+            for state, event_id, seq, messages in folded[first : first + WRITTEN_TOGETHER]:
+                bootstrap = state.bootstrap
+                shape = None if bootstrap is None else bootstrap.shape
+                checkpoint = make_checkpoint(
+                    state,
+                    event_id,
+                    seq,
+                    messages=messages,
+                    log_id=log_id,
+                    shape=None if shape is None else self.shape_key(shape),
+                )
+                made.append((checkpoint, shape))
+            try:
+                await self.write_many(made)
+            except Exception as exc:
+                self.log.warning("%d fold checkpoints not stored: %s", len(made), exc)
                 continue
             stored += len(made)
         return stored

@@ -49,6 +49,7 @@ from apomesh.core.ports import EventLog
 from apomesh.core.state import SessionState
 from apomesh.plugins.api import Tool
 from apomesh.plugins.manager import PluginHost
+from apomesh.runtime.fold_checkpoints import KnowsSequences
 from apomesh.runtime.pinning import corrupt_bootstrap, shape_problem
 from apomesh.runtime.presence import Presence
 from apomesh.runtime.progress import PROGRESS_EVERY, ProgressLog
@@ -252,6 +253,7 @@ class BootScan:
         verdict_of = Classifier(self.plugins)
         ended: list[SessionState] = []
         auto: list[SessionState] = []
+        stranded: list[SessionState] = []
         adopted: list[SessionRuntime] = []
 
         def sort(state: SessionState, holder: str | None) -> None:
@@ -272,6 +274,7 @@ class BootScan:
                 auto.append(state)
                 return
             counts["recoverable"] += 1
+            stranded.append(state)
             self.registry.strand(
                 Recoverable(
                     state.session_id,
@@ -325,6 +328,8 @@ class BootScan:
                 )
             for state in refused:
                 self.spawn(self._adopt_when_free(state))
+            if pass_result is not None:
+                self._checkpoint_stranded(stranded, pass_result)
         finally:
             # Started once every session is classified, not as each is adopted (thousands of
             # sessions driving their first steps would share the interpreter with the scan), and
@@ -352,6 +357,25 @@ class BootScan:
         counts["seconds"] = round(time.perf_counter() - started, 3)
         self.log.info("boot scan: %s", counts)
         return counts
+
+    def _checkpoint_stranded(self, stranded: list[SessionState], folded: StreamFold) -> None:
+        """Store, in the background, the checkpoints of the stranded sessions the pass folded
+        (no writer here drives them, so none would): the next start reads them from there. A
+        session current in its checkpoint has one already."""
+        sequences = self.log_adapter if isinstance(self.log_adapter, KnowsSequences) else None
+        if sequences is None:
+            return
+        made = []
+        for state in stranded:
+            session_id = state.session_id
+            end, event_id = folded.ends.get(session_id), folded.last_ids.get(session_id)
+            if session_id in folded.current or end is None or event_id is None:
+                continue
+            if end[0] != state.last_index:
+                continue
+            made.append((state, event_id, end[1], folded.counts.get(session_id)))
+        if made:
+            self.spawn(self.registry.fold_checkpoints.write_folded(made, sequences.log_id))
 
     def _strand_undecodable(
         self,
