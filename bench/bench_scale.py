@@ -507,18 +507,27 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
             server.stop()
     result = sorted(results, key=lambda r: float(r["scan"]))[len(results) // 2]
     report = result["report"]
-    each = (
-        f"median of {starts}: " + ", ".join(f"{r['scan']:.2f}" for r in results) + " s"
-        if starts > 1
-        else "one start"
+    checked = sorted(current, key=lambda r: float(r["scan"]))[len(current) // 2]
+    third = checked["report"]
+    print(
+        f"  {count:>7,} stored sessions ({events:,} events published in {seeded:.1f} s), a"
+        f" daemon's restart on the fold checkpoints it leaves ({recent - recent // 2:,} a step"
+        f" behind, {recent // 2:,} with none yet): boot scan **{checked['scan']:.2f} s** ("
+        + _starts(current, starts)
+        + f"; {count / checked['scan']:,.0f} sessions/s; {third.get('current_checkpoints')}"
+        f" current, {third.get('from_checkpoints', 0) - third.get('current_checkpoints', 0)}"
+        f" folded on from theirs, {third.get('events_folded')} events folded; auto"
+        f" {third.get('auto_resume')} of {kinds['auto']}, recoverable"
+        f" {third.get('recoverable')} of {kinds['side_effects']}, terminal"
+        f" {third.get('terminal')} of {kinds['terminal']})",
+        flush=True,
     )
     print(
-        f"  {count:>7,} stored sessions ({events:,} events published in {seeded:.1f} s): "
-        f"boot scan **{result['scan']:.2f} s** ({each}; "
-        f"{count / result['scan']:,.0f} sessions/s; "
-        f"auto {report.get('auto_resume')} of {kinds['auto']}, recoverable "
-        f"{report.get('recoverable')} of {kinds['side_effects']}, terminal "
-        f"{report.get('terminal')} of {kinds['terminal']})",
+        "    with no fold checkpoint (the whole log folded: a lost state store, a log restored"
+        f" into a new stream, the first start after an upgrade): **{result['scan']:.2f} s** ("
+        + _starts(results, starts)
+        + f"; auto {report.get('auto_resume')}, recoverable {report.get('recoverable')},"
+        f" terminal {report.get('terminal')})",
         flush=True,
     )
     second = again["report"]
@@ -529,19 +538,13 @@ def measure_scan(count: int, rng: random.Random, starts: int) -> None:
         f" own, recoverable {second.get('recoverable')})",
         flush=True,
     )
-    checked = sorted(current, key=lambda r: float(r["scan"]))[len(current) // 2]
-    third = checked["report"]
-    print(
-        f"    with the fold checkpoints a daemon that drove them leaves ({recent - recent // 2:,}"
-        f" a step behind, {recent // 2:,} with none yet): **{checked['scan']:.2f} s** (median of"
-        f" {len(current)}: "
-        + ", ".join(f"{r['scan']:.2f}" for r in current)
-        + f" s; {third.get('current_checkpoints')} current, "
-        f"{third.get('from_checkpoints', 0) - third.get('current_checkpoints', 0)} folded on from"
-        f" theirs, {third.get('events_folded')} events folded; auto {third.get('auto_resume')},"
-        f" recoverable {third.get('recoverable')}, terminal {third.get('terminal')})",
-        flush=True,
-    )
+
+
+def _starts(runs: list[dict[str, Any]], starts: int) -> str:
+    """The starts' seconds, as the median's parenthesis says them."""
+    if starts == 1:
+        return "one start"
+    return f"median of {starts}: " + ", ".join(f"{r['scan']:.2f}" for r in runs) + " s"
 
 
 TAKEOVER_TTL = 3.0
