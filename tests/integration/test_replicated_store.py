@@ -392,3 +392,21 @@ def test_a_write_cut_off_after_its_whole_values_leaves_them_and_none_of_its_dele
         assert peer.get_snapshot(AGENT, 1) is None  # split: it goes whole or not at all
     finally:
         peer.close()
+
+
+def test_scan_here_answers_from_this_hosts_copy_and_scan_from_the_bucket(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """What a restart loads its fold checkpoints with (``scan_here``): the records this host
+    wrote through, never a wait on the bucket for every record (100,000 of them outlasted the
+    replica's timeout); a peer's records are in the bucket's ``scan`` only."""
+    mine = empty_replicated_store(nats_url, tmp_path / "mine")
+    peer = replicated_store(nats_url, tmp_path / "peer")
+    try:
+        mine.write_batch([("checkpoints", "s-mine", b"mine")])
+        peer.write_batch([("checkpoints", "s-peer", b"peer")])
+        assert mine.scan_here("checkpoints", "") == [("s-mine", b"mine")]
+        assert mine.scan("checkpoints", "") == [("s-mine", b"mine"), ("s-peer", b"peer")]
+    finally:
+        peer.close()
+        mine.close()

@@ -148,6 +148,10 @@ class StoreRecords:
     def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
         raise NotImplementedError
 
+    def scan_here(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        """``scan`` of what this host holds: all of it, for a store with no replica."""
+        return self.scan(db, prefix)
+
     def put_snapshot(self, agent_key: str, snapshot_id: int, data: bytes) -> None:
         self.write_batch([("snapshots", snapshot_key(agent_key, snapshot_id), data)])
 
@@ -579,6 +583,9 @@ class AsyncStore:
 
     async def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
         return await self._read(self.store.scan, db, prefix)
+
+    async def scan_here(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        return await self._read(self.store.scan_here, db, prefix)
 
     async def scan_many(self, wanted: Sequence[tuple[str, str]]) -> list[list[tuple[str, bytes]]]:
         """``scan`` for each (database, prefix) in ``wanted``, in one trip to a worker thread

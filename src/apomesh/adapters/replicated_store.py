@@ -637,6 +637,12 @@ class ReplicatedStore(StoreRecords):
             self._cache([(db, key, value)])
         return value
 
+    def scan_here(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        """LMDB's copy alone: what this daemon wrote through, and what it read back since (a
+        restart's fold checkpoints: 100,000 of them read from the bucket took longer than the
+        replica's timeout)."""
+        return self.local.scan(db, prefix)
+
     def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
         check_database(db)
         if db in LOCAL_DATABASES:

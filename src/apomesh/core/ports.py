@@ -113,6 +113,11 @@ class StateStore(Protocol):
     def scan(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
         """Every (key, value) in ``db`` whose key starts with ``prefix``, in key order."""
 
+    def scan_here(self, db: str, prefix: str) -> list[tuple[str, bytes]]:
+        """``scan`` of what this host holds: a store written through to a replica answers from
+        its local copy, which may miss or be older than what peers wrote since (for readers
+        that check what they read, such as fold checkpoints)."""
+
     def put_journal(self, agent_key: str, call_key: str, record: bytes) -> None: ...
 
     def get_journal(self, agent_key: str, call_key: str) -> bytes | None: ...

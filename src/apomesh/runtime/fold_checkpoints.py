@@ -273,11 +273,14 @@ class FoldCheckpoints:
         return None if raw is None else self._usable(session_id, raw)
 
     async def load_all(self) -> dict[str, ResumePoint]:
-        """Every usable checkpoint, by session (none when the store cannot be read now)."""
+        """Every usable checkpoint this host's store holds, by session (none when the store
+        cannot be read now)."""
         points = {}
         try:
             await self._load_shapes()
-            stored = await self.store.scan(CHECKPOINT_DB, "")
+            # This host's copy: a checkpoint is checked against the log before it is used, and
+            # one a peer wrote since is only missed (its session is read from the log).
+            stored = await self.store.scan_here(CHECKPOINT_DB, "")
         except StoreError as exc:
             self.log.warning("fold checkpoints not read (%s); sessions fold from their start", exc)
             return {}
