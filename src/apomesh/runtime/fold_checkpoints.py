@@ -169,8 +169,8 @@ class FoldCheckpoints:
 
     async def write_changed(self) -> int:
         """Write the checkpoints of the sessions that appended since the last call, one store
-        write per ``WRITTEN_TOGETHER``; answers how many were stored. A failed write is logged
-        and its sessions are written again at the next call."""
+        write per ``WRITTEN_TOGETHER``; answers how many were stored. A failed write is logged,
+        and its sessions and those not written yet are written at the next call."""
         changed, self._changed = self._changed, {}
         writers = list(changed.values())
         stored = 0
@@ -184,11 +184,14 @@ class FoldCheckpoints:
             try:
                 await self.write_many(made)
             except Exception as exc:  # only an accelerator: written again at the next call
-                self.log.warning("%d fold checkpoints not stored: %s", len(made), exc)
-                for writer in group:
+                # The rest would most likely fail the same way (a store out of reach answers
+                # each write only after its timeout): they wait for the next call too.
+                left = writers[first:]
+                self.log.warning("%d fold checkpoints not stored: %s", len(left), exc)
+                for writer in left:
                     writer.checkpoint_lost()
                     self._changed.setdefault(writer.session_id, writer)
-                continue
+                break
             stored += len(made)
         return stored
 
