@@ -37,11 +37,12 @@ until the fork (one run each at 100,000: 14.1 s forked, 12.8 s started afresh), 
 as its start returns; the second figure is the same daemon's start again on its data dir: the
 leases of its auto-resumed sessions still held by itself, the completed records of the ended
 ones written, and those (ended in 2023) past the default retention, so its sweep purges them
-before its boot scan. The third figure is the first start again, each on the store as seeded,
-with the fold checkpoints a daemon that drove the sessions leaves (``seed_checkpoints``, through
-the daemon's own checkpoint code): each current at its session's last message, but the last one
-in a hundred, which stand for the sessions that appended in its last second: half of those a
-step behind, half (started in that second) with none.
+before its boot scan. The third figure, printed first as it is a daemon's restart, is the first
+start again, each on the store as seeded, with the fold checkpoints a daemon that drove the
+sessions leaves (``seed_checkpoints``, through the daemon's own checkpoint code): each current at
+its session's last message, but the last one in a hundred, which stand for the sessions that
+appended in its last second: half of those a step behind, half (started in that second) with
+none.
 
 **Resume of a long session.** One session of ``--long-events`` (100,000) events (its bootstrap, a
 running root agent and node snapshot pointers) is published the same way to a fresh log; a daemon
